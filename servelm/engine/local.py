@@ -1,0 +1,237 @@
+"""LocalEngine: the engine thread, its step loop, and the bridge back to asyncio.
+
+The loop runs on its own thread so HTTP stays responsive while the model computes (llama_decode
+releases the GIL). Requests and aborts arrive through an inbox; each step's outputs go back to each
+request's asyncio queue with loop.call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelm.engine.detokenizer import Detokenizer
+from servelm.engine.sampling import SamplerState, sample_rows
+from servelm.engine.scheduler import Scheduler, StepPlan
+from servelm.engine.sequence import Sequence, SequenceGroup
+from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest
+from servelm.runners.base import KVCacheFull, ModelRunner
+
+log = logging.getLogger("servelm.engine")
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish a request for a reason of its own (not the client's)."""
+
+
+@dataclass(eq=False)
+class _SeqState:
+    sampler: SamplerState
+    detok: Detokenizer
+
+
+@dataclass(eq=False)
+class _Client:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class LocalEngine:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(runner.num_slots, runner.kv_cells, runner.max_step_tokens)
+        self._eog = np.asarray(runner.eog_ids, dtype=np.int64)
+        self._eog_set = frozenset(int(t) for t in self._eog)
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._clients: dict[str, _Client] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the asyncio side -------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params)
+        for seq in group.seqs:
+            sampler = SamplerState.create(request.params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
+            seq.state = _SeqState(sampler, Detokenizer(self.runner.token_bytes, request.params.stop))
+        client = _Client(asyncio.get_running_loop(), asyncio.Queue())
+        self._clients[request.request_id] = client
+        self._post("add", group)
+        remaining = len(group.seqs)
+        try:
+            while remaining:
+                batch = await client.queue.get()
+                if isinstance(batch, BaseException):
+                    raise batch
+                for out in batch:
+                    if out.finished:
+                        remaining -= 1
+                    yield out
+        finally:
+            self._clients.pop(request.request_id, None)
+            if remaining:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=s.num_running_seqs,
+            waiting=s.num_waiting,
+            kv_cells_used=s.kv_cells_used,
+            kv_cells_total=s.kv_cells,
+            free_slots=len(s.free_slots),
+            total_slots=s.num_slots,
+        )
+
+    def _post(self, kind: str, item: object) -> None:
+        self._inbox.append((kind, item))
+        self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.scheduler.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # a bug or a broken model must not kill the engine thread
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineError(f"the engine failed: {exc}"))
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                self.scheduler.add(item)  # type: ignore[arg-type]
+            else:
+                self.scheduler.abort(item)  # type: ignore[arg-type]
+
+    def _step(self) -> None:
+        """One recipe: plan → forward pass → sample → record → detokenize and send."""
+        plan = self.scheduler.schedule()
+        outputs: dict[str, list[GenerationOutput]] = {}
+        for seq in plan.out_of_cells:
+            self._finish_output(seq, FinishReason.LENGTH, None, outputs)
+        if not plan.has_work:
+            self._send(outputs)
+            self._wake.wait(0.005)  # waiting requests that do not fit yet; let the inbox bring news
+            self._wake.clear()
+            return
+        try:
+            logits = self.runner.step(plan)
+        except KVCacheFull:
+            log.warning("KV cache full at decode; preempting the newest request")
+            self.scheduler.preempt_newest()
+            self._send(outputs)
+            return
+        self.steps += 1
+        samplers, tokens = self._sample(plan, logits)
+        self.scheduler.update(plan, dict(zip(samplers, tokens)))
+        for seq, token in zip(samplers, tokens):
+            self._advance(seq, int(token), outputs)
+        self._send(outputs)
+
+    def _sample(self, plan: StepPlan, logits: np.ndarray) -> tuple[list[Sequence], list[int]]:
+        rows: list[int] = []
+        samplers: list[Sequence] = []
+        r = 0
+        for chunk in plan.chunks:
+            if not chunk.wants_logits:
+                continue
+            for seq in chunk.samplers:
+                rows.append(r)
+                samplers.append(seq)
+            r += 1
+        if not samplers:
+            return [], []
+        picked = logits[np.asarray(rows)]  # a copy we may modify
+        tokens = sample_rows(picked, [s.state.sampler for s in samplers], self._eog)
+        return samplers, tokens.tolist()
+
+    def _advance(self, seq: Sequence, token: int, outputs: dict[str, list[GenerationOutput]]) -> None:
+        """Account for one sampled token: stop conditions, new text, and the output to send."""
+        st: _SeqState = seq.state
+        params = seq.group.params
+        st.sampler.record(token)
+        if token in self._eog_set and not params.ignore_eos:
+            return self._finish_output(seq, FinishReason.STOP, None, outputs, token)
+        if token in params.stop_token_ids:
+            return self._finish_output(seq, FinishReason.STOP, token, outputs, token)
+        text, hit = st.detok.push(token)
+        if hit is not None:
+            return self._finish_output(seq, FinishReason.STOP, hit, outputs, token, text=text, flush=False)
+        if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.runner.context_window:
+            return self._finish_output(seq, FinishReason.LENGTH, None, outputs, token, text=text)
+        if text:
+            outputs.setdefault(seq.group.request_id, []).append(
+                GenerationOutput(seq.group.request_id, seq.index, text, [token],
+                                 prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)
+            )
+
+    def _finish_output(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        stop_reason: str | int | None,
+        outputs: dict[str, list[GenerationOutput]],
+        token: int | None = None,
+        *,
+        text: str = "",
+        flush: bool = True,
+    ) -> None:
+        if flush:
+            text += seq.state.detok.flush()
+        self.scheduler.finish(seq)
+        outputs.setdefault(seq.group.request_id, []).append(
+            GenerationOutput(
+                seq.group.request_id, seq.index, text, [] if token is None else [token],
+                finish_reason=reason, stop_reason=stop_reason,
+                prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
+            )
+        )
+
+    def _send(self, outputs: dict[str, list[GenerationOutput]] | dict[str, BaseException]) -> None:
+        for request_id, batch in outputs.items():
+            client = self._clients.get(request_id)
+            if client is None:  # the client went away; its abort is on the way
+                continue
+            try:
+                client.loop.call_soon_threadsafe(client.queue.put_nowait, batch)
+            except RuntimeError:  # its event loop is closed
+                self.scheduler.abort(request_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        groups = [*self.scheduler.running, *self.scheduler.waiting]
+        for group in groups:
+            self.scheduler.abort(group.request_id)
+        self._send({g.request_id: exc for g in groups})

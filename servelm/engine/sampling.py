@@ -1,0 +1,131 @@
+"""Logits → tokens for a whole step at once.
+
+Order (the same for every row): logit_bias, repetition penalty (prompt and output tokens), frequency
+and presence penalties (output tokens), banned tokens (EOS before min_tokens), then greedy argmax when
+temperature is 0, else temperature, top-k, top-p, min-p and a draw from the row's own RNG. Work is
+vectorized over rows where it can be; the per-row parts are O(vocab), never a full vocabulary sort
+unless top-p needs more than the first candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from servelm.engine.types import SamplingParams
+
+_TOP_P_CANDIDATES = 1024
+
+
+@dataclass(eq=False)
+class SamplerState:
+    """What sampling remembers about one sequence: its RNG and the tokens it has seen."""
+
+    params: SamplingParams
+    rng: np.random.Generator
+    vocab_size: int
+    prompt_mask: np.ndarray | None = None  # tokens of the prompt (for repetition_penalty)
+    output_counts: np.ndarray | None = None  # how often each token was generated
+    num_generated: int = 0
+    _penalized: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self._penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        if self._penalized:
+            self.output_counts = np.zeros(self.vocab_size, dtype=np.int32)
+
+    @classmethod
+    def create(cls, params: SamplingParams, index: int, vocab_size: int, prompt: tuple[int, ...]) -> SamplerState:
+        entropy = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(entropy), index])))
+        state = cls(params, rng, vocab_size)
+        if params.repetition_penalty != 1.0:
+            state.prompt_mask = np.zeros(vocab_size, dtype=bool)
+            ids = np.asarray(prompt, dtype=np.int64)
+            state.prompt_mask[ids[(ids >= 0) & (ids < vocab_size)]] = True
+        return state
+
+    def record(self, token: int) -> None:
+        self.num_generated += 1
+        if self.output_counts is not None and 0 <= token < self.vocab_size:
+            self.output_counts[token] += 1
+
+    def apply_penalties(self, row: np.ndarray) -> None:
+        p = self.params
+        if not self._penalized or self.output_counts is None:
+            return
+        counts = self.output_counts
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if self.prompt_mask is not None:
+                seen |= self.prompt_mask
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            row -= counts * np.float32(p.frequency_penalty) + (counts > 0) * np.float32(p.presence_penalty)
+
+
+def sample_rows(logits: np.ndarray, states: list[SamplerState], eog_ids: np.ndarray) -> np.ndarray:
+    """Pick one token per row; logits is (rows × vocab) and is modified in place."""
+    rows = logits.shape[0]
+    out = np.empty(rows, dtype=np.int64)
+    for r, st in enumerate(states):
+        p = st.params
+        row = logits[r]
+        if p.logit_bias:
+            ids = np.fromiter((t for t, _ in p.logit_bias), dtype=np.int64, count=len(p.logit_bias))
+            row[ids] += np.fromiter((b for _, b in p.logit_bias), dtype=np.float32, count=len(p.logit_bias))
+        st.apply_penalties(row)
+        if eog_ids.size and (p.ignore_eos or st.num_generated < p.min_tokens):
+            row[eog_ids] = -np.inf
+    greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
+    if greedy.any():
+        out[greedy] = np.argmax(logits[greedy], axis=1)
+    for r in np.flatnonzero(~greedy):
+        out[r] = _sample_one(logits[r], states[r])
+    return out
+
+
+def _sample_one(row: np.ndarray, st: SamplerState) -> int:
+    p = st.params
+    scaled = row.astype(np.float64) / p.temperature
+    vocab = scaled.shape[0]
+    ids: np.ndarray | None = None
+    if 0 < p.top_k < vocab:  # top-k first; top-p then works on the renormalized k candidates
+        ids = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
+        ids = ids[np.argsort(-scaled[ids], kind="stable")]
+        probs = _softmax(scaled[ids])
+    elif p.top_p < 1.0:
+        ids = np.argpartition(-scaled, _TOP_P_CANDIDATES - 1)[:_TOP_P_CANDIDATES] if vocab > _TOP_P_CANDIDATES else np.arange(vocab)
+        ids = ids[np.argsort(-scaled[ids], kind="stable")]
+        probs = _softmax_partial(scaled, ids)
+        if probs.sum() < p.top_p:  # the candidates hold too little mass: sort the whole row
+            ids = np.argsort(-scaled, kind="stable")
+            probs = _softmax(scaled[ids])
+    else:
+        probs = _softmax(scaled)
+    if p.top_p < 1.0:  # ids is sorted by probability here
+        keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+        ids, probs = ids[:keep], probs[:keep]
+    if p.min_p > 0.0:
+        keep_mask = probs >= p.min_p * probs.max()
+        probs = probs[keep_mask]
+        ids = np.flatnonzero(keep_mask) if ids is None else ids[keep_mask]
+    cdf = np.cumsum(probs)
+    u = st.rng.random() * cdf[-1]
+    k = min(int(np.searchsorted(cdf, u, side="right")), cdf.shape[0] - 1)
+    return int(k if ids is None else ids[k])
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+def _softmax_partial(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Probabilities of ids under the softmax of the whole row x (not renormalized to ids)."""
+    m = np.max(x)
+    total = np.exp(x - m).sum()
+    return np.exp(x[ids] - m) / total

@@ -1,0 +1,233 @@
+"""Continuous batching as pure data: which tokens of which sequences go into the next forward pass.
+
+schedule() → StepPlan; the engine runs the plan through the model, samples, then calls update().
+Each step carries one token for every decoding sequence first, then prompt chunks (FCFS) under the
+token budget, so a long prompt is read a chunk at a time while the others keep decoding. Sequences
+are admitted and retired between steps. KV cells are counted here: a group's shared prompt counts
+once; when the cache would overflow, the newest group is preempted (its cells freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # position of the first token
+    tokens: tuple[int, ...]
+    samplers: tuple[Sequence, ...] = ()  # who samples from the logits of the chunk's last token
+
+    @property
+    def wants_logits(self) -> bool:
+        return bool(self.samplers)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    forks: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, cells); run first
+    frees: list[int] = field(default_factory=list)  # slots whose cells are removed; run after forks
+    out_of_cells: list[Sequence] = field(default_factory=list)  # cannot grow at all: finish as "length"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.forks or self.frees or self.out_of_cells)
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, kv_cells: int, max_step_tokens: int) -> None:
+        if num_slots < 1 or kv_cells < 1 or max_step_tokens < num_slots:
+            raise ValueError("need num_slots >= 1, kv_cells >= 1 and max_step_tokens >= num_slots")
+        self.num_slots = num_slots
+        self.kv_cells = kv_cells
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # in admission order
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self._forks: list[tuple[int, int, int]] = []
+        self._frees: list[int] = []
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    @property
+    def kv_cells_used(self) -> int:
+        used = 0
+        for group in self.running:
+            if group.forked and group.holds_kv():
+                used += group.prefix_cells
+            used += sum(s.own_cells for s in group.seqs if s.holds_slot)
+        return used
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(g.live) for g in self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._frees or self._forks)
+
+    def add(self, group: SequenceGroup) -> None:
+        if len(group.seqs) > self.num_slots:
+            raise ValueError(f"a request of {len(group.seqs)} choices exceeds the {self.num_slots} sequence slots")
+        self.waiting.append(group)
+
+    def find(self, request_id: str) -> SequenceGroup | None:
+        for group in (*self.running, *self.waiting):
+            if group.request_id == request_id:
+                return group
+        return None
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        group = self.find(request_id)
+        if group is not None:
+            for seq in group.live:
+                self.finish(seq)
+        return group
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+        group = seq.group
+        if group.finished:
+            if group in self.running:
+                self.running.remove(group)
+            elif group in self.waiting:
+                self.waiting.remove(group)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self._frees.append(seq.slot)
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+
+    def preempt_newest(self) -> bool:
+        """Give back the newest group's cells (the runner found the cache fuller than counted)."""
+        if not self.running:
+            return False
+        self._preempt(self.running[-1])
+        return True
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        """Free every cell of the group; it waits at the head of the queue to be recomputed."""
+        for seq in group.live:
+            self._release(seq)
+            seq.num_computed = 0
+            seq.shared = 0
+            seq.status = SeqStatus.WAITING
+        group.prefix_cells = 0
+        self.running.remove(group)
+        self.waiting.appendleft(group)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_step_tokens
+        free_cells = self._make_room_for_decode(plan)
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
+                    plan.chunks.append(self._chunk(seq, 1))
+                    budget -= 1
+                    free_cells -= 1
+        for group in self.running:
+            for seq in group.seqs:
+                if budget <= 0 or free_cells <= 0:
+                    break
+                if seq.status is SeqStatus.RUNNING and seq.num_pending > 1:
+                    take = min(seq.num_pending, budget, free_cells)
+                    plan.chunks.append(self._chunk(seq, take))
+                    budget -= take
+                    free_cells -= take
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            need = self._admission_cells(group)
+            if len(group.live) > len(self.free_slots) or need > free_cells:
+                break
+            self.waiting.popleft()
+            self._admit(group)
+            for seq in group.seqs:
+                if seq.status is SeqStatus.RUNNING and budget > 0:
+                    take = min(seq.num_pending, budget)
+                    plan.chunks.append(self._chunk(seq, take))
+                    budget -= take
+            free_cells -= need
+        plan.forks, self._forks = self._forks, []
+        plan.frees, self._frees = self._frees, []
+        return plan
+
+    def _make_room_for_decode(self, plan: StepPlan) -> int:
+        """Preempt the newest groups until every decoding sequence has a cell for its next token."""
+        while True:
+            free = self.kv_cells - self.kv_cells_used
+            decoding = [s for g in self.running for s in g.seqs if s.status is SeqStatus.RUNNING and s.num_pending == 1]
+            if len(decoding) <= free:
+                return free
+            if len(self.running) > 1:
+                self._preempt(self.running[-1])
+                continue
+            # A single group that has filled the whole cache: it cannot grow any further.
+            for seq in decoding[free:] if free > 0 else decoding:
+                plan.out_of_cells.append(seq)
+                self.finish(seq)
+
+    def _admission_cells(self, group: SequenceGroup) -> int:
+        if group.forked:
+            return sum(len(s.token_ids) + 1 for s in group.live)
+        return group.prompt_len + len(group.live)
+
+    def _admit(self, group: SequenceGroup) -> None:
+        for seq in group.live:
+            seq.slot = self.free_slots.pop()
+            seq.status = SeqStatus.RUNNING
+        if not group.forked:
+            for seq in group.live[1:]:
+                seq.status = SeqStatus.FORK_PENDING
+        self.running.append(group)
+
+    def _chunk(self, seq: Sequence, take: int) -> ScheduledChunk:
+        start = seq.num_computed
+        tokens = tuple(seq.token_ids[start : start + take])
+        samplers: tuple[Sequence, ...] = ()
+        if start + take == len(seq.token_ids):
+            pending = [s for s in seq.group.seqs if s.status is SeqStatus.FORK_PENDING]
+            samplers = (seq, *pending)
+        return ScheduledChunk(seq, start, tokens, samplers)
+
+    def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> None:
+        """Record a finished forward pass: computed cells, sampled tokens, and forks of fresh siblings."""
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.num_computed += len(chunk.tokens)
+            for sampler in chunk.samplers:
+                if sampler.status is SeqStatus.FORK_PENDING:
+                    self._fork(seq, sampler)
+                if sampler in sampled and sampler.status is not SeqStatus.FINISHED:
+                    sampler.token_ids.append(sampled[sampler])
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        group = parent.group
+        n = group.prompt_len
+        group.forked = True
+        group.prefix_cells = n
+        parent.shared = n
+        child.num_computed = n
+        child.shared = n
+        child.status = SeqStatus.RUNNING
+        assert parent.slot is not None and child.slot is not None
+        self._forks.append((parent.slot, child.slot, n))

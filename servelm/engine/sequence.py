@@ -1,0 +1,89 @@
+"""Per-sequence and per-request state that the scheduler and the engine loop share.
+
+A request with n choices is a SequenceGroup of n Sequences. The group's prompt is computed once, by its
+first sequence; the others then share those KV cells (a fork) and sample their first tokens from the
+same logits row, each with its own RNG.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm.engine.types import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no slot yet, or preempted and waiting to recompute
+    FORK_PENDING = "fork_pending"  # holds a slot; waits for the group's prompt to be computed
+    RUNNING = "running"  # holds a slot; prefilling or decoding
+    FINISHED = "finished"
+
+
+_seq_keys = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    group: SequenceGroup
+    index: int
+    token_ids: list[int]
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV cells are in the cache
+    shared: int = 0  # leading cells owned by the group's shared prefix, not counted as this sequence's own
+    slot: int | None = None  # the llama.cpp sequence id while it holds KV
+    key: int = field(default_factory=lambda: next(_seq_keys))
+    state: Any = None  # the engine loop's own per-sequence state (RNG, detokenizer, counts)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.group.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens that still need a forward pass before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def own_cells(self) -> int:
+        return self.num_computed - self.shared
+
+    @property
+    def holds_slot(self) -> bool:
+        return self.slot is not None
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival: int = field(default_factory=lambda: next(_seq_keys))
+    seqs: list[Sequence] = field(default_factory=list)
+    prefix_cells: int = 0  # prompt cells shared by the forked members, counted once
+    forked: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.seqs:
+            self.seqs = [Sequence(self, i, list(self.prompt_token_ids)) for i in range(self.params.n)]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is not SeqStatus.FINISHED]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    def holds_kv(self) -> bool:
+        return any(s.holds_slot for s in self.seqs)

@@ -1,0 +1,78 @@
+"""Engine-neutral value types that cross the service ↔ engine boundary.
+
+Nothing here knows HTTP, pydantic or llama.cpp: the service layer builds a GenerationRequest from a
+protocol request, and the engine answers with GenerationOutput values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one choice's tokens are picked and when it stops. Validated by the service layer."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no limit
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """One step's news for one choice of a request: the new text, and whether the choice is done."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine for /health and tests: what runs, what waits, what the KV holds."""
+
+    running: int
+    waiting: int
+    kv_cells_used: int
+    kv_cells_total: int
+    free_slots: int
+    total_slots: int

@@ -1,0 +1,107 @@
+"""Every failure leaves as the OpenAI error envelope; this is the one place errors are rendered."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from servelm.errors import ApiError, InvalidParameter
+
+log = logging.getLogger("servelm.http")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _fastapi_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidParameter(str(exc), None))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = ApiError(str(exc.detail))
+        kind.status = exc.status_code
+        kind.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(kind.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(ApiError("The server had an error while processing your request.").body(), status_code=500)
+
+
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    """The first problem pydantic found, with `param` naming the field as OpenAI does (a.b[0].c)."""
+    err = exc.errors()[0]
+    kind = err["type"]
+    if kind == "json_invalid":
+        return ApiError_400(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload.)",
+            None,
+            None,
+        )
+    loc = err["loc"]
+    names = _field_names(model) | ({loc[-1]} if kind == "extra_forbidden" and loc and isinstance(loc[-1], str) else set())
+    param = _param(loc, frozenset(names))
+    if not param:
+        return ApiError_400("The request body must be a JSON object.", None, "invalid_type")
+    if kind == "extra_forbidden":
+        return ApiError_400(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+    if kind == "missing":
+        return ApiError_400(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    return ApiError_400(f"Invalid value for '{param}': {err['msg']}.", param, code)
+
+
+def ApiError_400(message: str, param: str | None, code: str | None) -> ApiError:  # noqa: N802
+    return InvalidParameter(message, param, code)
+
+
+def _param(loc: tuple, names: frozenset[str]) -> str:
+    out = ""
+    last = None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in names and part != last:
+            out += f".{part}" if out else part
+        last = part
+    return out
+
+
+def _field_names(model: type[BaseModel], seen: set[type] | None = None) -> frozenset[str]:
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return frozenset()
+    seen.add(model)
+    names = set(model.model_fields)
+    for field in model.model_fields.values():
+        for sub in _models_in(field.annotation):
+            names |= _field_names(sub, seen)
+    return frozenset(names)
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    out: list[type[BaseModel]] = []
+    for arg in getattr(annotation, "__args__", ()) or ():
+        out += _models_in(arg)
+    for meta in getattr(annotation, "__metadata__", ()) or ():
+        out += _models_in(meta)
+    origin = getattr(annotation, "__origin__", None)
+    if origin is not None and origin is not annotation and hasattr(annotation, "__metadata__"):
+        out += _models_in(origin)
+    return out

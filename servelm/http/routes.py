@@ -1,0 +1,88 @@
+"""The routes: parse the body (400 on anything malformed), hand it to a service, write the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from servelm.engine.base import Engine
+from servelm.http.errors import validation_error
+from servelm.http.sse import sse_frames
+from servelm.protocol.chat import ChatCompletionRequest
+from servelm.protocol.common import ModelCard, ModelList
+from servelm.service.chat import ChatService
+from servelm.service.deployments import Deployments
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc, model) from None
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, work: asyncio.Future | asyncio.Task) -> object | None:
+    """Await work; if the client goes away first, cancel it (freeing its sequences) and return None."""
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    return None
+
+
+def build_router(deployments: Deployments) -> APIRouter:
+    router = APIRouter()
+    chat = ChatService(deployments)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        prepared = chat.prepare(req)
+        if prepared.stream:
+            return StreamingResponse(
+                sse_frames(chat.stream(prepared)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        result = await run_unless_disconnected(request, asyncio.ensure_future(chat.complete(prepared)))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump(mode="json"))
+
+    @router.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [ModelCard(id=d.name, created=d.created, max_model_len=d.context_window) for d in deployments.all()]
+        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> JSONResponse:
+        d = deployments.get(model_id)
+        return JSONResponse(ModelCard(id=d.name, created=d.created, max_model_len=d.context_window).model_dump(mode="json"))
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        engines: list[Engine] = [d.engine for d in deployments.all()]
+        ok = all(getattr(e, "alive", True) for e in engines)
+        stats = {d.name: dataclasses.asdict(d.engine.stats()) for d in deployments.all()}
+        return JSONResponse({"status": "ok" if ok else "unavailable", "deployments": stats}, status_code=200 if ok else 503)
+
+    return router

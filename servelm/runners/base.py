@@ -1,0 +1,42 @@
+"""The seam between the engine loop and a model: LocalEngine drives any ModelRunner the same way."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from servelm.engine.scheduler import StepPlan
+
+
+class ModelRunner(Protocol):
+    vocab_size: int
+    context_window: int  # the most positions one sequence may use
+    kv_cells: int  # cells in the (unified) KV cache shared by every sequence
+    num_slots: int  # sequences that may hold KV at once
+    max_step_tokens: int  # tokens one forward pass may carry
+    eog_ids: np.ndarray  # end-of-generation tokens
+    chat_template: str | None
+    bos_token: str
+    eos_token: str
+    description: str
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's text as raw bytes; special (control) tokens render as nothing."""
+        ...
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        """Apply the plan's forks and frees, then one forward pass over all its chunks.
+
+        Returns logits, one row (vocab_size wide) for each chunk that wants logits, in chunk order.
+        The array may be a view into the runner's memory, valid until the next step.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class KVCacheFull(RuntimeError):
+    """The forward pass found no room in the KV cache for the batch."""

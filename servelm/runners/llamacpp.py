@@ -1,0 +1,183 @@
+"""LlamaCppRunner: the only module that touches llama.cpp (through llama-cpp-python's ctypes C API).
+
+One model, one context with `num_slots` sequences over one unified KV cache. Each step is a single
+llama_decode over a batch whose buffers are numpy arrays we own, filled with vector operations; the
+logits come back as a numpy view of llama.cpp's output buffer. Every C pointer is created and freed here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import llama_cpp as C
+import numpy as np
+
+from servelm.engine.scheduler import StepPlan
+from servelm.runners.base import KVCacheFull
+
+_LOG_LEVEL_WARN = 3
+_quiet_logs = None
+
+
+def _silence_llama_logs(verbose: bool) -> None:
+    """Keep llama.cpp's warnings and errors on stderr; drop its chatter unless verbose."""
+    global _quiet_logs
+
+    @C.llama_log_callback
+    def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if verbose or level >= _LOG_LEVEL_WARN and level != 5:  # 5 is GGML_LOG_LEVEL_CONT
+            os.write(2, text)
+
+    _quiet_logs = _log  # keep the callback alive as long as llama.cpp may call it
+    C.llama_log_set(_log, ctypes.c_void_p(0))
+
+
+class LlamaCppRunner:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        num_slots: int = 16,
+        kv_cells: int = 16384,
+        max_step_tokens: int = 512,
+        context_window: int | None = None,
+        threads: int | None = None,
+        verbose: bool = False,
+    ) -> None:
+        _silence_llama_logs(verbose)
+        C.llama_backend_init()
+        mparams = C.llama_model_default_params()
+        self._model = C.llama_model_load_from_file(str(model_path).encode(), mparams)
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load the model file {model_path}")
+        self._vocab = C.llama_model_get_vocab(self._model)
+        self.vocab_size = int(C.llama_vocab_n_tokens(self._vocab))
+        train_ctx = int(C.llama_model_n_ctx_train(self._model))
+        self.context_window = min(context_window or train_ctx, train_ctx, kv_cells)
+        self.kv_cells = kv_cells
+        self.num_slots = num_slots
+        self.max_step_tokens = max_step_tokens
+
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = kv_cells
+        cparams.n_batch = max_step_tokens
+        cparams.n_ubatch = max_step_tokens
+        cparams.n_seq_max = num_slots
+        cparams.kv_unified = True
+        n_threads = threads or os.cpu_count() or 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        self._ctx = C.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            C.llama_model_free(self._model)
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        self._mem = C.llama_get_memory(self._ctx)
+
+        self.eog_ids = np.array([t for t in range(self.vocab_size) if C.llama_vocab_is_eog(self._vocab, t)], dtype=np.int64)
+        self._pieces = [self._piece(t) for t in range(self.vocab_size)]
+        self.chat_template = self._meta("tokenizer.chat_template")
+        self.bos_token = self._token_text(C.llama_vocab_bos(self._vocab))
+        self.eos_token = self._token_text(C.llama_vocab_eos(self._vocab))
+        self.add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
+        self.description = self._meta("general.name") or Path(model_path).stem
+        self._init_batch(max_step_tokens)
+
+    # -- metadata and text ------------------------------------------------------------------------
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def _piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def _token_text(self, token: int) -> str:
+        return "" if token < 0 else self._piece(token, special=True).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._pieces[token] if 0 <= token < self.vocab_size else b""
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    # -- the batch --------------------------------------------------------------------------------
+    def _init_batch(self, size: int) -> None:
+        self._tok = np.zeros(size, dtype=np.int32)
+        self._pos = np.zeros(size, dtype=np.int32)
+        self._nseq = np.ones(size, dtype=np.int32)
+        self._seq = np.zeros(size, dtype=np.int32)
+        self._out = np.zeros(size, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (i32p * size)(*[ctypes.cast(base + 4 * i, i32p) for i in range(size)])
+        self._batch = C.llama_batch()
+        self._batch.token = self._tok.ctypes.data_as(i32p)
+        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
+        self._batch.pos = self._pos.ctypes.data_as(i32p)
+        self._batch.n_seq_id = self._nseq.ctypes.data_as(i32p)
+        self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
+        self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        for src, dst, cells in plan.forks:
+            C.llama_memory_seq_cp(self._mem, src, dst, 0, cells)
+        for slot in plan.frees:
+            C.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        if not plan.chunks:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        n = 0
+        rows = 0
+        for chunk in plan.chunks:
+            k = len(chunk.tokens)
+            self._tok[n : n + k] = chunk.tokens
+            self._pos[n : n + k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
+            self._seq[n : n + k] = chunk.seq.slot
+            self._out[n : n + k] = 0
+            if chunk.wants_logits:
+                self._out[n + k - 1] = 1
+                rows += 1
+            n += k
+        if n > len(self._tok):
+            raise ValueError(f"a step of {n} tokens exceeds the batch of {len(self._tok)}")
+        self._batch.n_tokens = n
+        rc = C.llama_decode(self._ctx, self._batch)
+        if rc == 1:
+            raise KVCacheFull("llama.cpp found no KV cache slot for the batch")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        if rows == 0:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size))
+
+    def clear(self) -> None:
+        C.llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            C.llama_model_free(self._model)
+            self._model = None

@@ -1,0 +1,38 @@
+"""Deployments: the models this server serves, by the name clients put in `model`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from servelm.chat.template import ChatTemplate
+from servelm.engine.base import Engine
+from servelm.errors import ModelNotFound
+
+
+@dataclass(eq=False)
+class Deployment:
+    name: str
+    engine: Engine
+    template: ChatTemplate
+    tokenize: Callable[[str], list[int]]  # rendered prompt text → token ids (special tokens parsed)
+    context_window: int  # most tokens one sequence may use: prompt plus completion
+    vocab_size: int
+    max_choices: int  # n may not exceed the sequences decoded together
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Deployments:
+    def __init__(self, deployments: list[Deployment]) -> None:
+        self._by_name = {d.name: d for d in deployments}
+
+    def get(self, model: str) -> Deployment:
+        try:
+            return self._by_name[model]
+        except KeyError:
+            raise ModelNotFound(model) from None
+
+    def all(self) -> list[Deployment]:
+        return list(self._by_name.values())
