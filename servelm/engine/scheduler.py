@@ -185,9 +185,11 @@ class Scheduler:
                 self.finish(seq)
 
     def _admission_cells(self, group: SequenceGroup) -> int:
+        """Cells the group needs to (re)compute what it has, plus one new token for each live sequence."""
+        live = group.live
         if group.forked:
-            return sum(len(s.token_ids) + 1 for s in group.live)
-        return group.prompt_len + len(group.live)
+            return sum(len(s.token_ids) + 1 for s in live)
+        return len(live[0].token_ids) + len(live)
 
     def _admit(self, group: SequenceGroup) -> None:
         for seq in group.live:

@@ -1,0 +1,110 @@
+"""FakeRunner: a scripted, deterministic model for fast tests of the engine, scheduler and HTTP layer.
+
+It keeps its own book of KV cells per sequence slot and checks every plan against it (a decode at
+position p needs cells 0..p-1 of that slot; forks copy, frees remove), so a scheduler bug shows up as
+an error here rather than as subtly wrong text.
+
+The "model": token t is followed by t+1 (wrapping from vocab-1 to FIRST_WORD), except that
+END_TOKEN is followed by EOS. Text: token t is the letter chr(ord('a') + t % 26).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from servelm.engine.scheduler import StepPlan
+
+EOS = 0
+FIRST_WORD = 1
+END_TOKEN = 40
+
+
+class FakeKVError(AssertionError):
+    pass
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 64,
+        num_slots: int = 4,
+        kv_cells: int = 256,
+        max_step_tokens: int = 32,
+        context_window: int = 128,
+        step_delay: float = 0.0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.num_slots = num_slots
+        self.kv_cells = kv_cells
+        self.max_step_tokens = max_step_tokens
+        self.context_window = context_window
+        self.step_delay = step_delay
+        self.eog_ids = np.array([EOS], dtype=np.int64)
+        self.chat_template = (
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
+        self.bos_token = ""
+        self.eos_token = "</s>"
+        self.description = "fake"
+        self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
+        self.shared: dict[int, int] = {}  # slot → leading cells it shares with the slot it was forked from
+        self.steps: list[StepPlan] = []
+        self.max_cells_seen = 0
+
+    # -- text -------------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return [FIRST_WORD + (ord(c) % (self.vocab_size - FIRST_WORD)) for c in text]
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"" if token == EOS else chr(ord("a") + token % 26).encode()
+
+    def next_token(self, token: int) -> int:
+        if token == END_TOKEN:
+            return EOS
+        return token + 1 if token + 1 < self.vocab_size else FIRST_WORD
+
+    # -- the forward pass -------------------------------------------------------------------------
+    def step(self, plan: StepPlan) -> np.ndarray:
+        for src, dst, n in plan.forks:
+            if len(self.cells.get(src, [])) < n:
+                raise FakeKVError(f"fork of {n} cells from slot {src}, which holds {len(self.cells.get(src, []))}")
+            if self.cells.get(dst):
+                raise FakeKVError(f"fork into slot {dst}, which already holds cells")
+            self.cells[dst] = list(self.cells[src][:n])
+            self.shared[dst] = n
+        for slot in plan.frees:
+            self.cells.pop(slot, None)
+            self.shared.pop(slot, None)
+        rows = []
+        total = self.cells_in_use()
+        for chunk in plan.chunks:
+            slot = chunk.seq.slot
+            held = self.cells.setdefault(slot, [])
+            if chunk.start != len(held):
+                raise FakeKVError(f"slot {slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
+            held.extend(chunk.tokens)
+            total += len(chunk.tokens)
+            if chunk.wants_logits:
+                row = np.full(self.vocab_size, -10.0, dtype=np.float32)
+                row[self.next_token(held[-1])] = 10.0
+                rows.append(row)
+        if total > self.kv_cells:
+            raise FakeKVError(f"{total} cells in use, more than the cache's {self.kv_cells}")
+        self.max_cells_seen = max(self.max_cells_seen, total)
+        self.steps.append(plan)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if not rows:
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        return np.stack(rows)
+
+    def cells_in_use(self) -> int:
+        """Distinct cells, as a unified cache counts them (a forked prefix once)."""
+        return sum(len(c) - self.shared.get(slot, 0) for slot, c in self.cells.items())
+
+    def close(self) -> None:
+        self.cells.clear()

@@ -1,0 +1,56 @@
+"""Shared fixtures: a real HTTP server (uvicorn on 127.0.0.1) over the fake runner, for fast tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+
+from servelm.__main__ import build_deployment
+from servelm.engine.local import LocalEngine
+from servelm.http.app import create_app
+from servelm.runners.fake import FakeRunner
+from servelm.service.deployments import Deployments
+
+
+@dataclass
+class FakeServer:
+    base_url: str
+    runner: FakeRunner
+    engine: LocalEngine
+    model: str = "fake-model"
+
+
+@pytest.fixture
+def fake_server_factory() -> Iterator:
+    started: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(**runner_kw) -> FakeServer:
+        runner = FakeRunner(**runner_kw)
+        deployment, engine = build_deployment("fake-model", runner)
+        app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        started.append((server, thread))
+        return FakeServer(f"http://127.0.0.1:{port}", runner, engine)
+
+    yield start
+    for server, thread in started:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake_server(fake_server_factory) -> FakeServer:
+    return fake_server_factory()

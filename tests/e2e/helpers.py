@@ -1,0 +1,189 @@
+"""Shared helpers for the end-to-end tests: run one chat request (streamed or not), check every
+structural promise of the response on the way, and fold it into one comparable Outcome."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.completion_usage import CompletionUsage
+
+MODEL = "smollm2-135m-instruct"
+
+# SmolLM2's end-of-generation tokens: <|endoftext|> (0) and <|im_end|> (2). Banning them makes a request
+# run to its token limit.
+NO_EOS = {"0": -100, "2": -100}
+
+HELLO = [{"role": "user", "content": "Hi there!"}]
+STORY = [{"role": "user", "content": "Write a story about a cat."}]
+APPLES = [{"role": "user", "content": "Repeat the word 'apple' many times: apple apple apple"}]
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+@dataclass
+class Outcome:
+    """One request's result, the same shape whether it was streamed or not."""
+
+    texts: list[str]
+    finish_reasons: list[str | None]
+    stop_reasons: list[Any]
+    usage: CompletionUsage | None
+    response: ChatCompletion | None = None
+    chunks: list[ChatCompletionChunk] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        assert len(self.texts) == 1
+        return self.texts[0]
+
+    @property
+    def finish_reason(self) -> str | None:
+        assert len(self.finish_reasons) == 1
+        return self.finish_reasons[0]
+
+    @property
+    def stop_reason(self) -> Any:
+        assert len(self.stop_reasons) == 1
+        return self.stop_reasons[0]
+
+    def same_result(self) -> tuple:
+        """What must be equal between a streamed and a non-streamed run of the same request."""
+        usage = None if self.usage is None else (
+            self.usage.prompt_tokens, self.usage.completion_tokens, self.usage.total_tokens)
+        return self.texts, self.finish_reasons, self.stop_reasons, usage
+
+
+def stop_reason_of(choice: Any) -> Any:
+    """`stop_reason` is a vLLM extension; the openai client keeps it among the model's extras."""
+    return (choice.model_extra or {}).get("stop_reason")
+
+
+def _request(stream: bool, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    kw = dict(kwargs)
+    kw.setdefault("model", MODEL)
+    include_usage = False
+    if stream:
+        kw["stream"] = True
+        kw.setdefault("stream_options", {"include_usage": True})
+        include_usage = bool((kw["stream_options"] or {}).get("include_usage"))
+    return kw, include_usage
+
+
+def chat(client: openai.OpenAI, *, stream: bool, **kwargs: Any) -> Outcome:
+    """One chat completion through the client; streams ask for the usage chunk unless told otherwise."""
+    kw, include_usage = _request(stream, kwargs)
+    n = kw.get("n") or 1
+    if not stream:
+        return fold_completion(client.chat.completions.create(**kw), n)
+    chunks = list(client.chat.completions.create(**kw))
+    return fold_stream(chunks, n, include_usage)
+
+
+async def achat(client: openai.AsyncOpenAI, *, stream: bool, **kwargs: Any) -> Outcome:
+    kw, include_usage = _request(stream, kwargs)
+    n = kw.get("n") or 1
+    if not stream:
+        return fold_completion(await client.chat.completions.create(**kw), n)
+    chunks = [c async for c in await client.chat.completions.create(**kw)]
+    return fold_stream(chunks, n, include_usage)
+
+
+def _check_usage(usage: CompletionUsage | None) -> None:
+    assert usage is not None
+    assert usage.prompt_tokens > 0
+    assert usage.completion_tokens >= 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def _check_created(created: int) -> None:
+    assert isinstance(created, int)
+    assert abs(created - time.time()) < 3600, created
+
+
+def fold_completion(resp: ChatCompletion, n: int) -> Outcome:
+    assert resp.id.startswith("chatcmpl-"), resp.id
+    assert resp.object == "chat.completion"
+    _check_created(resp.created)
+    assert resp.model == MODEL
+    assert isinstance(resp.system_fingerprint, str) and resp.system_fingerprint
+    assert [c.index for c in resp.choices] == list(range(n))
+    for c in resp.choices:
+        assert c.message.role == "assistant"
+        assert isinstance(c.message.content, str)
+        assert c.finish_reason in ("stop", "length"), c.finish_reason
+    _check_usage(resp.usage)
+    return Outcome(
+        texts=[c.message.content for c in resp.choices],
+        finish_reasons=[c.finish_reason for c in resp.choices],
+        stop_reasons=[stop_reason_of(c) for c in resp.choices],
+        usage=resp.usage,
+        response=resp,
+    )
+
+
+def fold_stream(chunks: list[ChatCompletionChunk], n: int, include_usage: bool) -> Outcome:
+    """Check a finished stream chunk by chunk, then fold it. The client ended it at `data: [DONE]`."""
+    assert chunks, "the stream carried no chunks"
+    first = chunks[0]
+    assert first.id.startswith("chatcmpl-"), first.id
+    _check_created(first.created)
+    texts = [""] * n
+    finish: list[str | None] = [None] * n
+    stops: list[Any] = [None] * n
+    seen = [False] * n
+    usage = None
+    for i, chunk in enumerate(chunks):
+        assert chunk.object == "chat.completion.chunk"
+        assert chunk.id == first.id and chunk.created == first.created
+        assert chunk.model == MODEL
+        assert chunk.system_fingerprint == first.system_fingerprint and chunk.system_fingerprint
+        if include_usage and i == len(chunks) - 1:
+            assert chunk.choices == [], "the usage chunk must have no choices"
+            assert chunk.usage is not None, "the last chunk must carry usage"
+            usage = chunk.usage
+            continue
+        assert chunk.usage is None, f"chunk {i} carries usage: {chunk}"
+        assert chunk.choices, f"chunk {i} has no choices and is not the usage chunk"
+        for c in chunk.choices:
+            assert 0 <= c.index < n
+            assert finish[c.index] is None, f"choice {c.index} got a chunk after its finish_reason"
+            if not seen[c.index]:
+                assert c.delta.role == "assistant", f"the first delta of choice {c.index} lacks the role"
+                seen[c.index] = True
+            else:
+                assert c.delta.role is None
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                assert c.finish_reason in ("stop", "length"), c.finish_reason
+                finish[c.index] = c.finish_reason
+                stops[c.index] = stop_reason_of(c)
+    assert all(seen), "a choice never appeared in the stream"
+    assert all(f is not None for f in finish), f"a choice ended without a finish_reason: {finish}"
+    if include_usage:
+        _check_usage(usage)
+    return Outcome(texts, finish, stops, usage, chunks=chunks)
+
+
+def health(base_url: str) -> dict[str, Any]:
+    r = httpx.get(f"{base_url}/health", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["deployments"][MODEL]
+
+
+def wait_idle(base_url: str, timeout: float = 10.0) -> tuple[bool, dict[str, Any]]:
+    """Poll /health until nothing runs or waits and the KV cache is empty; return (idle, last stats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = health(base_url)
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_cells_used"] == 0:
+            return True, stats
+        if time.monotonic() > deadline:
+            return False, stats
+        time.sleep(0.05)

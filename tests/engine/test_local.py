@@ -1,0 +1,116 @@
+"""LocalEngine over the fake runner: the step loop, n > 1, aborts, and KV bookkeeping end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from servelm.engine.local import LocalEngine
+from servelm.engine.types import FinishReason, GenerationRequest, SamplingParams
+from servelm.runners.fake import END_TOKEN, FakeRunner
+
+
+@pytest.fixture
+def engine():
+    runner = FakeRunner(num_slots=4, kv_cells=200, max_step_tokens=16)
+    eng = LocalEngine(runner)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+async def collect(engine: LocalEngine, rid: str, prompt, **kw):
+    params = SamplingParams(**{"max_tokens": 10, "temperature": 0.0, **kw})
+    texts: dict[int, str] = {}
+    finals = {}
+    async for out in engine.generate(GenerationRequest(rid, tuple(prompt), params)):
+        texts[out.index] = texts.get(out.index, "") + out.text
+        if out.finished:
+            finals[out.index] = out
+    return texts, finals
+
+
+def letters(tokens):
+    return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+async def test_greedy_follows_the_fake_model_and_stops_at_length(engine):
+    texts, finals = await collect(engine, "a", [5, 6, 7], max_tokens=4)
+    assert texts[0] == letters([8, 9, 10, 11])
+    assert finals[0].finish_reason is FinishReason.LENGTH and finals[0].completion_tokens == 4
+
+
+async def test_eos_stops_with_no_stop_reason(engine):
+    texts, finals = await collect(engine, "a", [END_TOKEN - 2], max_tokens=10)
+    assert texts[0] == letters([END_TOKEN - 1, END_TOKEN])
+    assert finals[0].finish_reason is FinishReason.STOP and finals[0].stop_reason is None
+    assert finals[0].completion_tokens == 3, "the EOS token counts as generated"
+
+
+async def test_stop_string_and_stop_token(engine):
+    texts, finals = await collect(engine, "a", [1], max_tokens=10, stop=(letters([4, 5]),))
+    assert texts[0] == letters([2, 3]) and finals[0].stop_reason == letters([4, 5])
+    texts, finals = await collect(engine, "b", [1], max_tokens=10, stop_token_ids=(4,))
+    assert texts[0] == letters([2, 3]) and finals[0].stop_reason == 4
+
+
+async def test_many_requests_at_once_more_than_the_slots(engine):
+    results = await asyncio.gather(*[collect(engine, f"r{i}", [i + 1] * 20, max_tokens=6) for i in range(10)])
+    for i, (texts, finals) in enumerate(results):
+        assert finals[0].completion_tokens == 6
+        assert texts[0] == letters([i + 2 + k for k in range(6)])
+    assert engine.runner.cells_in_use() == 0 or engine.scheduler.kv_cells_used == 0
+
+
+async def test_n_choices_share_the_prompt_and_each_finish(engine):
+    texts, finals = await collect(engine, "n", [3] * 12, max_tokens=5, n=3)
+    assert sorted(texts) == [0, 1, 2] and all(t == letters([4, 5, 6, 7, 8]) for t in texts.values())
+    forks = [f for plan in engine.runner.steps for f in plan.forks]
+    assert len(forks) == 2 and all(cells == 12 for _, _, cells in forks)
+    prompt_tokens = sum(len(c.tokens) for plan in engine.runner.steps for c in plan.chunks if c.start == 0)
+    assert prompt_tokens == 12, "the prompt was computed once"
+
+
+async def test_abandoning_a_generation_frees_its_cells():
+    runner = FakeRunner(num_slots=2, kv_cells=400, max_step_tokens=16, step_delay=0.01)
+    eng = LocalEngine(runner)
+    eng.start()
+    try:
+        params = SamplingParams(max_tokens=300, temperature=0.0)
+        gen = eng.generate(GenerationRequest("long", (1, 2, 3), params))
+        for _ in range(3):
+            await gen.__anext__()
+        await gen.aclose()
+        for _ in range(200):
+            if eng.stats().running == 0 and runner.cells_in_use() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.stats().running == 0 and eng.stats().kv_cells_used == 0 and runner.cells_in_use() == 0
+        texts, finals = await collect(eng, "after", [1], max_tokens=3)
+        assert finals[0].completion_tokens == 3
+    finally:
+        eng.stop()
+
+
+async def test_a_runner_failure_fails_the_requests_but_not_the_engine():
+    runner = FakeRunner(num_slots=2, kv_cells=100, max_step_tokens=16)
+    eng = LocalEngine(runner)
+    original = runner.step
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return original(plan)
+
+    runner.step = flaky
+    eng.start()
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            await collect(eng, "x", [1], max_tokens=3)
+        texts, finals = await collect(eng, "y", [1], max_tokens=3)
+        assert finals[0].completion_tokens == 3 and eng.alive
+    finally:
+        eng.stop()

@@ -1,0 +1,136 @@
+"""The scheduler is pure data: these tests drive it by hand, with no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelm.engine.scheduler import Scheduler
+from servelm.engine.sequence import SequenceGroup, SeqStatus
+from servelm.engine.types import SamplingParams
+
+
+def group(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 8) -> SequenceGroup:
+    return SequenceGroup(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, n=n))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    """Schedule one step and pretend the model sampled `token` for every sampler."""
+    plan = s.schedule()
+    sampled = {seq: token for c in plan.chunks for seq in c.samplers}
+    s.update(plan, sampled)
+    return plan
+
+
+def test_admits_up_to_the_slots_and_queues_the_rest():
+    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=100)
+    for i in range(3):
+        s.add(group(f"r{i}", 5))
+    plan = run_step(s)
+    assert {c.seq.group.request_id for c in plan.chunks} == {"r0", "r1"}
+    assert s.num_waiting == 1 and s.num_running_seqs == 2
+    s.finish(s.running[0].seqs[0])
+    plan = run_step(s)
+    assert "r2" in {c.seq.group.request_id for c in plan.chunks}
+    assert plan.frees, "the finished sequence's slot is freed before the next forward pass"
+
+
+def test_decode_tokens_come_first_and_prompts_are_chunked_under_the_budget():
+    s = Scheduler(num_slots=4, kv_cells=1000, max_step_tokens=16)
+    s.add(group("short", 4))
+    run_step(s)  # the short prompt is read and its first token sampled
+    s.add(group("long", 40))
+    plans = [run_step(s) for _ in range(3)]
+    for plan in plans:
+        assert plan.num_tokens <= 16
+        kinds = [(c.seq.group.request_id, len(c.tokens)) for c in plan.chunks]
+        assert kinds[0] == ("short", 1), "the decoding sequence keeps getting its token every step"
+    long_chunks = [len(c.tokens) for p in plans for c in p.chunks if c.seq.group.request_id == "long"]
+    assert long_chunks == [15, 15, 10]
+    last = [c for c in plans[2].chunks if c.seq.group.request_id == "long"][0]
+    assert last.wants_logits and not [c for c in plans[0].chunks if c.seq.group.request_id == "long"][0].wants_logits
+
+
+def test_positions_follow_the_computed_tokens():
+    s = Scheduler(num_slots=1, kv_cells=1000, max_step_tokens=4)
+    s.add(group("a", 6))
+    starts = [run_step(s).chunks[0].start for _ in range(4)]
+    assert starts == [0, 4, 6, 7]
+
+
+def test_n_choices_prefill_once_then_fork_the_prompt_cells():
+    s = Scheduler(num_slots=4, kv_cells=1000, max_step_tokens=64)
+    g = group("n3", 10, n=3)
+    s.add(g)
+    plan = s.schedule()
+    assert len(plan.chunks) == 1 and len(plan.chunks[0].tokens) == 10
+    assert [x.index for x in plan.chunks[0].samplers] == [0, 1, 2]
+    s.update(plan, {seq: 20 + seq.index for seq in plan.chunks[0].samplers})
+    assert [seq.token_ids[-1] for seq in g.seqs] == [20, 21, 22]
+    assert s.kv_cells_used == 10, "the prompt's cells count once"
+    plan = s.schedule()
+    parent_slot = g.seqs[0].slot
+    assert sorted(plan.forks) == sorted((parent_slot, seq.slot, 10) for seq in g.seqs[1:])
+    assert [(c.start, c.tokens) for c in plan.chunks] == [(10, (20,)), (10, (21,)), (10, (22,))]
+
+
+def test_finishing_frees_cells_and_slots():
+    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64)
+    g = group("a", 5)
+    s.add(g)
+    run_step(s)
+    run_step(s)
+    assert s.kv_cells_used == 6
+    s.finish(g.seqs[0])
+    assert s.kv_cells_used == 0 and len(s.free_slots) == 2 and not s.running
+    plan = s.schedule()
+    assert plan.frees == [0] or plan.frees == [1]
+
+
+def test_abort_of_a_waiting_and_of_a_running_request():
+    s = Scheduler(num_slots=1, kv_cells=1000, max_step_tokens=64)
+    s.add(group("run", 3))
+    s.add(group("wait", 3))
+    run_step(s)
+    assert s.abort("wait") is not None and s.num_waiting == 0
+    s.abort("run")
+    assert not s.running and s.kv_cells_used == 0 and not s.has_unfinished() is False
+    assert s.schedule().frees
+    assert not s.has_unfinished()
+
+
+def test_a_full_cache_preempts_the_newest_request_which_resumes_later():
+    s = Scheduler(num_slots=2, kv_cells=12, max_step_tokens=64)
+    a, b = group("a", 4, max_tokens=100), group("b", 4, max_tokens=100)
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        run_step(s)
+    assert s.kv_cells_used <= 12
+    # 2 × (4 prompt + growing output) soon exceeds 12 cells: b is preempted, a keeps going
+    for _ in range(3):
+        run_step(s)
+        assert s.kv_cells_used <= 12
+    assert b.seqs[0].status is SeqStatus.WAITING and b.seqs[0].num_computed == 0
+    assert a.seqs[0].status is SeqStatus.RUNNING
+    generated_by_b = list(b.seqs[0].token_ids)
+    s.finish(a.seqs[0])
+    plan = run_step(s)
+    chunk = [c for c in plan.chunks if c.seq is b.seqs[0]][0]
+    assert chunk.tokens == tuple(generated_by_b), "b recomputes its prompt and what it had generated"
+
+
+def test_a_lone_request_that_fills_the_cache_is_cut_off():
+    s = Scheduler(num_slots=1, kv_cells=8, max_step_tokens=64)
+    g = group("a", 6, max_tokens=100)
+    s.add(g)
+    finished = []
+    for _ in range(5):
+        plan = run_step(s)
+        finished += plan.out_of_cells
+    assert finished == [g.seqs[0]] and g.finished
+
+
+def test_requests_with_more_choices_than_slots_are_refused():
+    s = Scheduler(num_slots=2, kv_cells=100, max_step_tokens=16)
+    with pytest.raises(ValueError):
+        s.add(group("big", 3, n=3))

@@ -1,0 +1,65 @@
+"""The import directions of DESIGN.md, checked by walking every module's imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import servelm
+
+ROOT = Path(servelm.__file__).parent
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def modules():
+    for path in ROOT.rglob("*.py"):
+        yield path.relative_to(ROOT.parent).with_suffix("").as_posix().replace("/", "."), path
+
+
+def starts(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_only_the_llamacpp_runner_imports_llama_cpp():
+    bad = [m for m, p in modules() if m != "servelm.runners.llamacpp" and any(starts(i, "llama_cpp") for i in imports_of(p))]
+    assert not bad
+
+
+def test_only_http_imports_fastapi_or_starlette():
+    bad = [m for m, p in modules()
+           if not starts(m, "servelm.http") and any(starts(i, "fastapi", "starlette", "uvicorn") for i in imports_of(p))
+           and m != "servelm.__main__"]
+    assert not bad
+
+
+def test_engine_sees_no_protocol_no_http_no_pydantic():
+    for m, p in modules():
+        if starts(m, "servelm.engine", "servelm.runners"):
+            imported = imports_of(p)
+            assert not any(starts(i, "servelm.protocol", "servelm.http", "servelm.service", "pydantic", "fastapi") for i in imported), m
+
+
+def test_service_does_not_reach_into_the_engine_internals_or_runners():
+    allowed_engine = {"servelm.engine.base", "servelm.engine.types"}
+    for m, p in modules():
+        if starts(m, "servelm.service", "servelm.protocol", "servelm.chat"):
+            for i in imports_of(p):
+                assert not starts(i, "servelm.runners", "servelm.http"), (m, i)
+                if starts(i, "servelm.engine"):
+                    assert i in allowed_engine, (m, i)
+
+
+def test_leaves_import_nothing_of_servelm():
+    for leaf in ("servelm.errors", "servelm.config", "servelm.engine.types"):
+        path = ROOT.parent / (leaf.replace(".", "/") + ".py")
+        assert not [i for i in imports_of(path) if starts(i, "servelm")], leaf
