@@ -83,9 +83,28 @@ def sample_rows(logits: np.ndarray, states: list[SamplerState], eog_ids: np.ndar
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.any():
         out[greedy] = np.argmax(logits[greedy], axis=1)
-    for r in np.flatnonzero(~greedy):
+    plain = np.fromiter((_plain(st.params) for st in states), dtype=bool, count=rows) & ~greedy
+    if plain.any():
+        out[plain] = _sample_plain(logits[plain], [states[r] for r in np.flatnonzero(plain)])
+    for r in np.flatnonzero(~greedy & ~plain):
         out[r] = _sample_one(logits[r], states[r])
     return out
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Temperature alone: no top-k, top-p or min-p filter."""
+    return p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+
+
+def _sample_plain(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
+    """Draw for many temperature-only rows at once: one softmax and one cumulative sum for the batch."""
+    temps = np.array([st.params.temperature for st in states], dtype=np.float64)[:, None]
+    scaled = logits.astype(np.float64) / temps
+    scaled -= scaled.max(axis=1, keepdims=True)
+    cdf = np.cumsum(np.exp(scaled), axis=1)
+    u = np.array([st.rng.random() for st in states]) * cdf[:, -1]
+    picks = (cdf <= u[:, None]).sum(axis=1)
+    return np.minimum(picks, logits.shape[1] - 1)
 
 
 def _sample_one(row: np.ndarray, st: SamplerState) -> int:
