@@ -53,7 +53,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
     p.add_argument("--model", dest="model_path", default=None, help="alias of --model-path")
     for name, field in EngineSettings.model_fields.items():
-        p.add_argument(f"--{name.replace('_', '-')}", dest=f"engine.{name}", default=None, type=int, help=field.description)
+        p.add_argument(f"--{name.replace('_', '-')}", dest=f"engine.{name}", default=None, type=int, metavar="N", help=field.description)
     p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")
 
 
@@ -76,6 +76,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
     log.info("loading %s", path)
     runner = LlamaCppRunner(
         path, num_slots=e.max_num_seqs, kv_cells=e.kv_cells, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
+        micro_batch_tokens=e.micro_batch_tokens,
         context_window=e.context_window, threads=e.threads, verbose=verbose_llama,
     )
     deployment, engine = build_deployment(settings.model_id, runner, f"{path.name}:{path.stat().st_size}")

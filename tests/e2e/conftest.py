@@ -9,30 +9,16 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from .helpers import MODEL, wait_idle
+from .helpers import MODEL, RunningServer, wait_idle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0
-
-
-@dataclass
-class RunningServer:
-    base_url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, chars: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError as exc:
-            return f"(no server log: {exc})"
 
 
 def _free_port() -> int:

@@ -3,8 +3,10 @@ structural promise of the response on the way, and fold it into one comparable O
 
 from __future__ import annotations
 
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +23,21 @@ NO_EOS = {"0": -100, "2": -100}
 HELLO = [{"role": "user", "content": "Hi there!"}]
 STORY = [{"role": "user", "content": "Write a story about a cat."}]
 APPLES = [{"role": "user", "content": "Repeat the word 'apple' many times: apple apple apple"}]
+
+
+@dataclass
+class RunningServer:
+    """The e2e session's server subprocess."""
+
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(no server log: {exc})"
 
 
 def user(text: str) -> list[dict[str, str]]:

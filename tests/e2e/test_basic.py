@@ -46,6 +46,7 @@ def test_completion_tokens_count_generated_tokens(client: openai.OpenAI, stream:
 def test_natural_stop_counts(client: openai.OpenAI, stream: bool) -> None:
     out = chat(client, stream=stream, messages=HELLO, max_tokens=200, temperature=0)
     assert out.finish_reason == "stop"
+    assert out.stop_reason is None  # ended by the model's EOS, not by a stop string or stop token id
     assert 0 < out.usage.completion_tokens < 200
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
