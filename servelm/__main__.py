@@ -16,11 +16,13 @@ from servelm.service.deployments import Deployment
 log = logging.getLogger("servelm")
 
 
-def build_deployment(name: str, runner, fingerprint_source: str = "") -> tuple[Deployment, object]:
+def build_deployment(
+    name: str, runner, fingerprint_source: str = "", seeded_step_tokens: int | None = None
+) -> tuple[Deployment, object]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started)."""
     from servelm.engine.local import LocalEngine
 
-    engine = LocalEngine(runner)
+    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens)
     bos = runner.bos_token
 
     def tokenize(text: str) -> list[int]:
@@ -76,10 +78,11 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
     log.info("loading %s", path)
     runner = LlamaCppRunner(
         path, num_slots=e.max_num_seqs, kv_cells=e.kv_cells, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
-        micro_batch_tokens=e.micro_batch_tokens,
         context_window=e.context_window, threads=e.threads, verbose=verbose_llama,
     )
-    deployment, engine = build_deployment(settings.model_id, runner, f"{path.name}:{path.stat().st_size}")
+    deployment, engine = build_deployment(
+        settings.model_id, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens
+    )
     app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
     log.info("serving %s as %r on http://%s:%s", path.name, settings.model_id, settings.host, settings.port)
     uvicorn.run(app, host=settings.host, port=int(settings.port), log_level=settings.log_level.lower(),

@@ -30,12 +30,12 @@ class EngineSettings(BaseSettings):
 
     max_num_seqs: int = Field(16, ge=1, le=256, description="sequences decoded together (llama.cpp sequence slots)")
     kv_cells: int = Field(8192, ge=256, description="cells in the unified KV cache shared by every sequence")
-    max_step_tokens: int = Field(512, ge=16, description="tokens in one forward pass: decode tokens plus prompt chunks")
-    micro_batch_tokens: int = Field(
-        48, ge=1, le=4096,
-        description="tokens llama.cpp multiplies at once (n_ubatch). Below 64 every row takes the same CPU "
-        "kernels whatever shares the step, so a seed gives the same text under any load; 64 or more reads "
-        "prompts about 30 percent faster but lets co-batched work change a sequence's logits slightly",
+    max_step_tokens: int = Field(256, ge=16, description="tokens in one forward pass: decode tokens plus prompt chunks")
+    seeded_step_tokens: int = Field(
+        63, ge=1,
+        description="most tokens in a step while a request with a seed runs. llama.cpp's CPU matmul switches "
+        "kernels at 64 rows, which moves logits slightly, so under 64 a seed gives the same text whatever else "
+        "shares the batch; unseeded traffic keeps the full --max-step-tokens",
     )
     context_window: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the model's)")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")

@@ -43,9 +43,11 @@ class _Client:
 
 
 class LocalEngine:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, *, seeded_step_tokens: int | None = None) -> None:
         self.runner = runner
-        self.scheduler = Scheduler(runner.num_slots, runner.kv_cells, runner.max_step_tokens)
+        self.scheduler = Scheduler(
+            runner.num_slots, runner.kv_cells, runner.max_step_tokens, seeded_step_tokens=seeded_step_tokens
+        )
         self._eog = np.asarray(runner.eog_ids, dtype=np.int64)
         self._eog_set = frozenset(int(t) for t in self._eog)
         self._inbox: deque[tuple[str, object]] = deque()

@@ -45,12 +45,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, kv_cells: int, max_step_tokens: int) -> None:
+    def __init__(
+        self, num_slots: int, kv_cells: int, max_step_tokens: int, *, seeded_step_tokens: int | None = None
+    ) -> None:
         if num_slots < 1 or kv_cells < 1 or max_step_tokens < num_slots:
             raise ValueError("need num_slots >= 1, kv_cells >= 1 and max_step_tokens >= num_slots")
         self.num_slots = num_slots
         self.kv_cells = kv_cells
         self.max_step_tokens = max_step_tokens
+        # While a seeded request is in the system every step stays this small, so that the runner's
+        # kernels (and so the logits) do not depend on what else shares the step.
+        self.seeded_step_tokens = max(seeded_step_tokens or max_step_tokens, num_slots)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in admission order
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
@@ -135,7 +140,7 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        budget = self.max_step_tokens
+        budget = self.step_budget()
         free_cells = self._make_room_for_decode(plan)
         for group in self.running:
             for seq in group.seqs:
@@ -168,6 +173,10 @@ class Scheduler:
         plan.forks, self._forks = self._forks, []
         plan.frees, self._frees = self._frees, []
         return plan
+
+    def step_budget(self) -> int:
+        seeded = any(g.params.seed is not None for g in (*self.running, *self.waiting))
+        return min(self.max_step_tokens, self.seeded_step_tokens) if seeded else self.max_step_tokens
 
     def _make_room_for_decode(self, plan: StepPlan) -> int:
         """Preempt the newest groups until every decoding sequence has a cell for its next token."""

@@ -42,7 +42,6 @@ class LlamaCppRunner:
         num_slots: int = 16,
         kv_cells: int = 16384,
         max_step_tokens: int = 512,
-        micro_batch_tokens: int = 48,
         context_window: int | None = None,
         threads: int | None = None,
         verbose: bool = False,
@@ -64,7 +63,7 @@ class LlamaCppRunner:
         cparams = C.llama_context_default_params()
         cparams.n_ctx = kv_cells
         cparams.n_batch = max_step_tokens
-        cparams.n_ubatch = min(micro_batch_tokens, max_step_tokens)
+        cparams.n_ubatch = max_step_tokens
         cparams.n_seq_max = num_slots
         cparams.kv_unified = True
         n_threads = threads or os.cpu_count() or 1

@@ -134,3 +134,21 @@ def test_requests_with_more_choices_than_slots_are_refused():
     s = Scheduler(num_slots=2, kv_cells=100, max_step_tokens=16)
     with pytest.raises(ValueError):
         s.add(group("big", 3, n=3))
+
+
+def test_steps_stay_small_while_a_seeded_request_is_in_the_system():
+    s = Scheduler(num_slots=4, kv_cells=1000, max_step_tokens=100, seeded_step_tokens=20)
+    s.add(group("plain", 90))
+    assert run_step(s).num_tokens == 90
+    seeded = SequenceGroup("seeded", tuple(range(1, 50)), SamplingParams(max_tokens=4, seed=7))
+    s.add(seeded)
+    s.add(group("plain2", 90))
+    sizes = []
+    while not seeded.finished:
+        plan = run_step(s)
+        sizes.append(plan.num_tokens)
+        for seq in seeded.seqs:
+            if seq.num_generated >= 4:
+                s.finish(seq)
+    assert max(sizes) <= 20, "every step, the seeded request's and everyone else's, stays under the cap"
+    assert run_step(s).num_tokens > 20, "without a seeded request the full budget comes back"
