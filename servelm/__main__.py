@@ -17,12 +17,12 @@ log = logging.getLogger("servelm")
 
 
 def build_deployment(
-    name: str, runner, fingerprint_source: str = "", seeded_step_tokens: int | None = None
+    name: str, runner, fingerprint_source: str = "", seeded_step_tokens: int | None = None, prefix_cache: bool = False
 ) -> tuple[Deployment, object]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started)."""
     from servelm.engine.local import LocalEngine
 
-    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens)
+    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache)
     bos = runner.bos_token
 
     def tokenize(text: str) -> list[int]:
@@ -55,7 +55,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
     p.add_argument("--model", dest="model_path", default=None, help="alias of --model-path")
     for name, field in EngineSettings.model_fields.items():
-        p.add_argument(f"--{name.replace('_', '-')}", dest=f"engine.{name}", default=None, type=int, metavar="N", help=field.description)
+        flag, dest = f"--{name.replace('_', '-')}", f"engine.{name}"
+        if field.annotation is bool:
+            p.add_argument(flag, dest=dest, default=None, action=argparse.BooleanOptionalAction, help=field.description)
+        else:
+            p.add_argument(flag, dest=dest, default=None, type=int, metavar="N", help=field.description)
     p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")
 
 
@@ -81,7 +85,8 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
         context_window=e.context_window, threads=e.threads, verbose=verbose_llama,
     )
     deployment, engine = build_deployment(
-        settings.model_id, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens
+        settings.model_id, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
+        prefix_cache=e.prefix_cache,
     )
     app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
     log.info("serving %s as %r on http://%s:%s", path.name, settings.model_id, settings.host, settings.port)

@@ -37,6 +37,13 @@ class EngineSettings(BaseSettings):
         "kernels at 64 rows, which moves logits slightly, so under 64 a seed gives the same text whatever else "
         "shares the batch; unseeded traffic keeps the full --max-step-tokens",
     )
+    prefix_cache: bool = Field(
+        False,
+        description="keep the latest prompt's KV cells and reuse them for prompts that begin the same way (reads "
+        "shared system prompts once). Off by default: a reused prefix was computed in other batch shapes than a "
+        "fresh read, so a greedy answer may differ slightly from the same request without the cache (llama-server "
+        "documents the same of its cache_prompt); seeded requests never read it",
+    )
     context_window: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the model's)")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")
 

@@ -43,10 +43,16 @@ class _Client:
 
 
 class LocalEngine:
-    def __init__(self, runner: ModelRunner, *, seeded_step_tokens: int | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, *, seeded_step_tokens: int | None = None, prefix_cache: bool = False
+    ) -> None:
         self.runner = runner
         self.scheduler = Scheduler(
-            runner.num_slots, runner.kv_cells, runner.max_step_tokens, seeded_step_tokens=seeded_step_tokens
+            runner.num_slots,
+            runner.kv_cells,
+            runner.max_step_tokens,
+            seeded_step_tokens=seeded_step_tokens,
+            prefix_cache=prefix_cache,
         )
         self._eog = np.asarray(runner.eog_ids, dtype=np.int64)
         self._eog_set = frozenset(int(t) for t in self._eog)
@@ -106,7 +112,8 @@ class LocalEngine:
         return EngineStats(
             running=s.num_running_seqs,
             waiting=s.num_waiting,
-            kv_cells_used=s.kv_cells_used,
+            kv_cells_used=s.kv_cells_used - len(s.prefix),
+            kv_cells_cached=len(s.prefix),
             kv_cells_total=s.kv_cells,
             free_slots=len(s.free_slots),
             total_slots=s.num_slots,
@@ -196,8 +203,8 @@ class LocalEngine:
             return self._finish_output(seq, FinishReason.LENGTH, None, outputs, token, text=text)
         if text:
             outputs.setdefault(seq.group.request_id, []).append(
-                GenerationOutput(seq.group.request_id, seq.index, text, [token],
-                                 prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)
+                GenerationOutput(seq.group.request_id, seq.index, text, [token], prompt_tokens=seq.prompt_len,
+                                 completion_tokens=seq.num_generated, cached_tokens=seq.group.cached_tokens)
             )
 
     def _finish_output(
@@ -219,6 +226,7 @@ class LocalEngine:
                 seq.group.request_id, seq.index, text, [] if token is None else [token],
                 finish_reason=reason, stop_reason=stop_reason,
                 prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
+                cached_tokens=seq.group.cached_tokens,
             )
         )
 

@@ -5,6 +5,12 @@ Each step carries one token for every decoding sequence first, then prompt chunk
 token budget, so a long prompt is read a chunk at a time while the others keep decoding. Sequences
 are admitted and retired between steps. KV cells are counted here: a group's shared prompt counts
 once; when the cache would overflow, the newest group is preempted (its cells freed, recomputed later).
+
+Prefix cache: the prompt of the latest request to finish reading its prompt stays in the KV cache under
+one spare sequence id (`cache_slot`). A new request whose prompt begins with those tokens (a shared
+system prompt, a chat template's preamble, a conversation that grew by a turn) starts with a copy of
+those cells (`llama_memory_seq_cp`: in a unified cache a shared cell costs nothing) and reads only the
+rest. Seeded requests neither read it nor are changed by it (see seeded_step_tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
+
+MIN_PREFIX_REUSE = 4  # fewer shared tokens than this are not worth a copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +36,22 @@ class ScheduledChunk:
         return bool(self.samplers)
 
 
+KVOp = tuple  # ("cp", src slot, dst slot, cells) or ("rm", slot): run in order, before the forward pass
+
+
 @dataclass(slots=True)
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    forks: list[tuple[int, int, int]] = field(default_factory=list)  # (src slot, dst slot, cells); run first
-    frees: list[int] = field(default_factory=list)  # slots whose cells are removed; run after forks
+    ops: list[KVOp] = field(default_factory=list)  # in the order they were decided
     out_of_cells: list[Sequence] = field(default_factory=list)  # cannot grow at all: finish as "length"
+
+    @property
+    def forks(self) -> list[tuple[int, int, int]]:
+        return [op[1:] for op in self.ops if op[0] == "cp"]
+
+    @property
+    def frees(self) -> list[int]:
+        return [op[1] for op in self.ops if op[0] == "rm"]
 
     @property
     def num_tokens(self) -> int:
@@ -41,12 +59,18 @@ class StepPlan:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.chunks or self.forks or self.frees or self.out_of_cells)
+        return bool(self.chunks or self.ops or self.out_of_cells)
 
 
 class Scheduler:
     def __init__(
-        self, num_slots: int, kv_cells: int, max_step_tokens: int, *, seeded_step_tokens: int | None = None
+        self,
+        num_slots: int,
+        kv_cells: int,
+        max_step_tokens: int,
+        *,
+        seeded_step_tokens: int | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         if num_slots < 1 or kv_cells < 1 or max_step_tokens < num_slots:
             raise ValueError("need num_slots >= 1, kv_cells >= 1 and max_step_tokens >= num_slots")
@@ -59,13 +83,15 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in admission order
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
-        self._forks: list[tuple[int, int, int]] = []
-        self._frees: list[int] = []
+        self._ops: list[KVOp] = []
+        self.prefix_cache = prefix_cache
+        self.cache_slot = num_slots  # the spare sequence id that holds the cached prefix
+        self.prefix: tuple[int, ...] = ()
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
     def kv_cells_used(self) -> int:
-        used = 0
+        used = len(self.prefix)
         for group in self.running:
             if group.forked and group.holds_kv():
                 used += group.prefix_cells
@@ -81,7 +107,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._frees or self._forks)
+        return bool(self.waiting or self.running or self._ops)
 
     def add(self, group: SequenceGroup) -> None:
         if len(group.seqs) > self.num_slots:
@@ -115,7 +141,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
-            self._frees.append(seq.slot)
+            self._ops.append(("rm", seq.slot))
             self.free_slots.append(seq.slot)
             seq.slot = None
 
@@ -132,6 +158,7 @@ class Scheduler:
             self._release(seq)
             seq.num_computed = 0
             seq.shared = 0
+            seq.cached = 0
             seq.status = SeqStatus.WAITING
         group.prefix_cells = 0
         self.running.remove(group)
@@ -160,6 +187,9 @@ class Scheduler:
         while self.waiting and budget > 0:
             group = self.waiting[0]
             need = self._admission_cells(group)
+            if need > free_cells and self.prefix and need <= free_cells + len(self.prefix):
+                free_cells += len(self.prefix)
+                self._drop_prefix()
             if len(group.live) > len(self.free_slots) or need > free_cells:
                 break
             self.waiting.popleft()
@@ -170,8 +200,7 @@ class Scheduler:
                     plan.chunks.append(self._chunk(seq, take))
                     budget -= take
             free_cells -= need
-        plan.forks, self._forks = self._forks, []
-        plan.frees, self._frees = self._frees, []
+        plan.ops, self._ops = self._ops, []
         return plan
 
     def step_budget(self) -> int:
@@ -185,6 +214,9 @@ class Scheduler:
             decoding = [s for g in self.running for s in g.seqs if s.status is SeqStatus.RUNNING and s.num_pending == 1]
             if len(decoding) <= free:
                 return free
+            if self.prefix:
+                self._drop_prefix()
+                continue
             if len(self.running) > 1:
                 self._preempt(self.running[-1])
                 continue
@@ -207,7 +239,40 @@ class Scheduler:
         if not group.forked:
             for seq in group.live[1:]:
                 seq.status = SeqStatus.FORK_PENDING
+            self._reuse_prefix(group.live[0])
         self.running.append(group)
+
+    # -- the prefix cache -------------------------------------------------------------------------
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        if not self.prefix or seq.group.params.seed is not None or seq.num_computed:
+            return
+        limit = min(len(self.prefix), len(seq.token_ids) - 1)  # the last token is computed for its logits
+        n = 0
+        while n < limit and self.prefix[n] == seq.token_ids[n]:
+            n += 1
+        if n < MIN_PREFIX_REUSE:
+            return
+        self._ops.append(("cp", self.cache_slot, seq.slot, n))
+        seq.num_computed = seq.cached = n
+        seq.group.cached_tokens = n
+
+    def _remember_prefix(self, seq: Sequence) -> None:
+        """The sequence has just computed its whole prompt: keep that prompt as the cached prefix."""
+        prompt = tuple(seq.token_ids[: seq.prompt_len])
+        if not self.prefix_cache or prompt == self.prefix or seq.slot is None:
+            return
+        if self.prefix:
+            self._drop_prefix()
+        self._ops.append(("cp", seq.slot, self.cache_slot, len(prompt)))
+        self.prefix = prompt
+        seq.cached = len(prompt)  # those cells are now counted once, as the cache's
+
+    def _drop_prefix(self) -> None:
+        self._ops.append(("rm", self.cache_slot))
+        self.prefix = ()
+        for group in self.running:  # cells borrowed from the cache now count as their holders' own
+            for seq in group.seqs:
+                seq.cached = 0
 
     def _chunk(self, seq: Sequence, take: int) -> ScheduledChunk:
         start = seq.num_computed
@@ -225,6 +290,8 @@ class Scheduler:
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_computed += len(chunk.tokens)
+            if chunk.start < seq.prompt_len <= seq.num_computed:
+                self._remember_prefix(seq)
             for sampler in chunk.samplers:
                 if sampler.status is SeqStatus.FORK_PENDING:
                     self._fork(seq, sampler)
@@ -241,4 +308,4 @@ class Scheduler:
         child.shared = n
         child.status = SeqStatus.RUNNING
         assert parent.slot is not None and child.slot is not None
-        self._forks.append((parent.slot, child.slot, n))
+        self._ops.append(("cp", parent.slot, child.slot, n))

@@ -33,6 +33,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV cells are in the cache
     shared: int = 0  # leading cells owned by the group's shared prefix, not counted as this sequence's own
+    cached: int = 0  # leading cells borrowed from the scheduler's prefix cache, not counted either
     slot: int | None = None  # the llama.cpp sequence id while it holds KV
     key: int = field(default_factory=lambda: next(_seq_keys))
     state: Any = None  # the engine loop's own per-sequence state (RNG, detokenizer, counts)
@@ -52,7 +53,7 @@ class Sequence:
 
     @property
     def own_cells(self) -> int:
-        return self.num_computed - self.shared
+        return self.num_computed - max(self.shared, self.cached)
 
     @property
     def holds_slot(self) -> bool:
@@ -68,6 +69,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     prefix_cells: int = 0  # prompt cells shared by the forked members, counted once
     forked: bool = False
+    cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -60,6 +60,7 @@ class GenerationOutput:
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache rather than computed
 
     @property
     def finished(self) -> bool:
@@ -72,7 +73,8 @@ class EngineStats:
 
     running: int
     waiting: int
-    kv_cells_used: int
+    kv_cells_used: int  # held by requests
+    kv_cells_cached: int  # held by the prefix cache (given back first when requests need room)
     kv_cells_total: int
     free_slots: int
     total_slots: int

@@ -13,7 +13,7 @@ class ModelRunner(Protocol):
     vocab_size: int
     context_window: int  # the most positions one sequence may use
     kv_cells: int  # cells in the (unified) KV cache shared by every sequence
-    num_slots: int  # sequences that may hold KV at once
+    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, and num_slots for the prefix cache
     max_step_tokens: int  # tokens one forward pass may carry
     eog_ids: np.ndarray  # end-of-generation tokens
     chat_template: str | None
@@ -28,7 +28,7 @@ class ModelRunner(Protocol):
         ...
 
     def step(self, plan: StepPlan) -> np.ndarray:
-        """Apply the plan's forks and frees, then one forward pass over all its chunks.
+        """Apply the plan's KV operations in order, then one forward pass over all its chunks.
 
         Returns logits, one row (vocab_size wide) for each chunk that wants logits, in chunk order.
         The array may be a view into the runner's memory, valid until the next step.

@@ -69,16 +69,18 @@ class FakeRunner:
 
     # -- the forward pass -------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> np.ndarray:
-        for src, dst, n in plan.forks:
+        for op in plan.ops:
+            if op[0] == "rm":
+                self.cells.pop(op[1], None)
+                self.shared.pop(op[1], None)
+                continue
+            _, src, dst, n = op
             if len(self.cells.get(src, [])) < n:
-                raise FakeKVError(f"fork of {n} cells from slot {src}, which holds {len(self.cells.get(src, []))}")
+                raise FakeKVError(f"copy of {n} cells from slot {src}, which holds {len(self.cells.get(src, []))}")
             if self.cells.get(dst):
-                raise FakeKVError(f"fork into slot {dst}, which already holds cells")
+                raise FakeKVError(f"copy into slot {dst}, which already holds cells")
             self.cells[dst] = list(self.cells[src][:n])
             self.shared[dst] = n
-        for slot in plan.frees:
-            self.cells.pop(slot, None)
-            self.shared.pop(slot, None)
         rows = []
         total = self.cells_in_use()
         for chunk in plan.chunks:

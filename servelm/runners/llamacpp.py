@@ -64,7 +64,7 @@ class LlamaCppRunner:
         cparams.n_ctx = kv_cells
         cparams.n_batch = max_step_tokens
         cparams.n_ubatch = max_step_tokens
-        cparams.n_seq_max = num_slots
+        cparams.n_seq_max = num_slots + 1  # one spare sequence id holds the scheduler's prefix cache
         cparams.kv_unified = True
         n_threads = threads or os.cpu_count() or 1
         cparams.n_threads = n_threads
@@ -140,10 +140,11 @@ class LlamaCppRunner:
         self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
     def step(self, plan: StepPlan) -> np.ndarray:
-        for src, dst, cells in plan.forks:
-            C.llama_memory_seq_cp(self._mem, src, dst, 0, cells)
-        for slot in plan.frees:
-            C.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        for op in plan.ops:
+            if op[0] == "rm":
+                C.llama_memory_seq_rm(self._mem, op[1], -1, -1)
+            else:
+                C.llama_memory_seq_cp(self._mem, op[1], op[2], 0, op[3])
         if not plan.chunks:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         n = 0

@@ -61,10 +61,11 @@ class ChatService:
         n = p.generation.params.n
         texts = [""] * n
         finish: list[Any] = [None] * n
-        completion = 0
+        completion = cached = 0
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 texts[out.index] += out.text
+                cached = out.cached_tokens
                 if out.finished:
                     finish[out.index] = out
                     completion += out.completion_tokens
@@ -83,7 +84,7 @@ class ChatService:
             model=p.model,
             system_fingerprint=p.deployment.fingerprint,
             choices=choices,
-            usage=_usage(len(p.generation.prompt_token_ids), completion),
+            usage=_usage(len(p.generation.prompt_token_ids), completion, cached),
         )
 
     async def stream(self, p: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
@@ -102,9 +103,10 @@ class ChatService:
 
         for i in range(p.generation.params.n):
             yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""), logprobs=None, finish_reason=None)])
-        completion = 0
+        completion = cached = 0
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
+                cached = out.cached_tokens
                 if out.text:
                     yield chunk([ChunkChoice(index=out.index, delta=Delta(content=out.text), logprobs=None, finish_reason=None)])
                 if out.finished:
@@ -119,15 +121,15 @@ class ChatService:
                         )
                     ])
         if p.include_usage:
-            yield chunk([], usage=_usage(len(p.generation.prompt_token_ids), completion))
+            yield chunk([], usage=_usage(len(p.generation.prompt_token_ids), completion, cached))
 
 
-def _usage(prompt: int, completion: int) -> Usage:
+def _usage(prompt: int, completion: int, cached: int) -> Usage:
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=0),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

@@ -38,8 +38,8 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def start_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> RunningServer:
+    """Start `servelm serve` on a free port with the default settings plus `flags`; wait for /health."""
     log_path = tmp_path_factory.mktemp("servelm") / "server.log"
     port = _free_port()
     # The tests assume the default settings; a developer's SERVELM_* variables must not change them.
@@ -47,27 +47,37 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     env["PYTHONUNBUFFERED"] = "1"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
         )
     srv = RunningServer(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with code {proc.returncode} while starting:\n{srv.log_tail()}")
+        try:
+            r = httpx.get(f"{srv.base_url}/health", timeout=2)
+            if r.status_code == 200 and MODEL in r.json().get("deployments", {}):
+                return srv
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            _stop(proc)
+            pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT_S:.0f} s:\n{srv.log_tail()}")
+        time.sleep(0.2)
+
+
+def stop_server(srv: RunningServer) -> None:
+    _stop(srv.process)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    srv = start_server(tmp_path_factory)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with code {proc.returncode} while starting:\n{srv.log_tail()}")
-            try:
-                r = httpx.get(f"{srv.base_url}/health", timeout=2)
-                if r.status_code == 200 and MODEL in r.json().get("deployments", {}):
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT_S:.0f} s:\n{srv.log_tail()}")
-            time.sleep(0.2)
         yield srv
     finally:
-        _stop(proc)
+        stop_server(srv)
 
 
 @pytest.fixture(scope="session")

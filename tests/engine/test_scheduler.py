@@ -13,6 +13,11 @@ def group(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 8) -> Sequenc
     return SequenceGroup(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, n=n))
 
 
+def sched(**kw) -> Scheduler:
+    """A scheduler without the prefix cache (the default), for the tests of everything else."""
+    return Scheduler(**kw)
+
+
 def run_step(s: Scheduler, token: int = 7):
     """Schedule one step and pretend the model sampled `token` for every sampler."""
     plan = s.schedule()
@@ -22,7 +27,7 @@ def run_step(s: Scheduler, token: int = 7):
 
 
 def test_admits_up_to_the_slots_and_queues_the_rest():
-    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=100)
+    s = sched(num_slots=2, kv_cells=1000, max_step_tokens=100)
     for i in range(3):
         s.add(group(f"r{i}", 5))
     plan = run_step(s)
@@ -35,7 +40,7 @@ def test_admits_up_to_the_slots_and_queues_the_rest():
 
 
 def test_decode_tokens_come_first_and_prompts_are_chunked_under_the_budget():
-    s = Scheduler(num_slots=4, kv_cells=1000, max_step_tokens=16)
+    s = sched(num_slots=4, kv_cells=1000, max_step_tokens=16)
     s.add(group("short", 4))
     run_step(s)  # the short prompt is read and its first token sampled
     s.add(group("long", 40))
@@ -51,14 +56,14 @@ def test_decode_tokens_come_first_and_prompts_are_chunked_under_the_budget():
 
 
 def test_positions_follow_the_computed_tokens():
-    s = Scheduler(num_slots=1, kv_cells=1000, max_step_tokens=4)
+    s = sched(num_slots=1, kv_cells=1000, max_step_tokens=4)
     s.add(group("a", 6))
     starts = [run_step(s).chunks[0].start for _ in range(4)]
     assert starts == [0, 4, 6, 7]
 
 
 def test_n_choices_prefill_once_then_fork_the_prompt_cells():
-    s = Scheduler(num_slots=4, kv_cells=1000, max_step_tokens=64)
+    s = sched(num_slots=4, kv_cells=1000, max_step_tokens=64)
     g = group("n3", 10, n=3)
     s.add(g)
     plan = s.schedule()
@@ -74,7 +79,7 @@ def test_n_choices_prefill_once_then_fork_the_prompt_cells():
 
 
 def test_finishing_frees_cells_and_slots():
-    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64)
+    s = sched(num_slots=2, kv_cells=1000, max_step_tokens=64)
     g = group("a", 5)
     s.add(g)
     run_step(s)
@@ -87,7 +92,7 @@ def test_finishing_frees_cells_and_slots():
 
 
 def test_abort_of_a_waiting_and_of_a_running_request():
-    s = Scheduler(num_slots=1, kv_cells=1000, max_step_tokens=64)
+    s = sched(num_slots=1, kv_cells=1000, max_step_tokens=64)
     s.add(group("run", 3))
     s.add(group("wait", 3))
     run_step(s)
@@ -99,7 +104,7 @@ def test_abort_of_a_waiting_and_of_a_running_request():
 
 
 def test_a_full_cache_preempts_the_newest_request_which_resumes_later():
-    s = Scheduler(num_slots=2, kv_cells=12, max_step_tokens=64)
+    s = sched(num_slots=2, kv_cells=12, max_step_tokens=64)
     a, b = group("a", 4, max_tokens=100), group("b", 4, max_tokens=100)
     s.add(a)
     s.add(b)
@@ -120,7 +125,7 @@ def test_a_full_cache_preempts_the_newest_request_which_resumes_later():
 
 
 def test_a_lone_request_that_fills_the_cache_is_cut_off():
-    s = Scheduler(num_slots=1, kv_cells=8, max_step_tokens=64)
+    s = sched(num_slots=1, kv_cells=8, max_step_tokens=64)
     g = group("a", 6, max_tokens=100)
     s.add(g)
     finished = []
@@ -131,13 +136,13 @@ def test_a_lone_request_that_fills_the_cache_is_cut_off():
 
 
 def test_requests_with_more_choices_than_slots_are_refused():
-    s = Scheduler(num_slots=2, kv_cells=100, max_step_tokens=16)
+    s = sched(num_slots=2, kv_cells=100, max_step_tokens=16)
     with pytest.raises(ValueError):
         s.add(group("big", 3, n=3))
 
 
 def test_steps_stay_small_while_a_seeded_request_is_in_the_system():
-    s = Scheduler(num_slots=4, kv_cells=1000, max_step_tokens=100, seeded_step_tokens=20)
+    s = sched(num_slots=4, kv_cells=1000, max_step_tokens=100, seeded_step_tokens=20)
     s.add(group("plain", 90))
     assert run_step(s).num_tokens == 90
     seeded = SequenceGroup("seeded", tuple(range(1, 50)), SamplingParams(max_tokens=4, seed=7))
@@ -152,3 +157,58 @@ def test_steps_stay_small_while_a_seeded_request_is_in_the_system():
                 s.finish(seq)
     assert max(sizes) <= 20, "every step, the seeded request's and everyone else's, stays under the cap"
     assert run_step(s).num_tokens > 20, "without a seeded request the full budget comes back"
+
+
+def test_a_prompt_that_begins_like_the_cached_one_reuses_its_cells():
+    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
+    first = SequenceGroup("first", tuple(range(1, 21)), SamplingParams(max_tokens=2))
+    s.add(first)
+    plan = run_step(s)
+    assert plan.num_tokens == 20
+    plan = run_step(s)
+    assert ("cp", first.seqs[0].slot, s.cache_slot, 20) in plan.ops, "the whole prompt is kept as the prefix"
+    s.finish(first.seqs[0])
+    assert s.kv_cells_used == 20, "the cached prefix is counted"
+    second = SequenceGroup("second", tuple(range(1, 16)) + (99, 98), SamplingParams(max_tokens=2))
+    s.add(second)
+    plan = run_step(s)
+    seq = second.seqs[0]
+    assert ("cp", s.cache_slot, seq.slot, 15) in plan.ops
+    assert [(c.start, c.tokens) for c in plan.chunks] == [(15, (99, 98))]
+    assert second.cached_tokens == 15
+    assert s.prefix == second.prompt_token_ids, "the newest prompt replaces the cached one"
+    assert s.kv_cells_used == 17, "cells shared by a request and the cache count once"
+
+
+def test_an_identical_prompt_still_computes_its_last_token():
+    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
+    for rid in ("a", "b"):
+        g = SequenceGroup(rid, tuple(range(1, 11)), SamplingParams(max_tokens=1))
+        s.add(g)
+        plan = run_step(s)
+        s.finish(g.seqs[0])
+    assert [(c.start, len(c.tokens)) for c in plan.chunks] == [(9, 1)] and plan.chunks[0].wants_logits
+
+
+def test_seeded_requests_do_not_read_the_cache():
+    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
+    s.add(SequenceGroup("a", tuple(range(1, 11)), SamplingParams(max_tokens=1)))
+    run_step(s)
+    seeded = SequenceGroup("s", tuple(range(1, 11)), SamplingParams(max_tokens=1, seed=3))
+    s.add(seeded)
+    plan = run_step(s)
+    assert [c.start for c in plan.chunks if c.seq.group is seeded] == [0] and seeded.cached_tokens == 0
+
+
+def test_the_cache_is_given_up_when_a_request_needs_its_room():
+    s = Scheduler(num_slots=2, kv_cells=30, max_step_tokens=64, prefix_cache=True)
+    a = SequenceGroup("a", tuple(range(1, 21)), SamplingParams(max_tokens=1))
+    s.add(a)
+    run_step(s)
+    s.finish(a.seqs[0])
+    assert len(s.prefix) == 20 and s.kv_cells_used == 20
+    b = SequenceGroup("b", tuple(range(50, 60)), SamplingParams(max_tokens=5))
+    s.add(b)
+    plan = run_step(s)
+    assert ("rm", s.cache_slot) in plan.ops and [c.seq.group for c in plan.chunks] == [b]
+    assert s.prefix == b.prompt_token_ids and s.kv_cells_used <= 30
