@@ -46,7 +46,7 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     err = exc.errors()[0]
     kind = err["type"]
     if kind == "json_invalid":
-        return ApiError_400(
+        return _bad_request(
             "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
             "HTTP library correctly. The OpenAI API expects a JSON payload.)",
             None,
@@ -56,16 +56,16 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     names = _field_names(model) | ({loc[-1]} if kind == "extra_forbidden" and loc and isinstance(loc[-1], str) else set())
     param = _param(loc, frozenset(names))
     if not param:
-        return ApiError_400("The request body must be a JSON object.", None, "invalid_type")
+        return _bad_request("The request body must be a JSON object.", None, "invalid_type")
     if kind == "extra_forbidden":
-        return ApiError_400(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+        return _bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if kind == "missing":
-        return ApiError_400(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+        return _bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
-    return ApiError_400(f"Invalid value for '{param}': {err['msg']}.", param, code)
+    return _bad_request(f"Invalid value for '{param}': {err['msg']}.", param, code)
 
 
-def ApiError_400(message: str, param: str | None, code: str | None) -> ApiError:  # noqa: N802
+def _bad_request(message: str, param: str | None, code: str | None) -> ApiError:
     return InvalidParameter(message, param, code)
 
 
