@@ -23,8 +23,10 @@ cache="${SERVELM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/servelm/wheels}/$k
 if ! ls "$cache"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then
   echo "servelm: compiling llama-cpp-python $version (about 4 minutes on 2 cores) with: $args"
   mkdir -p "$cache"
+  # --no-cache-dir: pip's own cache keys built wheels by source alone, not by CMAKE_ARGS, so it could
+  # hand back a wheel compiled with other flags (AMX included), which crashes on these machines.
   CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    $PIP wheel --no-deps --no-binary llama-cpp-python -w "$cache" "llama-cpp-python==$version"
+    $PIP wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$cache" "llama-cpp-python==$version"
 fi
 
 $PIP install -q --upgrade pip setuptools wheel
