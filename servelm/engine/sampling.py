@@ -81,6 +81,8 @@ def sample_rows(logits: np.ndarray, states: list[SamplerState], eog_ids: np.ndar
         if eog_ids.size and (p.ignore_eos or st.num_generated < p.min_tokens):
             row[eog_ids] = -np.inf
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
+    if greedy.all():  # the common case: no second copy of the rows
+        return np.argmax(logits, axis=1)
     if greedy.any():
         out[greedy] = np.argmax(logits[greedy], axis=1)
     plain = np.fromiter((_plain(st.params) for st in states), dtype=bool, count=rows) & ~greedy
