@@ -17,13 +17,27 @@ log = logging.getLogger("servelm")
 
 
 def build_deployment(
-    name: str, runner, fingerprint_source: str = "", seeded_step_tokens: int | None = None, prefix_cache: bool = False
+    name: str,
+    runner,
+    fingerprint_source: str = "",
+    seeded_step_tokens: int | None = None,
+    prefix_cache: bool = False,
+    chat_template: str | None = None,
 ) -> tuple[Deployment, object]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started)."""
+    from servelm.chat.tools import detect_style
+    from servelm.constrain.grammars import Grammars
     from servelm.engine.local import LocalEngine
 
-    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache)
+    table = runner.token_table()
+    grammars = Grammars(
+        table, runner.eog_ids,
+        lambda data: runner.tokenize(data.decode("utf-8", errors="replace"), add_special=False, parse_special=False),
+    )
+    specials = {t[1:].decode("utf-8", errors="replace"): i for i, t in enumerate(table) if t.startswith(b"\xff")}
+    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache, grammars=grammars)
     bos = runner.bos_token
+    template_source = chat_template or runner.chat_template
 
     def tokenize(text: str) -> list[int]:
         ids = runner.tokenize(text, add_special=True, parse_special=True)
@@ -36,12 +50,15 @@ def build_deployment(
     deployment = Deployment(
         name=name,
         engine=engine,
-        template=ChatTemplate(runner.chat_template, bos_token=runner.bos_token, eos_token=runner.eos_token),
+        template=ChatTemplate(template_source, bos_token=runner.bos_token, eos_token=runner.eos_token),
         tokenize=tokenize,
         context_window=runner.context_window,
         vocab_size=runner.vocab_size,
         max_choices=runner.num_slots,
         fingerprint=f"fp_{digest}",
+        grammars=grammars,
+        tool_style=detect_style(template_source),
+        special_id=specials.get,
     )
     return deployment, engine
 
@@ -86,7 +103,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
     )
     deployment, engine = build_deployment(
         settings.model_id, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
-        prefix_cache=e.prefix_cache,
+        prefix_cache=e.prefix_cache, chat_template=settings.read_chat_template(),
     )
     app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
     log.info("serving %s as %r on http://%s:%s", path.name, settings.model_id, settings.host, settings.port)

@@ -55,8 +55,15 @@ class ServerSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     model_path: Path | None = Field(None, description="a GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
     model_id: str = Field(DEFAULT_MODEL_ID, description="the model id clients ask for")
+    chat_template: Path | None = Field(
+        None, description="a Jinja chat template file to use instead of the one in the model file (tool calls "
+        "follow the template: one that renders `tools` in Hermes, Llama 3 or Mistral syntax is used natively)",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     log_level: str = Field("info", description="log level: debug, info, warning, error")
 
     def resolved_model_path(self) -> Path:
         return self.model_path or embedded_model_path()
+
+    def read_chat_template(self) -> str | None:
+        return self.chat_template.read_text(encoding="utf-8") if self.chat_template else None

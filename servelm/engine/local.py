@@ -11,11 +11,14 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from servelm.constrain.grammars import Grammars
+from servelm.constrain.masks import MaskComputer
 from servelm.engine.detokenizer import Detokenizer
 from servelm.engine.sampling import SamplerState, sample_rows
 from servelm.engine.scheduler import Scheduler, StepPlan
@@ -34,6 +37,7 @@ class EngineError(RuntimeError):
 class _SeqState:
     sampler: SamplerState
     detok: Detokenizer
+    matcher: Any = None  # the llguidance matcher of a constrained choice
 
 
 @dataclass(eq=False)
@@ -44,9 +48,16 @@ class _Client:
 
 class LocalEngine:
     def __init__(
-        self, runner: ModelRunner, *, seeded_step_tokens: int | None = None, prefix_cache: bool = False
+        self,
+        runner: ModelRunner,
+        *,
+        seeded_step_tokens: int | None = None,
+        prefix_cache: bool = False,
+        grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
+        self.grammars = grammars
+        self._masks = MaskComputer(runner.vocab_size) if grammars is not None else None
         self.scheduler = Scheduler(
             runner.num_slots,
             runner.kv_cells,
@@ -62,6 +73,7 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
+        self._special_text: list[bytes] | None = None  # token texts with control tokens spelled out
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -83,9 +95,13 @@ class LocalEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params)
+        if request.constraint is not None and self.grammars is None:
+            raise EngineError("this engine was built without grammar support")
         for seq in group.seqs:
             sampler = SamplerState.create(request.params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
-            seq.state = _SeqState(sampler, Detokenizer(self.runner.token_bytes, request.params.stop))
+            matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
+            detok = Detokenizer(self._token_text(request.params.skip_special_tokens), request.params.stop)
+            seq.state = _SeqState(sampler, detok, matcher)
         client = _Client(asyncio.get_running_loop(), asyncio.Queue())
         self._clients[request.request_id] = client
         self._post("add", group)
@@ -103,6 +119,15 @@ class LocalEngine:
             self._clients.pop(request.request_id, None)
             if remaining:
                 self.abort(request.request_id)
+
+    def _token_text(self, skip_special: bool) -> Callable[[int], bytes]:
+        if skip_special:
+            return self.runner.token_bytes
+        if self._special_text is None:
+            table = self.runner.token_table()
+            self._special_text = [t[1:] if t.startswith(b"\xff") else t for t in table]
+        texts = self._special_text
+        return lambda token: texts[token] if 0 <= token < len(texts) else b""
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
@@ -184,21 +209,33 @@ class LocalEngine:
         if not samplers:
             return [], []
         picked = logits[np.asarray(rows)]  # a copy we may modify
-        tokens = sample_rows(picked, [s.state.sampler for s in samplers], self._eog)
+        tokens = sample_rows(picked, [s.state.sampler for s in samplers], self._eog, self._grammar_masks(samplers))
         return samplers, tokens.tolist()
+
+    def _grammar_masks(self, samplers: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The allowed tokens of every constrained row in this step, computed in one call."""
+        constrained = [i for i, s in enumerate(samplers) if s.state.matcher is not None]
+        if not constrained or self._masks is None:
+            return None
+        return np.asarray(constrained), self._masks.allowed([samplers[i].state.matcher for i in constrained])
 
     def _advance(self, seq: Sequence, token: int, outputs: dict[str, list[GenerationOutput]]) -> None:
         """Account for one sampled token: stop conditions, new text, and the output to send."""
         st: _SeqState = seq.state
         params = seq.group.params
         st.sampler.record(token)
-        if token in self._eog_set and not params.ignore_eos:
+        if st.matcher is not None and not st.matcher.consume_token(token):
+            log.error("grammar rejected sampled token %d: %s", token, st.matcher.get_error())
+            return self._finish_output(seq, FinishReason.STOP, None, outputs, token)
+        if token in self._eog_set and (not params.ignore_eos or st.matcher is not None and st.matcher.is_stopped()):
             return self._finish_output(seq, FinishReason.STOP, None, outputs, token)
         if token in params.stop_token_ids:
             return self._finish_output(seq, FinishReason.STOP, token, outputs, token)
         text, hit = st.detok.push(token)
         if hit is not None:
             return self._finish_output(seq, FinishReason.STOP, hit, outputs, token, text=text, flush=False)
+        if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return self._finish_output(seq, FinishReason.STOP, None, outputs, token, text=text)
         if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.runner.context_window:
             return self._finish_output(seq, FinishReason.LENGTH, None, outputs, token, text=text)
         if text:

@@ -1,7 +1,8 @@
 """Logits → tokens for a whole step at once.
 
 Order (the same for every row): logit_bias, repetition penalty (prompt and output tokens), frequency
-and presence penalties (output tokens), banned tokens (EOS before min_tokens), then greedy argmax when
+and presence penalties (output tokens), banned tokens (EOS before min_tokens), the grammar's mask for a
+constrained row (tokens it does not allow become -inf), then greedy argmax when
 temperature is 0, else temperature, top-k, top-p, min-p and a draw from the row's own RNG. Work is
 vectorized over rows where it can be; the per-row parts are O(vocab), never a full vocabulary sort
 unless top-p needs more than the first candidates.
@@ -67,8 +68,17 @@ class SamplerState:
             row -= counts * np.float32(p.frequency_penalty) + (counts > 0) * np.float32(p.presence_penalty)
 
 
-def sample_rows(logits: np.ndarray, states: list[SamplerState], eog_ids: np.ndarray) -> np.ndarray:
-    """Pick one token per row; logits is (rows × vocab) and is modified in place."""
+def sample_rows(
+    logits: np.ndarray,
+    states: list[SamplerState],
+    eog_ids: np.ndarray,
+    masks: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Pick one token per row; logits is (rows × vocab) and is modified in place.
+
+    masks, when given, is (row indices, allowed): allowed[i] is the boolean row of tokens the grammar of
+    row indices[i] allows.
+    """
     rows = logits.shape[0]
     out = np.empty(rows, dtype=np.int64)
     for r, st in enumerate(states):
@@ -80,6 +90,8 @@ def sample_rows(logits: np.ndarray, states: list[SamplerState], eog_ids: np.ndar
         st.apply_penalties(row)
         if eog_ids.size and (p.ignore_eos or st.num_generated < p.min_tokens):
             row[eog_ids] = -np.inf
+    if masks is not None:
+        _apply_masks(logits, masks[0], masks[1], eog_ids)
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.all():  # the common case: no second copy of the rows
         return np.argmax(logits, axis=1)
@@ -91,6 +103,17 @@ def sample_rows(logits: np.ndarray, states: list[SamplerState], eog_ids: np.ndar
     for r in np.flatnonzero(~greedy & ~plain):
         out[r] = _sample_one(logits[r], states[r])
     return out
+
+
+def _apply_masks(logits: np.ndarray, rows: np.ndarray, allowed: np.ndarray, eog_ids: np.ndarray) -> None:
+    for i, r in enumerate(rows):
+        row = logits[r]
+        row[~allowed[i]] = -np.inf
+        if not np.isfinite(row).any():
+            # the grammar allows only what was banned (EOS before min_tokens, or a -inf bias): the
+            # grammar wins, since any other token would break it; end the choice as it allows
+            ok = np.flatnonzero(allowed[i])
+            row[ok if ok.size else eog_ids] = 0.0
 
 
 def _plain(p: SamplingParams) -> bool:

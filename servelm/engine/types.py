@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
+    skip_special_tokens: bool = True  # control tokens add no text
 
     @property
     def greedy(self) -> bool:
@@ -36,10 +37,24 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """A grammar every choice's output must match, compiled and checked by constrain/ before it gets here.
+
+    `grammar` is llguidance's serialized grammar; `key` names it in the compiled-grammar cache; `kind` says
+    where it came from (json_schema, json_object, regex, choice, grammar, tools) for logs and errors.
+    """
+
+    grammar: str
+    key: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    constraint: Constraint | None = None
 
 
 class FinishReason(str, enum.Enum):

@@ -27,6 +27,10 @@ class ModelRunner(Protocol):
         """The token's text as raw bytes; special (control) tokens render as nothing."""
         ...
 
+    def token_table(self) -> list[bytes]:
+        """Every token's bytes, for grammar masks; control tokens as b"\\xff" followed by their text."""
+        ...
+
     def step(self, plan: StepPlan) -> np.ndarray:
         """Apply the plan's KV operations in order, then one forward pass over all its chunks.
 

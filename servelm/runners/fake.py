@@ -62,6 +62,9 @@ class FakeRunner:
     def token_bytes(self, token: int) -> bytes:
         return b"" if token == EOS else chr(ord("a") + token % 26).encode()
 
+    def token_table(self) -> list[bytes]:
+        return [b"\xff</s>" if t == EOS else self.token_bytes(t) for t in range(self.vocab_size)]
+
     def next_token(self, token: int) -> int:
         if token == END_TOKEN:
             return EOS

@@ -110,6 +110,16 @@ class LlamaCppRunner:
     def token_bytes(self, token: int) -> bytes:
         return self._pieces[token] if 0 <= token < self.vocab_size else b""
 
+    def token_table(self) -> list[bytes]:
+        """Every token's bytes for grammar masks; control tokens as b"\\xff" + their text (llguidance's mark)."""
+        table = []
+        for t in range(self.vocab_size):
+            if C.llama_vocab_get_attr(self._vocab, t) & C.LLAMA_TOKEN_ATTR_CONTROL:
+                table.append(b"\xff" + self._piece(t, special=True))
+            else:
+                table.append(self._pieces[t])
+        return table
+
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 8

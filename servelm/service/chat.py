@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelm.chat.template import TemplateError
-from servelm.engine.types import GenerationRequest, SamplingParams
+from servelm.chat.tools import CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
+from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, SamplingParams
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.chat import (
     ChatCompletion,
@@ -20,10 +21,14 @@ from servelm.protocol.chat import (
     Choice,
     ChunkChoice,
     Delta,
-    ImagePart,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
 )
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.deployments import Deployment, Deployments
+from servelm.service.structured import OutputPlan, ToolPlan, plan_output, template_messages
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class PreparedChat:
     created: int
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None  # set when the answer may hold tool calls
 
 
 class ChatService:
@@ -46,15 +52,18 @@ class ChatService:
     def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
         dep = self.deployments.get(req.model)
         _reject_unsupported(req)
+        output = plan_output(req, dep)
+        messages = template_messages(req, output, dep.tool_style.native)
+        extra = {"tools": output.template_tools} if output.template_tools else {}
         try:
-            text = dep.template.render(_template_messages(req), add_generation_prompt=True)
+            text = dep.template.render(messages, add_generation_prompt=True, **extra)
         except TemplateError as exc:
             raise InvalidParameter(str(exc), "messages") from None
         prompt = dep.tokenize(text)
-        params = _sampling_params(req, dep, len(prompt))
-        generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params)
+        params = _sampling_params(req, dep, len(prompt), output)
+        generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return PreparedChat(dep, generation, req.model, int(time.time()), bool(req.stream), include_usage)
+        return PreparedChat(dep, generation, req.model, int(time.time()), bool(req.stream), include_usage, output.tools)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedChat) -> ChatCompletion:
@@ -69,15 +78,7 @@ class ChatService:
                 if out.finished:
                     finish[out.index] = out
                     completion += out.completion_tokens
-        choices = [
-            Choice(
-                index=i,
-                message=ChatMessageOut(content=texts[i]),
-                finish_reason=finish[i].finish_reason.value,
-                stop_reason=finish[i].stop_reason,
-            )
-            for i in range(n)
-        ]
+        choices = [_choice(i, texts[i], finish[i], p.tools) for i in range(n)]
         return ChatCompletion(
             id=p.generation.request_id,
             created=p.created,
@@ -101,27 +102,81 @@ class ChatService:
                 **extra,
             )
 
-        for i in range(p.generation.params.n):
+        n = p.generation.params.n
+        streams = [ToolCallStream(p.tools.format) if p.tools else None for _ in range(n)]
+        for i in range(n):
             yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""), logprobs=None, finish_reason=None)])
         completion = cached = 0
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 cached = out.cached_tokens
-                if out.text:
-                    yield chunk([ChunkChoice(index=out.index, delta=Delta(content=out.text), logprobs=None, finish_reason=None)])
+                ts = streams[out.index]
+                deltas = ts.feed(out.text) if ts else ([Delta(content=out.text)] if out.text else [])
+                if out.finished and ts:
+                    deltas += ts.finish()
+                for delta in deltas:
+                    yield chunk([ChunkChoice(index=out.index, delta=delta, logprobs=None, finish_reason=None)])
                 if out.finished:
                     completion += out.completion_tokens
+                    reason = out.finish_reason.value
+                    if ts and ts.has_calls and out.finish_reason is FinishReason.STOP:
+                        reason = "tool_calls"
                     yield chunk([
-                        ChunkChoice(
-                            index=out.index,
-                            delta=Delta(),
-                            logprobs=None,
-                            finish_reason=out.finish_reason.value,
-                            stop_reason=out.stop_reason,
-                        )
+                        ChunkChoice(index=out.index, delta=Delta(), logprobs=None, finish_reason=reason,
+                                    stop_reason=out.stop_reason)
                     ])
         if p.include_usage:
             yield chunk([], usage=_usage(len(p.generation.prompt_token_ids), completion, cached))
+
+
+def _choice(index: int, text: str, out: GenerationOutput, tools: ToolPlan | None) -> Choice:
+    reason = out.finish_reason.value
+    message = ChatMessageOut(content=text)
+    if tools is not None:
+        content, calls = parse_tool_calls(tools.format, text)
+        if calls:
+            message = ChatMessageOut(
+                content=content,
+                tool_calls=[ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=n, arguments=a)) for n, a in calls],
+            )
+            if out.finish_reason is FinishReason.STOP:
+                reason = "tool_calls"
+    return Choice(index=index, message=message, finish_reason=reason, stop_reason=out.stop_reason)
+
+
+class ToolCallStream:
+    """One streamed choice's text → deltas: content, or tool calls whose arguments arrive in pieces."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self._parser = ToolCallParser(fmt)
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self._parser.calls)
+
+    def feed(self, text: str) -> list[Delta]:
+        return self._deltas(self._parser.feed(text)) if text else []
+
+    def finish(self) -> list[Delta]:
+        return self._deltas(self._parser.finish())
+
+    @staticmethod
+    def _deltas(events: list[Any]) -> list[Delta]:
+        deltas: list[Delta] = []
+        for e in events:
+            if isinstance(e, ContentEvent):
+                deltas.append(Delta(content=e.text))
+            elif isinstance(e, CallStart):
+                call = DeltaToolCall(index=e.index, id=new_call_id(), type="function",
+                                     function=DeltaFunction(name=e.name, arguments=""))
+                deltas.append(Delta(tool_calls=[call]))
+            else:
+                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=DeltaFunction(arguments=e.text))]))
+        return deltas
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _usage(prompt: int, completion: int, cached: int) -> Usage:
@@ -139,16 +194,6 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
         raise InvalidParameter("logprobs are not supported by this server yet.", "logprobs", "unsupported_parameter")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidParameter("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidParameter(
-            f"response_format of type {req.response_format.type!r} is not supported by this server yet.",
-            "response_format",
-            "unsupported_parameter",
-        )
-    if req.tools:
-        raise InvalidParameter("tools are not supported by this server yet.", "tools", "unsupported_parameter")
-    if req.tool_choice not in (None, "none"):
-        raise InvalidParameter("tool_choice requires tools, which are not supported yet.", "tool_choice", "unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise InvalidParameter("stream_options is only allowed when stream is true.", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
@@ -157,32 +202,7 @@ def _reject_unsupported(req: ChatCompletionRequest) -> None:
         )
 
 
-def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
-        if m.role == "tool" or m.tool_calls:
-            raise InvalidParameter("tool messages are not supported by this server yet.", f"messages[{i}]", "unsupported_parameter")
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if isinstance(part, ImagePart):
-                    raise InvalidParameter(
-                        "This model does not accept image input; send text parts only.",
-                        f"messages[{i}].content[{j}]",
-                        "unsupported_content",
-                    )
-                parts.append(part.text)
-            content = "\n".join(parts)
-        else:
-            content = m.content or ""
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
-        messages.append(msg)
-    return messages
-
-
-def _sampling_params(req: ChatCompletionRequest, dep: Deployment, prompt_len: int) -> SamplingParams:
+def _sampling_params(req: ChatCompletionRequest, dep: Deployment, prompt_len: int, output: OutputPlan) -> SamplingParams:
     window = dep.context_window
     n = req.n or 1
     if n > dep.max_choices:
@@ -226,6 +246,8 @@ def _sampling_params(req: ChatCompletionRequest, dep: Deployment, prompt_len: in
         ignore_eos=bool(req.ignore_eos),
         min_tokens=req.min_tokens or 0,
         n=n,
+        # a tool syntax whose markers are control tokens needs their text to be parsed
+        skip_special_tokens=not (output.tools and output.tools.format.special),
     )
 
 

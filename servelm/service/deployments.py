@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from servelm.chat.template import ChatTemplate
+from servelm.chat.tools import HERMES, ToolStyle
+from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Engine
 from servelm.errors import ModelNotFound
 
@@ -21,6 +23,9 @@ class Deployment:
     vocab_size: int
     max_choices: int  # n may not exceed the sequences decoded together
     fingerprint: str
+    grammars: Grammars | None = None  # constrained output (JSON schemas, grammars, tool calls)
+    tool_style: ToolStyle = ToolStyle(HERMES, native=False)
+    special_id: Callable[[str], int | None] = lambda _text: None  # a control token's id by its text
     created: int = field(default_factory=lambda: int(time.time()))
 
 

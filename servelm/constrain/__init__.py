@@ -1,0 +1,1 @@
+"""Constrained decoding with llguidance: request constraints → compiled grammars → per-step token masks."""
