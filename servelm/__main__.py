@@ -30,10 +30,7 @@ def build_deployment(
     from servelm.engine.local import LocalEngine
 
     table = runner.token_table()
-    grammars = Grammars(
-        table, runner.eog_ids,
-        lambda data: runner.tokenize(data.decode("utf-8", errors="replace"), add_special=False, parse_special=False),
-    )
+    grammars = Grammars(table, runner.eog_ids, runner.tokenize_text)
     specials = {t[1:].decode("utf-8", errors="replace"): i for i, t in enumerate(table) if t.startswith(b"\xff")}
     engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache, grammars=grammars)
     bos = runner.bos_token

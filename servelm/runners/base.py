@@ -27,6 +27,10 @@ class ModelRunner(Protocol):
         """The token's text as raw bytes; special (control) tokens render as nothing."""
         ...
 
+    def tokenize_text(self, data: bytes) -> list[int]:
+        """Plain UTF-8 text (no special tokens, no BOS) → token ids; used by grammar masks."""
+        ...
+
     def token_table(self) -> list[bytes]:
         """Every token's bytes, for grammar masks; control tokens as b"\\xff" followed by their text."""
         ...

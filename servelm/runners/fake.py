@@ -62,6 +62,10 @@ class FakeRunner:
     def token_bytes(self, token: int) -> bytes:
         return b"" if token == EOS else chr(ord("a") + token % 26).encode()
 
+    def tokenize_text(self, data: bytes) -> list[int]:
+        """Plain text → tokens that spell it (letters only; other bytes have no token here)."""
+        return [(c - ord("a")) or 26 for c in data if ord("a") <= c <= ord("z")]
+
     def token_table(self) -> list[bytes]:
         return [b"\xff</s>" if t == EOS else self.token_bytes(t) for t in range(self.vocab_size)]
 

@@ -110,6 +110,9 @@ class LlamaCppRunner:
     def token_bytes(self, token: int) -> bytes:
         return self._pieces[token] if 0 <= token < self.vocab_size else b""
 
+    def tokenize_text(self, data: bytes) -> list[int]:
+        return self.tokenize(data.decode("utf-8", errors="replace"), add_special=False, parse_special=False)
+
     def token_table(self) -> list[bytes]:
         """Every token's bytes for grammar masks; control tokens as b"\\xff" + their text (llguidance's mark)."""
         table = []
