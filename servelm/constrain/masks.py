@@ -2,6 +2,8 @@
 
 llguidance writes one bit per token; numpy unpacks the bits into a boolean row per matcher. The work
 is proportional to the constrained rows only: unconstrained rows in the same batch never wait on it.
+Masks are computed on the engine thread one after another (about 0.1 ms each): a thread pool would
+only contend with llama.cpp's own threads for the same cores.
 """
 
 from __future__ import annotations
@@ -9,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from llguidance import LLExecutor, LLMatcher
+from llguidance import LLMatcher
 
 
 class MaskComputer:
-    def __init__(self, vocab_size: int, threads: int = 1) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
-        self._executor = LLExecutor(num_threads=threads)
         self._bits = np.zeros((0, self._words), dtype=np.int32)
 
     def allowed(self, matchers: Sequence[LLMatcher]) -> np.ndarray:
@@ -25,11 +26,9 @@ class MaskComputer:
         if self._bits.shape[0] < k:
             self._bits = np.zeros((max(k, 2 * self._bits.shape[0]), self._words), dtype=np.int32)
         bits = self._bits[:k]
-        if k == 1:
-            matchers[0].unsafe_compute_mask_ptr(bits.ctypes.data, self._words * 4)
-        else:
-            self._executor.unsafe_compute_mask_ptr(
-                [(m, i) for i, m in enumerate(matchers)], bits.ctypes.data, self._words * 4, k
-            )
+        row_bytes = self._words * 4
+        base = bits.ctypes.data
+        for i, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
         return unpacked[:, : self.vocab_size].view(bool)
