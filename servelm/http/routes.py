@@ -56,7 +56,8 @@ def build_router(deployments: Deployments) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest)
-        prepared = chat.prepare(req)
+        # off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
+        prepared = await asyncio.to_thread(chat.prepare, req)
         if prepared.stream:
             return StreamingResponse(
                 sse_frames(chat.stream(prepared)),
