@@ -6,7 +6,9 @@
 
 Each server in turn is started, waited for, given every workload, and stopped; its peak resident
 memory is sampled throughout. The result is a markdown table of each server's figures, the ratios
-servelm / llama-server, and a JSON file under bench/results/.
+servelm / llama-server, the within-server ratios of RATIOS (constraint overhead = tok/s of json-8-free ÷
+tok/s of json-8), and a JSON file under bench/results/. A workload declared for some servers only (the
+json ones: servelm) is skipped on the others.
 """
 
 from __future__ import annotations
@@ -49,21 +51,78 @@ class Workload:
     ban_eos: bool = True
     system_prompt: str | None = None
     unique_prompts: bool = True
-    extra_body: dict[str, Any] = field(default_factory=dict, hash=False)
+    extra_body: dict[str, Any] = field(default_factory=dict, hash=False)  # merged into every request body
     requests: int | None = None  # default: 2 x concurrency, at least 4
+    servers: tuple[str, ...] | None = None  # the only servers it runs against (default: every server)
+    prompt_set: str | None = None  # workloads naming the same set send the same prompts (default: own name)
+    warmup: int = 0  # uncounted requests of its own before it (e.g. to compile a schema once)
+
+    def runs_on(self, server: str) -> bool:
+        return self.servers is None or server in self.servers
 
     def request_spec(self, ban_ids: tuple[int, ...], attempt: int = 0) -> RequestSpec:
         """The requests of this workload; a retry gets fresh prompts, so no server has them cached."""
+        salt = self.prompt_set or self.name
         return RequestSpec(max_tokens=self.max_tokens, prompt_tokens=self.prompt_tokens,
                            temperature=0.0, ban_token_ids=ban_ids if self.ban_eos else (),
                            system_prompt=self.system_prompt, unique_prompts=self.unique_prompts,
-                           prompt_salt=self.name if attempt == 0 else f"{self.name}-retry{attempt}",
+                           prompt_salt=salt if attempt == 0 else f"{salt}-retry{attempt}",
                            extra_body=dict(self.extra_body))
 
+
+# Structured output: a long inventory object. minItems 40 cannot be reached in 128 tokens, so the grammar
+# never allows EOS and a constrained request generates max_tokens like an unconstrained one.
+INVENTORY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 40,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 24},
+                    "qty": {"type": "integer", "minimum": 0, "maximum": 999},
+                },
+                "required": ["name", "qty"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+JSON_SYSTEM_PROMPT = ('Answer only with a JSON object listing the things named in the text as a shop inventory: '
+                      '{"items": [{"name": "...", "qty": 0}, ...]}.')
+JSON_RESPONSE_FORMAT: dict[str, Any] = {
+    "type": "json_schema",
+    "json_schema": {"name": "inventory", "schema": INVENTORY_SCHEMA, "strict": True},
+}
 
 WORKLOADS: list[Workload] = [
     Workload("1-stream", "1 client; ~135-token prompt, 64 output tokens, EOS banned", concurrency=1),
     Workload("16-streams", "16 concurrent clients; same requests as 1-stream", concurrency=16),
+    Workload("json-8", "8 concurrent clients; json_schema response_format (inventory), 128 output tokens, "
+             "EOS banned", concurrency=8, max_tokens=128, system_prompt=JSON_SYSTEM_PROMPT,
+             extra_body={"response_format": JSON_RESPONSE_FORMAT}, servers=("servelm",), prompt_set="json-8",
+             warmup=1),
+    Workload("json-8-free", "json-8's requests and prompts without response_format", concurrency=8,
+             max_tokens=128, system_prompt=JSON_SYSTEM_PROMPT, servers=("servelm",), prompt_set="json-8"),
+]
+
+
+@dataclass(frozen=True)
+class WorkloadRatio:
+    """tok/s of one workload ÷ tok/s of another, on the same server in the same run."""
+
+    label: str
+    numerator: str
+    denominator: str
+    target: float | None = None  # the largest acceptable value, if there is one
+
+
+RATIOS: list[WorkloadRatio] = [
+    WorkloadRatio("constraint overhead", "json-8-free", "json-8", target=1.15),
 ]
 
 
@@ -147,14 +206,17 @@ async def run_server(spec: servers.ServerSpec, workloads: list[Workload], args: 
         run.ready_s = await proc.wait_ready(args.startup_timeout)
         print(f"   ready in {run.ready_s:.1f} s", flush=True)
         for i, w in enumerate(workloads):
+            warmup = max(args.warmup, w.warmup) if i == 0 else w.warmup
             for attempt in range(1 + args.noisy_retries):
                 if attempt:
                     print(f"   {w.name}: other work was busy; again (retry {attempt})", flush=True)
                     await wait_for_quiet(args.wait_quiet)
-                await run_workload(proc, w, args, ban, run, attempt, warmup=args.warmup if i == 0 else 0)
+                await run_workload(proc, w, args, ban, run, attempt, warmup=warmup)
                 run.attempts[w.name] = attempt + 1
                 if run.other_cores[w.name] < QUIET_CORES:
                     break
+            for line in ratio_lines([run], involving=w.name):  # a ratio this workload completed
+                print(f"   {line}", flush=True)
     except RuntimeError as exc:
         run.error = str(exc)
         print(f"   FAILED: {exc}", file=sys.stderr, flush=True)
@@ -176,12 +238,43 @@ def _figures(lv: LevelResult) -> dict[str, float | None]:
             "ITL p50": lv.itl_ms["p50"], "ITL p99": lv.itl_ms["p99"]}
 
 
+def workload_ratios(runs: list[ServerRun]) -> list[dict[str, Any]]:
+    """Every RATIOS entry for every server that ran both of its workloads."""
+    found = []
+    for ratio in RATIOS:
+        for r in runs:
+            a, b = r.levels.get(ratio.numerator), r.levels.get(ratio.denominator)
+            if a is None or b is None:
+                continue
+            value = a.output_tok_s / b.output_tok_s if b.output_tok_s > 0 else None
+            found.append({"label": ratio.label, "server": r.name, "numerator": ratio.numerator,
+                          "denominator": ratio.denominator, "value": value, "target": ratio.target,
+                          "numerator_tok_s": a.output_tok_s, "denominator_tok_s": b.output_tok_s})
+    return found
+
+
+def ratio_lines(runs: list[ServerRun], involving: str | None = None) -> list[str]:
+    lines = []
+    for f in workload_ratios(runs):
+        if involving is not None and involving not in (f["numerator"], f["denominator"]):
+            continue
+        verdict = ""
+        if f["target"] is not None and f["value"] is not None:
+            verdict = f" ({'within' if f['value'] <= f['target'] else 'ABOVE'} the target of {f['target']:.2f})"
+        lines.append(f"{f['label']} = tok/s({f['numerator']}) / tok/s({f['denominator']}) = "
+                     f"{f['numerator_tok_s']:.1f} / {f['denominator_tok_s']:.1f} = {_num(f['value'], 3)} "
+                     f"[{f['server']}]{verdict}")
+    return lines
+
+
 def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
     out = [("| workload | server | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
             "| out tok/req | prompt tok | errors | other cores |"),
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in workloads:
         for r in runs:
+            if not w.runs_on(r.name):
+                continue
             lv = r.levels.get(w.name)
             if lv is None:
                 out.append(f"| {w.name} | {r.name} | failed | | | | | | | | | |")
@@ -207,13 +300,20 @@ def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
                 "| workload | server | " + " | ".join(cols) + " | peak RSS |",
                 "|---|---|" + "---:|" * (len(cols) + 1)]
         for w in workloads:
+            if not w.runs_on(BASELINE):
+                continue
             for r in others:
+                if not w.runs_on(r.name):
+                    continue
                 a, b = r.levels.get(w.name), base.levels.get(w.name)
                 fa = _figures(a) if a else {}
                 fb = _figures(b) if b else {}
                 cells = [_ratio(fa.get(c), fb.get(c)) for c in cols]
                 cells.append(_ratio(r.peak_rss_mib, base.peak_rss_mib))
                 out.append(f"| {w.name} | {r.name} | " + " | ".join(cells) + " |")
+    lines = ratio_lines(runs)
+    if lines:
+        out += ["", "Within-server ratios (same server, same run):", ""] + [f"- {line}" for line in lines]
     return "\n".join(out)
 
 
@@ -250,6 +350,7 @@ def write_json(path: Path, runs: list[ServerRun], workloads: list[Workload], arg
         "parallel": args.parallel,
         "ban_eos": args.ban_eos,
         "workloads": [asdict(w) for w in workloads],
+        "ratios": workload_ratios(runs),
         "servers": [{**{k: v for k, v in asdict(r).items() if k != "levels"},
                      "levels": {k: v.to_dict() for k, v in r.levels.items()}} for r in runs],
     }
@@ -305,9 +406,15 @@ async def _main(args: argparse.Namespace) -> int:
     complete = False
     try:
         for name in names:
+            mine = [w for w in workloads if w.runs_on(name)]
+            skipped = [w.name for w in workloads if not w.runs_on(name)]
+            if skipped:
+                print(f"\n{name}: skips {', '.join(skipped)} (declared for other servers only)", flush=True)
+            if not mine:
+                continue
             spec = build_spec(name, args, model, ctx)
             runs.append(ServerRun(spec.name, spec.argv, ""))
-            await run_server(spec, workloads, args, RESULTS / "logs" / stamp, runs[-1])
+            await run_server(spec, mine, args, RESULTS / "logs" / stamp, runs[-1])
         complete = True
     finally:
         # Also on Ctrl-C or SIGTERM: report what finished (every server is already stopped).

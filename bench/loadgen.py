@@ -315,6 +315,16 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.replace(" ", "").split(",") if x]
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Closed-loop streaming load generator (OpenAI chat API).")
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL, ending in /v1")
@@ -332,6 +342,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before each level")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                   help="a JSON object merged into every request body, e.g. '{\"response_format\": {...}}'")
     p.add_argument("--json-out", default=None, metavar="FILE")
     return p.parse_args(argv)
 
@@ -339,7 +351,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def _main(args: argparse.Namespace) -> list[LevelResult]:
     spec = RequestSpec(max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
                        temperature=args.temperature, ban_token_ids=tuple(args.ban_eos),
-                       unique_prompts=not args.same_prompt)
+                       unique_prompts=not args.same_prompt, extra_body=args.extra_body)
     levels = []
     for conc in args.concurrency:
         level_spec = replace(spec, prompt_salt=f"c{conc}")
@@ -358,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         payload = {"url": args.url, "model": args.model, "max_tokens": args.max_tokens,
                    "prompt_tokens": args.prompt_tokens, "ban_eos": args.ban_eos,
-                   "temperature": args.temperature, "levels": [lv.to_dict() for lv in levels]}
+                   "temperature": args.temperature, "extra_body": args.extra_body,
+                   "levels": [lv.to_dict() for lv in levels]}
         with open(args.json_out, "w") as fh:
             json.dump(payload, fh, indent=2)
     return 1 if any(lv.errors for lv in levels) else 0
