@@ -204,3 +204,79 @@ def wait_idle(base_url: str, timeout: float = 10.0) -> tuple[bool, dict[str, Any
         if time.monotonic() > deadline:
             return False, stats
         time.sleep(0.05)
+
+
+# -- JSON Schema, checked by hand (the subset the structured-output tests use) -------------------
+_SCHEMA_KEYWORDS = {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+    "minLength", "maxLength", "pattern", "minimum", "maximum", "title", "description",
+}
+_JSON_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def schema_errors(value: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
+    """Where value breaks schema (empty when it validates). A keyword outside the subset is a test bug."""
+    import re
+
+    unknown = set(schema) - _SCHEMA_KEYWORDS
+    assert not unknown, f"schema_errors does not check {sorted(unknown)}"
+    errors: list[str] = []
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(_JSON_TYPES[t](value) for t in types):
+            return [f"{path}: {value!r} is not of type {schema['type']}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{path}: {value!r} is not {schema['const']!r}")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            errors.append(f"{path}: {value!r} is shorter than {schema['minLength']}")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            errors.append(f"{path}: {value!r} is longer than {schema['maxLength']}")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            errors.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
+    if _JSON_TYPES["number"](value):
+        if "minimum" in schema and value < schema["minimum"]:
+            errors.append(f"{path}: {value!r} is below {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            errors.append(f"{path}: {value!r} is above {schema['maximum']}")
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            errors.append(f"{path}: {len(value)} items, fewer than {schema['minItems']}")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            errors.append(f"{path}: {len(value)} items, more than {schema['maxItems']}")
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema.get("items", {}), f"{path}[{i}]")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for key in schema.get("required", ()):
+            if key not in value:
+                errors.append(f"{path}: the required property {key!r} is missing")
+        extra = schema.get("additionalProperties", True)
+        for key, item in value.items():
+            if key in props:
+                errors += schema_errors(item, props[key], f"{path}.{key}")
+            elif extra is False:
+                errors.append(f"{path}: the property {key!r} is not allowed")
+            elif isinstance(extra, dict):
+                errors += schema_errors(item, extra, f"{path}.{key}")
+    return errors
+
+
+def assert_valid_json(text: str, schema: dict[str, Any]) -> Any:
+    """text is one JSON value that validates against schema; returns the value."""
+    import json
+
+    value = json.loads(text)
+    errors = schema_errors(value, schema)
+    assert not errors, f"{text!r} breaks its schema: {errors}"
+    return value
