@@ -149,7 +149,7 @@ def tool_grammar(
     if choice == "auto":
         if content is None:
             starts = "|".join(re.escape(s) for s in fmt.starts)
-            rules.append(f"TEXT: /(.|\\n)*/ & ~/({starts})(.|\\n)*/")
+            rules.append(f"TEXT: /(.|\\n)*/ & ~/\\s*({starts})(.|\\n)*/")
             content = "TEXT"
         rules.append(f"start: calls | {content}")
     else:

@@ -38,6 +38,8 @@ class _SeqState:
     sampler: SamplerState
     detok: Detokenizer
     matcher: Any = None  # the llguidance matcher of a constrained choice
+    free_unless: tuple[str, ...] = ()  # see Constraint.free_unless
+    head: str = ""  # the output so far, while free_unless is undecided
 
 
 @dataclass(eq=False)
@@ -101,7 +103,8 @@ class LocalEngine:
             sampler = SamplerState.create(request.params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
             matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
             detok = Detokenizer(self._token_text(request.params.skip_special_tokens), request.params.stop)
-            seq.state = _SeqState(sampler, detok, matcher)
+            free_unless = request.constraint.free_unless if request.constraint is not None else ()
+            seq.state = _SeqState(sampler, detok, matcher, free_unless)
         client = _Client(asyncio.get_running_loop(), asyncio.Queue())
         self._clients[request.request_id] = client
         self._post("add", group)
@@ -232,6 +235,8 @@ class LocalEngine:
         if token in params.stop_token_ids:
             return self._finish_output(seq, FinishReason.STOP, token, outputs, token)
         text, hit = st.detok.push(token)
+        if st.free_unless and text:
+            self._maybe_release(st, text)
         if hit is not None:
             return self._finish_output(seq, FinishReason.STOP, hit, outputs, token, text=text, flush=False)
         if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete: nothing may follow
@@ -243,6 +248,19 @@ class LocalEngine:
                 GenerationOutput(seq.group.request_id, seq.index, text, [token], prompt_tokens=seq.prompt_len,
                                  completion_tokens=seq.num_generated, cached_tokens=seq.group.cached_tokens)
             )
+
+    @staticmethod
+    def _maybe_release(st: _SeqState, text: str) -> None:
+        """Drop the matcher once the output is text that no marker of free_unless can begin."""
+        st.head += text
+        head = st.head.lstrip()
+        if not head:
+            return
+        if any(head.startswith(m) for m in st.free_unless):
+            st.free_unless = ()  # committed to the constrained branch: keep the grammar to the end
+        elif not any(m.startswith(head) for m in st.free_unless):
+            st.matcher = None
+            st.free_unless = ()
 
     def _finish_output(
         self,

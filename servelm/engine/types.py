@@ -47,6 +47,10 @@ class Constraint:
     grammar: str
     key: str
     kind: str
+    # Set for "text, or else something that begins with one of these" (tool_choice auto): once the output
+    # is text that cannot begin any of them, the grammar allows every continuation, so the engine stops
+    # computing its masks.
+    free_unless: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ compiled is a 400 naming its parameter and never an unconstrained answer.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from servelm.chat.tools import (
@@ -79,6 +79,8 @@ def plan_output(req: ChatCompletionRequest, dep: Deployment) -> OutputPlan:
         constraint = grammars.lark(lark, "tools")
     except GrammarError as exc:
         raise InvalidParameter(f"The tools could not be compiled into a grammar: {exc}", "tools") from None
+    if choice == "auto" and content_expr is None:
+        constraint = replace(constraint, free_unless=fmt.starts)
     plan = ToolPlan(fmt, tuple(functions), choice)
     if style.native:
         return OutputPlan(constraint, plan, template_tools=[f.as_openai() for f in functions])

@@ -84,6 +84,7 @@ def test_auto_takes_text_or_calls(g):
     assert accepts(g, c, "It is sunny.")
     assert accepts(g, c, HERMES.render_calls(CALLS[:1]))
     assert not accepts(g, c, "<tool_call>\nnonsense")
+    assert not accepts(g, c, "\n <tool_call>\nnonsense"), "a call cannot hide behind whitespace as text"
     schema = '%json{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     cj = g.lark(tool_grammar(HERMES, [WEATHER], "auto", parallel=True, content=schema), "tools")
     assert accepts(g, cj, '{"a": 1}') and not accepts(g, cj, "It is sunny.")

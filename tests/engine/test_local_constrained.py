@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -64,3 +65,18 @@ async def test_max_tokens_still_cuts_a_constrained_answer(setup):
     engine, grammars, _ = setup
     texts, finals = await run(engine, "l", [1], grammars.regex("a{10}"), max_tokens=4)
     assert texts[0] == "aaaa" and finals[0].finish_reason is FinishReason.LENGTH
+
+
+async def test_free_unless_drops_the_grammar_once_the_text_cannot_begin_a_marker(setup):
+    engine, grammars, _ = setup
+    lark = 'start: "abc" "d" | TEXT\nTEXT: /[a-z]{0,3}/ & ~/abc.*/\n'
+    c = replace(grammars.lark(lark), free_unless=("abc",))
+    # the fake continues 'z' with "abcdefg...": it commits to the marker branch and the grammar ends it
+    texts, finals = await run(engine, "m", [25], c)
+    assert texts[0] == "abcd" and finals[0].finish_reason is FinishReason.STOP
+    # after 'c' comes "defgh...": text that cannot begin "abc", so the grammar (at most 3 letters) is dropped
+    texts, finals = await run(engine, "t", [28], c, max_tokens=6)
+    assert texts[0] == "defghi" and finals[0].finish_reason is FinishReason.LENGTH
+    # without the hint the same grammar holds the text to 3 letters
+    texts, finals = await run(engine, "k", [28], grammars.lark(lark), max_tokens=6)
+    assert texts[0] == "def" and finals[0].finish_reason is FinishReason.STOP
