@@ -3,6 +3,7 @@ structural promise of the response on the way, and fold it into one comparable O
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -204,6 +205,28 @@ def wait_idle(base_url: str, timeout: float = 10.0) -> tuple[bool, dict[str, Any
         if time.monotonic() > deadline:
             return False, stats
         time.sleep(0.05)
+
+
+async def gather_watching_running(base_url: str, tasks: list[Any]) -> tuple[list[Any], int]:
+    """Run the tasks together while polling /health; returns their results and the peak running count."""
+    peak = 0
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        async with httpx.AsyncClient(timeout=10) as http:
+            while not done.is_set():
+                stats = (await http.get(f"{base_url}/health")).json()["deployments"][MODEL]
+                peak = max(peak, stats["running"])
+                await asyncio.sleep(0.05)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        done.set()
+        await watcher
+    return list(results), peak
 
 
 # -- JSON Schema, checked by hand (the subset the structured-output tests use) -------------------

@@ -16,13 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from .conftest import start_server, stop_server
-from .helpers import MODEL, RunningServer, achat, assert_valid_json, schema_errors, user, wait_idle
+from .helpers import (
+    MODEL,
+    RunningServer,
+    achat,
+    assert_valid_json,
+    gather_watching_running,
+    schema_errors,
+    user,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -344,22 +352,7 @@ async def test_constrained_and_free_requests_together(aclient: openai.AsyncOpenA
     free = [achat(aclient, stream=i % 2 == 1, messages=user(f"Tell me fact number {i} about the sea."),
                   max_tokens=16, temperature=1.0) for i in range(8)]
     mixed = [task for pair in zip(constrained, free) for task in pair]
-    peak = 0
-    finished = asyncio.Event()
-
-    async def watch() -> None:
-        nonlocal peak
-        async with httpx.AsyncClient(timeout=10) as http:
-            while not finished.is_set():
-                peak = max(peak, (await http.get(f"{base_url}/health")).json()["deployments"][MODEL]["running"])
-                await asyncio.sleep(0.05)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        results = await asyncio.gather(*mixed)
-    finally:
-        finished.set()
-        await watcher
+    results, peak = await gather_watching_running(base_url, mixed)
     assert peak > 4, f"the requests never ran together (peak {peak})"
     done, free_out = results[0::2], results[1::2]
     for out in done[:3]:
