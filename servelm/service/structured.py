@@ -158,7 +158,7 @@ def _functions(req: ChatCompletionRequest, grammars: Grammars | None) -> list[Fu
         if fn.name in seen:
             raise InvalidParameter(f"Two tools are named {fn.name!r}; tool names must be unique.", f"tools[{i}].function.name")
         seen.add(fn.name)
-        params = fn.parameters if fn.parameters is not None else None
+        params = fn.parameters
         if params is not None and grammars is not None:
             try:
                 grammars.json_schema(params)
@@ -167,7 +167,8 @@ def _functions(req: ChatCompletionRequest, grammars: Grammars | None) -> list[Fu
                     f"The parameters of tool {fn.name!r} are not a usable JSON schema: {exc}",
                     f"tools[{i}].function.parameters", "invalid_grammar",
                 ) from None
-        functions.append(FunctionSpec(fn.name, fn.description, params) if params is not None else FunctionSpec(fn.name, fn.description))
+        spec = FunctionSpec(fn.name, fn.description) if params is None else FunctionSpec(fn.name, fn.description, params)
+        functions.append(spec)
     return functions
 
 
