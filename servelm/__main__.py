@@ -29,9 +29,7 @@ def build_deployment(
     from servelm.constrain.grammars import Grammars
     from servelm.engine.local import LocalEngine
 
-    table = runner.token_table()
-    grammars = Grammars(table, runner.eog_ids, runner.tokenize_text)
-    specials = {t[1:].decode("utf-8", errors="replace"): i for i, t in enumerate(table) if t.startswith(b"\xff")}
+    grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text)
     engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache, grammars=grammars)
     bos = runner.bos_token
     template_source = chat_template or runner.chat_template
@@ -55,7 +53,7 @@ def build_deployment(
         fingerprint=f"fp_{digest}",
         grammars=grammars,
         tool_style=detect_style(template_source),
-        special_id=specials.get,
+        special_id=grammars.special_id,
     )
     return deployment, engine
 

@@ -58,9 +58,19 @@ class Grammars:
         eog = [int(t) for t in eog_ids]
         self.tokenizer = LLTokenizer(TokenizerWrapper(_Vocab(table, eog[0], tokenize)), eos_token=eog)
         self.vocab_size = len(table)
+        # every token's text with control tokens spelled out (for syntaxes whose markers are control tokens)
+        self.spelled = [t[len(SPECIAL_PREFIX):] if t.startswith(SPECIAL_PREFIX) else t for t in table]
+        self._specials = {
+            t[len(SPECIAL_PREFIX):].decode("utf-8", errors="replace"): i
+            for i, t in enumerate(table) if t.startswith(SPECIAL_PREFIX)
+        }
         self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the control token whose text this is, if there is one."""
+        return self._specials.get(text)
 
     # -- building constraints ---------------------------------------------------------------------
     def json_schema(self, schema: dict[str, Any] | bool) -> Constraint:

@@ -75,7 +75,6 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self._special_text: list[bytes] | None = None  # token texts with control tokens spelled out
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,12 +123,9 @@ class LocalEngine:
                 self.abort(request.request_id)
 
     def _token_text(self, skip_special: bool) -> Callable[[int], bytes]:
-        if skip_special:
+        if skip_special or self.grammars is None:
             return self.runner.token_bytes
-        if self._special_text is None:
-            table = self.runner.token_table()
-            self._special_text = [t[1:] if t.startswith(b"\xff") else t for t in table]
-        texts = self._special_text
+        texts = self.grammars.spelled  # control tokens spelled out
         return lambda token: texts[token] if 0 <= token < len(texts) else b""
 
     def abort(self, request_id: str) -> None:

@@ -80,3 +80,8 @@ def test_masks_allow_exactly_the_grammars_next_bytes(g):
     assert list(np.flatnonzero(allowed[1])) == sorted(tokens("b") + tokens("c"))
     assert m2.consume_token(tokens("b")[0]) and m2.is_stopped()
     assert list(np.flatnonzero(masks.allowed([m2])[0])) == [EOS]
+
+
+def test_control_tokens_are_found_by_text_and_spelled_out(g):
+    assert g.special_id("<eos>") == EOS and g.special_id("a") is None
+    assert g.spelled[EOS] == b"<eos>" and g.spelled[tokens("a")[0]] == b"a"
