@@ -12,8 +12,10 @@ from collections.abc import Callable
 
 
 class Detokenizer:
-    def __init__(self, token_bytes: Callable[[int], bytes], stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, token_bytes: Callable[[int], bytes], stop: tuple[str, ...] = (), *,
+                 include_stop: bool = False) -> None:
         self._token_bytes = token_bytes
+        self._include_stop = include_stop
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded, not yet sent
@@ -26,7 +28,7 @@ class Detokenizer:
             return out, None
         hit, at = self._find_stop()
         if hit is not None:
-            out, self._held = self._held[:at], ""
+            out, self._held = self._held[: at + len(hit) if self._include_stop else at], ""
             return out, hit
         keep = self._partial_stop_suffix()
         cut = len(self._held) - keep

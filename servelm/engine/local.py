@@ -12,7 +12,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -20,10 +20,11 @@ import numpy as np
 from servelm.constrain.grammars import Grammars
 from servelm.constrain.masks import MaskComputer
 from servelm.engine.detokenizer import Detokenizer
-from servelm.engine.sampling import SamplerState, sample_rows
+from servelm.engine.beam import BeamSearch
+from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
 from servelm.engine.scheduler import Scheduler, StepPlan
-from servelm.engine.sequence import Sequence, SequenceGroup
-from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest
+from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest, TokenLogprob
 from servelm.runners.base import KVCacheFull, ModelRunner
 
 log = logging.getLogger("servelm.engine")
@@ -40,6 +41,11 @@ class _SeqState:
     matcher: Any = None  # the llguidance matcher of a constrained choice
     free_unless: tuple[str, ...] = ()  # see Constraint.free_unless
     head: str = ""  # the output so far, while free_unless is undecided
+    beam: BeamSearch | None = None  # shared by every beam of a beam-search request
+    tokens: list[int] = field(default_factory=list)  # taken since the last output was sent
+    logprobs: list[TokenLogprob] | None = None  # theirs, when asked for
+    cumulative: float = 0.0
+    prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, while the prompt is read
 
 
 @dataclass(eq=False)
@@ -96,18 +102,26 @@ class LocalEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params)
+        params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
+        search = None
+        if params.beam is not None:
+            search = BeamSearch(params, len(group.seqs), self._eog_set, self._token_text(params.skip_special_tokens))
         for seq in group.seqs:
-            sampler = SamplerState.create(request.params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
+            sampler = SamplerState.create(params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
             matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
-            detok = Detokenizer(self._token_text(request.params.skip_special_tokens), request.params.stop)
+            detok = Detokenizer(self._token_text(params.skip_special_tokens), params.stop,
+                                include_stop=params.include_stop_str_in_output)
             free_unless = request.constraint.free_unless if request.constraint is not None else ()
-            seq.state = _SeqState(sampler, detok, matcher, free_unless)
+            seq.state = _SeqState(sampler, detok, matcher, free_unless, beam=search,
+                                  logprobs=[] if params.logprobs is not None else None)
+        if params.prompt_logprobs is not None:
+            group.seqs[0].state.prompt_logprobs = {}
         client = _Client(asyncio.get_running_loop(), asyncio.Queue())
         self._clients[request.request_id] = client
         self._post("add", group)
-        remaining = len(group.seqs)
+        remaining = params.n if search is not None else len(group.seqs)
         try:
             while remaining:
                 batch = await client.queue.get()
@@ -188,28 +202,87 @@ class LocalEngine:
             self._send(outputs)
             return
         self.steps += 1
-        samplers, tokens = self._sample(plan, logits)
+        rows = self._rows(plan, logits)
+        self._prompt_logprobs(plan, logits, rows)
+        samplers, processed, tokens, beams = self._sample(plan, logits, rows)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
-        for seq, token in zip(samplers, tokens):
-            self._advance(seq, int(token), outputs)
+        entries = self._token_logprobs(samplers, processed, tokens)
+        for seq, token, entry in zip(samplers, tokens, entries):
+            self._advance(seq, int(token), entry, outputs)
+        for group, group_rows in beams.items():
+            self._beam_step(group, group_rows, outputs)
         self._send(outputs)
 
-    def _sample(self, plan: StepPlan, logits: np.ndarray) -> tuple[list[Sequence], list[int]]:
-        rows: list[int] = []
-        samplers: list[Sequence] = []
-        r = 0
+    @staticmethod
+    def _rows(plan: StepPlan, logits: np.ndarray) -> list[int]:
+        """For each chunk, the logits row of its last token (-1 when it has none)."""
+        out, r = [], 0
         for chunk in plan.chunks:
-            if not chunk.wants_logits:
-                continue
+            if chunk.all_logits:
+                r += len(chunk.tokens)
+                out.append(r - 1)
+            elif chunk.wants_logits:
+                out.append(r)
+                r += 1
+            else:
+                out.append(-1)
+        return out
+
+    def _sample(self, plan: StepPlan, logits: np.ndarray, rows: list[int]) -> tuple[
+        list[Sequence], np.ndarray, list[int], dict[SequenceGroup, np.ndarray]
+    ]:
+        """Process every sampler's row; draw for the plain ones; hand beam-search rows back by group."""
+        picks: list[int] = []
+        samplers: list[Sequence] = []
+        for chunk, r in zip(plan.chunks, rows):
             for seq in chunk.samplers:
-                rows.append(r)
+                picks.append(r)
                 samplers.append(seq)
-            r += 1
         if not samplers:
-            return [], []
-        picked = logits[np.asarray(rows)]  # a copy we may modify
-        tokens = sample_rows(picked, [s.state.sampler for s in samplers], self._eog, self._grammar_masks(samplers))
-        return samplers, tokens.tolist()
+            return [], logits[:0], [], {}
+        picked = logits[np.asarray(picks)]  # a copy we may modify
+        states = [s.state.sampler for s in samplers]
+        process_rows(picked, states, self._eog, self._grammar_masks(samplers))
+        plain = [i for i, s in enumerate(samplers) if s.state.beam is None]
+        beams: dict[SequenceGroup, np.ndarray] = {}
+        for i, s in enumerate(samplers):
+            if s.state.beam is not None:
+                beams.setdefault(s.group, []).append(i)  # type: ignore[arg-type]
+        beams = {g: picked[sorted(idx, key=lambda i: samplers[i].index)] for g, idx in beams.items()}
+        if len(plain) < len(samplers):
+            picked, samplers = picked[plain], [samplers[i] for i in plain]
+            states = [states[i] for i in plain]
+        tokens = pick_rows(picked, states).tolist() if samplers else []
+        return samplers, picked, tokens, beams
+
+    @staticmethod
+    def _token_logprobs(samplers: list[Sequence], rows: np.ndarray, tokens: list[int]) -> list[TokenLogprob | None]:
+        """Logprob entries for the rows that report them or rank best_of samples, from the processed rows."""
+        want = [i for i, s in enumerate(samplers) if s.group.params.wants_cumulative]
+        out: list[TokenLogprob | None] = [None] * len(samplers)
+        if want:
+            ks = [samplers[i].group.params.logprobs or 0 for i in want]
+            for i, e in zip(want, token_logprobs(rows[want], [tokens[i] for i in want], ks)):
+                out[i] = e
+        return out
+
+    def _prompt_logprobs(self, plan: StepPlan, logits: np.ndarray, rows: list[int]) -> None:
+        """Chunks that read a prompt for its logprobs: each row scores the prompt's next token (raw model)."""
+        for chunk, last in zip(plan.chunks, rows):
+            if not chunk.all_logits:
+                continue
+            st: _SeqState = chunk.seq.state
+            if st.prompt_logprobs is None:
+                continue
+            prompt = chunk.seq.group.prompt_token_ids
+            k = chunk.seq.group.params.prompt_logprobs or 0
+            first = last - len(chunk.tokens) + 1
+            positions = [chunk.start + j + 1 for j in range(len(chunk.tokens)) if chunk.start + j + 1 < len(prompt)]
+            if not positions:
+                continue
+            logp = log_softmax(logits[first : first + len(positions)])
+            for j, pos in enumerate(positions):
+                st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)
 
     def _grammar_masks(self, samplers: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
         """The allowed tokens of every constrained row in this step, computed in one call."""
@@ -218,32 +291,35 @@ class LocalEngine:
             return None
         return np.asarray(constrained), self._masks.allowed([samplers[i].state.matcher for i in constrained])
 
-    def _advance(self, seq: Sequence, token: int, outputs: dict[str, list[GenerationOutput]]) -> None:
+    def _advance(self, seq: Sequence, token: int, entry: TokenLogprob | None,
+                 outputs: dict[str, list[GenerationOutput]]) -> None:
         """Account for one sampled token: stop conditions, new text, and the output to send."""
         st: _SeqState = seq.state
         params = seq.group.params
         st.sampler.record(token)
+        st.tokens.append(token)
+        if entry is not None:
+            st.cumulative += entry.logprob
+            if st.logprobs is not None:
+                st.logprobs.append(entry)
         if st.matcher is not None and not st.matcher.consume_token(token):
             log.error("grammar rejected sampled token %d: %s", token, st.matcher.get_error())
-            return self._finish_output(seq, FinishReason.STOP, None, outputs, token)
+            return self._finish_output(seq, FinishReason.STOP, None, outputs)
         if token in self._eog_set and (not params.ignore_eos or st.matcher is not None and st.matcher.is_stopped()):
-            return self._finish_output(seq, FinishReason.STOP, None, outputs, token)
+            return self._finish_output(seq, FinishReason.STOP, None, outputs, ended_by_token=True)
         if token in params.stop_token_ids:
-            return self._finish_output(seq, FinishReason.STOP, token, outputs, token)
+            return self._finish_output(seq, FinishReason.STOP, token, outputs, ended_by_token=True)
         text, hit = st.detok.push(token)
         if st.free_unless and text:
             self._maybe_release(st, text)
         if hit is not None:
-            return self._finish_output(seq, FinishReason.STOP, hit, outputs, token, text=text, flush=False)
+            return self._finish_output(seq, FinishReason.STOP, hit, outputs, text=text, flush=False)
         if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete: nothing may follow
-            return self._finish_output(seq, FinishReason.STOP, None, outputs, token, text=text)
+            return self._finish_output(seq, FinishReason.STOP, None, outputs, text=text)
         if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.runner.context_window:
-            return self._finish_output(seq, FinishReason.LENGTH, None, outputs, token, text=text)
-        if text:
-            outputs.setdefault(seq.group.request_id, []).append(
-                GenerationOutput(seq.group.request_id, seq.index, text, [token], prompt_tokens=seq.prompt_len,
-                                 completion_tokens=seq.num_generated, cached_tokens=seq.group.cached_tokens)
-            )
+            return self._finish_output(seq, FinishReason.LENGTH, None, outputs, text=text)
+        if text or st.logprobs:  # tokens without text yet (part of a character) wait unless logprobs are asked for
+            self._emit(seq, text, None, None, outputs)
 
     @staticmethod
     def _maybe_release(st: _SeqState, text: str) -> None:
@@ -264,22 +340,96 @@ class LocalEngine:
         reason: FinishReason,
         stop_reason: str | int | None,
         outputs: dict[str, list[GenerationOutput]],
-        token: int | None = None,
         *,
         text: str = "",
         flush: bool = True,
+        ended_by_token: bool = False,
     ) -> None:
+        if seq.state.beam is not None:  # a beam cannot end alone (it ran out of cells): end the search
+            return self._finish_beams(seq.group, outputs)
+        st: _SeqState = seq.state
+        if ended_by_token and st.tokens:  # EOS or a stop token is not part of the text: not reported either
+            st.tokens.pop()
+            if st.logprobs:
+                st.logprobs.pop()
         if flush:
             text += seq.state.detok.flush()
         self.scheduler.finish(seq)
-        outputs.setdefault(seq.group.request_id, []).append(
-            GenerationOutput(
-                seq.group.request_id, seq.index, text, [] if token is None else [token],
-                finish_reason=reason, stop_reason=stop_reason,
-                prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                cached_tokens=seq.group.cached_tokens,
-            )
+        self._emit(seq, text, reason, stop_reason, outputs)
+
+    def _emit(self, seq: Sequence, text: str, reason: FinishReason | None, stop_reason: str | int | None,
+              outputs: dict[str, list[GenerationOutput]]) -> None:
+        """Send the sequence's news: its text and the tokens (and logprobs) taken since the last output."""
+        st: _SeqState = seq.state
+        out = GenerationOutput(
+            seq.group.request_id, seq.index, text, st.tokens, finish_reason=reason, stop_reason=stop_reason,
+            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated, cached_tokens=seq.group.cached_tokens,
+            logprobs=st.logprobs, cumulative_logprob=st.cumulative,
         )
+        st.tokens = []
+        if st.logprobs is not None:
+            st.logprobs = []
+        self._deliver(seq.group, out, outputs)
+
+    def _deliver(self, group: SequenceGroup, out: GenerationOutput, outputs: dict[str, list[GenerationOutput]]) -> None:
+        first: _SeqState = group.seqs[0].state
+        if first.prompt_logprobs is not None:  # the request's first output carries the prompt's logprobs
+            prompt = group.prompt_token_ids
+            out.prompt_logprobs = [None, *(first.prompt_logprobs.get(p) for p in range(1, len(prompt)))]
+            first.prompt_logprobs = None
+        outputs.setdefault(group.request_id, []).append(out)
+
+    # -- beam search ------------------------------------------------------------------------------
+    def _beam_step(self, group: SequenceGroup, rows: np.ndarray, outputs: dict[str, list[GenerationOutput]]) -> None:
+        """One step of a beam-search request: choose the next beams, move their KV and state, or finish."""
+        seqs = group.seqs
+        if any(s.status is SeqStatus.FINISHED for s in seqs):  # aborted meanwhile
+            return
+        search: BeamSearch = seqs[0].state.beam
+        moves = search.step(rows)
+        if search.done:
+            return self._finish_beams(group, outputs)
+        samplers = [s.state.sampler for s in seqs]
+        host = self.scheduler.rebeam(group, [m.parent for m in moves], [m.token for m in moves])
+        for i, move in enumerate(moves):
+            sampler = samplers[move.parent].fork()
+            sampler.record(move.token)
+            seqs[host[i]].state.sampler = sampler
+        search.beams = [search.beams[host.index(j)] for j in range(len(seqs))]
+
+    def _finish_beams(self, group: SequenceGroup, outputs: dict[str, list[GenerationOutput]]) -> None:
+        search: BeamSearch = group.seqs[0].state.beam
+        if search.closed:
+            return
+        search.closed = True
+        for beam in search.beams if not search.done else ():
+            search.add_running(beam)
+        for seq in group.seqs:
+            self.scheduler.finish(seq)
+        params = group.params
+        for i, hyp in enumerate(search.best(params.n)):
+            detok = Detokenizer(self._token_text(params.skip_special_tokens), params.stop,
+                                include_stop=params.include_stop_str_in_output)
+            text = ""
+            for token in hyp.beam.tokens:
+                piece, hit = detok.push(token)
+                text += piece
+                if hit is not None:
+                    break
+            else:
+                text += detok.flush()
+            tokens, entries = list(hyp.beam.tokens), list(hyp.beam.logprobs)
+            if hyp.reason == "stop" and (hyp.stop_reason is None or isinstance(hyp.stop_reason, int)):
+                tokens, entries = tokens[:-1], entries[:-1]  # the EOS or stop token is not part of the text
+            out = GenerationOutput(
+                group.request_id, i, text, tokens,
+                finish_reason=FinishReason.STOP if hyp.reason == "stop" else FinishReason.LENGTH,
+                stop_reason=hyp.stop_reason, prompt_tokens=group.prompt_len, completion_tokens=len(hyp.beam.tokens),
+                cached_tokens=group.cached_tokens,
+                logprobs=entries if params.logprobs is not None else None,
+                cumulative_logprob=hyp.beam.cumulative,
+            )
+            self._deliver(group, out, outputs)
 
     def _send(self, outputs: dict[str, list[GenerationOutput]] | dict[str, BaseException]) -> None:
         for request_id, batch in outputs.items():

@@ -1,5 +1,8 @@
 """Logits → tokens for a whole step at once.
 
+Logprobs (when asked for, or to rank best_of samples) are the log-softmax of the processed row: after
+logit_bias, penalties, bans and masks, before temperature and the top-k/top-p/min-p filters.
+
 Order (the same for every row): logit_bias, repetition penalty (prompt and output tokens), frequency
 and presence penalties (output tokens), banned tokens (EOS before min_tokens), the grammar's mask for a
 constrained row (tokens it does not allow become -inf), then greedy argmax when
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from servelm.engine.types import SamplingParams
+from servelm.engine.types import SamplingParams, TokenLogprob
 
 _TOP_P_CANDIDATES = 1024
 
@@ -48,6 +51,12 @@ class SamplerState:
             state.prompt_mask[ids[(ids >= 0) & (ids < vocab_size)]] = True
         return state
 
+    def fork(self) -> SamplerState:
+        """A copy for a beam that continues this one (its counts copied, its RNG shared: beams draw nothing)."""
+        counts = None if self.output_counts is None else self.output_counts.copy()
+        twin = SamplerState(self.params, self.rng, self.vocab_size, self.prompt_mask, counts, self.num_generated)
+        return twin
+
     def record(self, token: int) -> None:
         self.num_generated += 1
         if self.output_counts is not None and 0 <= token < self.vocab_size:
@@ -74,13 +83,23 @@ def sample_rows(
     eog_ids: np.ndarray,
     masks: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
-    """Pick one token per row; logits is (rows × vocab) and is modified in place.
+    """Pick one token per row; logits is (rows × vocab) and is modified in place (left processed)."""
+    process_rows(logits, states, eog_ids, masks)
+    return pick_rows(logits, states)
+
+
+def process_rows(
+    logits: np.ndarray,
+    states: list[SamplerState],
+    eog_ids: np.ndarray,
+    masks: tuple[np.ndarray, np.ndarray] | None = None,
+) -> None:
+    """Everything before the draw, in place: logit_bias, penalties, banned tokens, grammar masks. The
+    rows then hold the distribution that logprobs report and beam search scores.
 
     masks, when given, is (row indices, allowed): allowed[i] is the boolean row of tokens the grammar of
     row indices[i] allows.
     """
-    rows = logits.shape[0]
-    out = np.empty(rows, dtype=np.int64)
     for r, st in enumerate(states):
         p = st.params
         row = logits[r]
@@ -92,6 +111,12 @@ def sample_rows(
             row[eog_ids] = -np.inf
     if masks is not None:
         _apply_masks(logits, masks[0], masks[1], eog_ids)
+
+
+def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
+    """Greedy argmax, or temperature, top-k, top-p and min-p and a draw, for processed rows."""
+    rows = logits.shape[0]
+    out = np.empty(rows, dtype=np.int64)
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.all():  # the common case: no second copy of the rows
         return np.argmax(logits, axis=1)
@@ -103,6 +128,33 @@ def sample_rows(
     for r in np.flatnonzero(~greedy & ~plain):
         out[r] = _sample_one(logits[r], states[r])
     return out
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64 (rows may hold -inf for forbidden tokens)."""
+    x = rows.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    m[~np.isfinite(m)] = 0.0
+    return x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+
+
+def logprob_entry(logp_row: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """The token's logprob, its rank, and the k most likely tokens (no forbidden ones), from a log-softmaxed row."""
+    lp = float(logp_row[token])
+    rank = int((logp_row > lp).sum()) + 1
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, logp_row.shape[0])
+        ids = np.argpartition(-logp_row, k - 1)[:k]
+        ids = ids[np.argsort(-logp_row[ids], kind="stable")]
+        top = tuple((int(t), float(logp_row[t])) for t in ids if np.isfinite(logp_row[t]))
+    return TokenLogprob(token, lp, top, rank)
+
+
+def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Logprob entries for the token taken in each row (rows are processed logits, not yet softmaxed)."""
+    logp = log_softmax(rows)
+    return [logprob_entry(logp[i], tokens[i], ks[i]) for i in range(len(tokens))]
 
 
 def _apply_masks(logits: np.ndarray, rows: np.ndarray, allowed: np.ndarray, eog_ids: np.ndarray) -> None:

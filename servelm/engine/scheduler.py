@@ -30,6 +30,7 @@ class ScheduledChunk:
     start: int  # position of the first token
     tokens: tuple[int, ...]
     samplers: tuple[Sequence, ...] = ()  # who samples from the logits of the chunk's last token
+    all_logits: bool = False  # a logits row for every token (prompt logprobs), not only the last
 
     @property
     def wants_logits(self) -> bool:
@@ -244,7 +245,8 @@ class Scheduler:
 
     # -- the prefix cache -------------------------------------------------------------------------
     def _reuse_prefix(self, seq: Sequence) -> None:
-        if not self.prefix or seq.group.params.seed is not None or seq.num_computed:
+        params = seq.group.params
+        if not self.prefix or params.seed is not None or params.prompt_logprobs is not None or seq.num_computed:
             return
         limit = min(len(self.prefix), len(seq.token_ids) - 1)  # the last token is computed for its logits
         n = 0
@@ -281,7 +283,8 @@ class Scheduler:
         if start + take == len(seq.token_ids):
             pending = [s for s in seq.group.seqs if s.status is SeqStatus.FORK_PENDING]
             samplers = (seq, *pending)
-        return ScheduledChunk(seq, start, tokens, samplers)
+        all_logits = seq.group.params.prompt_logprobs is not None and start < seq.prompt_len
+        return ScheduledChunk(seq, start, tokens, samplers, all_logits)
 
     def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> None:
         """Record a finished forward pass: computed cells, sampled tokens, and forks of fresh siblings."""
@@ -297,6 +300,36 @@ class Scheduler:
                     self._fork(seq, sampler)
                 if sampler in sampled and sampler.status is not SeqStatus.FINISHED:
                     sampler.token_ids.append(sampled[sampler])
+
+    def rebeam(self, group: SequenceGroup, parents: list[int], tokens: list[int]) -> list[int]:
+        """Beam search moved on: new beam i continues beam parents[i] with tokens[i].
+
+        A parent's first child stays in the parent's slot; each further child takes the slot of a beam that
+        left no child and gets the parent's cells (shared, not copied). Returns, for each new beam, the
+        index of the sequence that now holds it.
+        """
+        seqs = group.seqs
+        old = [(list(s.token_ids), s.num_computed) for s in seqs]
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+        spare = [j for j in range(len(seqs)) if j not in children]
+        host = [0] * len(parents)
+        for p, kids in children.items():
+            host[kids[0]] = p
+            for k in kids[1:]:
+                j = spare.pop()
+                host[k] = j
+                src, dst = seqs[p].slot, seqs[j].slot
+                if src is not None and dst is not None:
+                    self._ops.append(("rm", dst))
+                    self._ops.append(("cp", src, dst, old[p][1]))
+        for i, p in enumerate(parents):
+            seq = seqs[host[i]]
+            seq.token_ids = old[p][0] + [tokens[i]]
+            seq.num_computed = old[p][1] if seq.slot is not None else 0
+            seq.shared = min(group.prompt_len, seq.num_computed)  # counted as the group's, conservatively
+        return host
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         group = parent.group

@@ -73,7 +73,7 @@ class SequenceGroup:
 
     def __post_init__(self) -> None:
         if not self.seqs:
-            self.seqs = [Sequence(self, i, list(self.prompt_token_ids)) for i in range(self.params.n)]
+            self.seqs = [Sequence(self, i, list(self.prompt_token_ids)) for i in range(self.params.num_seqs)]
 
     @property
     def prompt_len(self) -> int:

@@ -28,12 +28,42 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
-    n: int = 1
+    n: int = 1  # choices returned
+    best_of: int | None = None  # sequences run (>= n); the n with the highest cumulative logprob are returned
     skip_special_tokens: bool = True  # control tokens add no text
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: each generated token's logprob and its k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (raw distribution)
+    beam: BeamParams | None = None  # beam search instead of sampling; best_of is the beam width
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the engine runs for the request: best_of when given, else n."""
+        return self.best_of or self.n
+
+    @property
+    def wants_cumulative(self) -> bool:
+        """Each sequence's cumulative logprob is needed (to rank best_of samples, or to report)."""
+        return self.logprobs is not None or self.num_seqs > self.n
+
+
+@dataclass(frozen=True, slots=True)
+class BeamParams:
+    """Beam search as OpenVINO Model Server documents it (Hugging Face's semantics).
+
+    A hypothesis' score is its cumulative logprob divided by (generated length ** length_penalty). With
+    groups > 1 the beams are split into that many groups (diverse beam search): a group's candidate loses
+    diversity_penalty for every earlier group that picked the same token at the same step.
+    """
+
+    length_penalty: float = 1.0
+    diversity_penalty: float = 0.0
+    groups: int = 1
+    early_stopping: bool = False  # stop as soon as best_of hypotheses have finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +97,21 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's logprobs: the token taken there, and the most likely tokens (most likely first).
+
+    Values come from the distribution the token was drawn from after logit_bias, penalties, banned
+    tokens and grammar masks, before temperature and top-k/top-p/min-p (see docs). Prompt positions use the
+    raw model distribution. A logprob of -inf (a token the grammar forbids) is never listed in `top`.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    rank: int = 1  # the token's rank in the distribution (1 = most likely)
+
+
 @dataclass(slots=True)
 class GenerationOutput:
     """One step's news for one choice of a request: the new text, and whether the choice is done."""
@@ -80,6 +125,11 @@ class GenerationOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens read from the prefix cache rather than computed
+    # one entry per token of token_ids, when the request asked for logprobs
+    logprobs: list[TokenLogprob] | None = None
+    # the prompt's logprobs (None for its first token), once, on the request's first output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    cumulative_logprob: float = 0.0  # of the whole choice so far, when params.wants_cumulative
 
     @property
     def finished(self) -> bool:
