@@ -6,11 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from servelm.protocol.common import ResponseModel, Usage, WireModel
-
-Probability = Annotated[float, Field(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
+from servelm.protocol.common import GenerationFields, ResponseModel, Usage, WireModel
 
 class TextPart(WireModel):
     type: Literal["text"]
@@ -61,11 +57,6 @@ class ChatMessage(WireModel):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
-
-
-class StreamOptions(WireModel):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
 
 
 class JsonSchemaFormat(WireModel):
@@ -128,31 +119,9 @@ class NamedToolChoice(WireModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(WireModel):
-    model: str
+class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    # sampling
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Probability | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Probability | None = None
-    seed: int | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
-    # stopping
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
-    # output
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    user: str | None = None
     # structured output and tools
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -163,7 +132,6 @@ class ChatCompletionRequest(WireModel):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # parts of the contract that later work adds; accepted here only in their neutral form
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 

@@ -2,13 +2,59 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class WireModel(BaseModel):
     """A request body: strict types (no "1" for 1, no true for 1.0) and no unknown fields."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(WireModel):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class GenerationFields(WireModel):
+    """The fields every text-generating request shares (chat and legacy completions)."""
+
+    model: str
+    # sampling
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Probability | None = None
+    seed: int | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    # beam search (OpenVINO Model Server, vLLM)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    diversity_penalty: Annotated[float, Field(ge=0.0)] | None = None
+    num_beam_groups: Annotated[int, Field(ge=1)] | None = None
+    early_stopping: bool | None = None
+    # stopping
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # output
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
 
 
 class ResponseModel(BaseModel):

@@ -1,0 +1,60 @@
+"""Folding a request's engine outputs into its choices, shared by every generating endpoint.
+
+With best_of > n the engine runs best_of sequences and the n with the highest cumulative logprob become
+the choices; with beam search the engine itself sends only the n chosen hypotheses, at the end. In both
+cases a stream can send a choice only once it is chosen (see `streams_live`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelm.engine.types import GenerationOutput, SamplingParams, TokenLogprob
+
+
+def streams_live(params: SamplingParams) -> bool:
+    """Whether outputs can be streamed as they arrive: every sequence run is a choice returned."""
+    return params.beam is None and params.num_seqs == params.n
+
+
+@dataclass
+class SeqResult:
+    """Everything one sequence produced."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: GenerationOutput | None = None
+
+    def add(self, out: GenerationOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        if out.finished:
+            self.final = out
+
+
+class Collector:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        count = params.n if params.beam is not None else params.num_seqs
+        self.seqs = [SeqResult() for _ in range(count)]
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add(self, out: GenerationOutput) -> None:
+        self.seqs[out.index].add(out)
+        self.cached_tokens = out.cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.completion_tokens += out.completion_tokens
+
+    def chosen(self) -> list[SeqResult]:
+        """The choices, in the order returned: by cumulative logprob when best_of ran more than n."""
+        if len(self.seqs) == self.params.n:
+            return list(self.seqs)
+        ranked = sorted(self.seqs, key=lambda s: -(s.final.cumulative_logprob if s.final else float("-inf")))
+        return ranked[: self.params.n]

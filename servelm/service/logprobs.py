@@ -1,0 +1,72 @@
+"""Engine logprobs → the wire's logprobs objects.
+
+The chat form (OpenAI's) gives each token's text, logprob, UTF-8 bytes and most likely alternatives. A
+logprob must be given for the token taken even when it is not among the 20 most likely; the seeds' rule is
+that such a token's logprob is reported as -9999.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from servelm.engine.types import TokenLogprob
+
+UNLIKELY = -9999.0
+TOP_RANKS = 20
+
+
+def token_text(data: bytes) -> str:
+    """A token's text; a token holding part of a UTF-8 character shows it as U+FFFD (bytes has it exactly)."""
+    return data.decode("utf-8", errors="replace")
+
+
+def reported(logprob: float, rank: int) -> float:
+    return logprob if rank <= TOP_RANKS and logprob != float("-inf") else UNLIKELY
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> dict:
+    content = []
+    for e in entries:
+        data = token_bytes(e.token)
+        content.append({
+            "token": token_text(data),
+            "logprob": reported(e.logprob, e.rank),
+            "bytes": list(data),
+            "top_logprobs": [
+                {"token": token_text(b), "logprob": lp, "bytes": list(b)}
+                for b, lp in ((token_bytes(t), lp) for t, lp in e.top)
+            ],
+        })
+    return {"content": content, "refusal": None}
+
+
+def legacy_logprobs(
+    tokens: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    token_bytes: Callable[[int], bytes],
+    offset: int = 0,
+    text_len: int | None = None,
+) -> tuple[dict, int]:
+    """The legacy completions form: parallel lists of token texts, logprobs, top alternatives and character
+    offsets. `entries[i]` belongs to `tokens[i]`; None (a prompt's first token) has no logprob. Offsets
+    count from `offset` (the text before these tokens) and never pass `text_len` (a stop string cut off the
+    end of a token's text). Each top dict lists the k most likely tokens and always the token taken (OpenAI:
+    up to logprobs + 1 entries). Returns the object and the offset after the last token."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, e in zip(tokens, entries):
+        text = token_text(token_bytes(token))
+        out["tokens"].append(text)
+        out["text_offset"].append(offset if text_len is None else min(offset, text_len))
+        offset += len(text)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        logprob = reported(e.logprob, e.rank)
+        top: dict[str, float] = {}
+        for t, lp in e.top:
+            top.setdefault(token_text(token_bytes(t)), lp)
+        top.setdefault(text, logprob)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+    return out, offset
