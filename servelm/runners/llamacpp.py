@@ -82,6 +82,8 @@ class LlamaCppRunner:
         self.bos_token = self._token_text(C.llama_vocab_bos(self._vocab))
         self.eos_token = self._token_text(C.llama_vocab_eos(self._vocab))
         self.add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
+        fim = (C.llama_vocab_fim_pre(self._vocab), C.llama_vocab_fim_suf(self._vocab), C.llama_vocab_fim_mid(self._vocab))
+        self.fim_tokens = None if -1 in fim else tuple(int(t) for t in fim)  # fill-in-the-middle tokens
         self.description = self._meta("general.name") or Path(model_path).stem
         self._init_batch(max_step_tokens)
 
@@ -168,7 +170,10 @@ class LlamaCppRunner:
             self._pos[n : n + k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
             self._seq[n : n + k] = chunk.seq.slot
             self._out[n : n + k] = 0
-            if chunk.wants_logits:
+            if chunk.all_logits:
+                self._out[n : n + k] = 1
+                rows += k
+            elif chunk.wants_logits:
                 self._out[n + k - 1] = 1
                 rows += 1
             n += k
@@ -187,6 +192,148 @@ class LlamaCppRunner:
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            C.llama_model_free(self._model)
+            self._model = None
+
+
+class LlamaCppEmbedder:
+    """A llama.cpp context in embedding mode: many inputs per forward pass, one pooled vector each.
+
+    Owns its model (loaded from `model_path`), or borrows the model of a LlamaCppRunner (`share`) and owns
+    only its context; close() frees what it owns. Pooling comes from the model file unless `pooling` names
+    one ("mean", "cls", "last"): a chat model has none of its own and is asked for "mean". Every forward
+    pass carries whole inputs (a pooled vector cannot span two passes), so the batch, the micro-batch and
+    the context all have `window` tokens, and one input may have at most `window` tokens.
+    """
+
+    _POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS, "last": C.LLAMA_POOLING_TYPE_LAST}
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        share: LlamaCppRunner | None = None,
+        pooling: str | None = None,
+        window: int | None = None,
+        max_seqs: int = 64,
+        threads: int | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if (model_path is None) == (share is None):
+            raise ValueError("give either a model path or a runner to share the model of")
+        self._ctx = None
+        self._model = None  # set only when this embedder owns the model
+        if share is not None:
+            model = share._model
+            self.description = share.description
+        else:
+            _silence_llama_logs(verbose)
+            C.llama_backend_init()
+            model = C.llama_model_load_from_file(str(model_path).encode(), C.llama_model_default_params())
+            if not model:
+                raise RuntimeError(f"llama.cpp could not load the model file {model_path}")
+            self._model = model
+            self.description = Path(model_path).stem
+        self._vocab = C.llama_model_get_vocab(model)
+        self.vocab_size = int(C.llama_vocab_n_tokens(self._vocab))
+        train_ctx = int(C.llama_model_n_ctx_train(model))
+        self.context_window = min(window or train_ctx, train_ctx)
+        self.max_batch_tokens = self.context_window
+        self.max_batch_seqs = max(1, min(max_seqs, 256))  # llama.cpp's LLAMA_MAX_SEQ is 256
+
+        cparams = C.llama_context_default_params()
+        cparams.n_ctx = self.context_window
+        cparams.n_batch = self.context_window
+        cparams.n_ubatch = self.context_window
+        cparams.n_seq_max = self.max_batch_seqs
+        cparams.kv_unified = True  # a causal model's inputs share the whole cache (one pass at a time)
+        cparams.embeddings = True
+        cparams.pooling_type = self._POOLING[pooling] if pooling else C.LLAMA_POOLING_TYPE_UNSPECIFIED
+        n_threads = threads or os.cpu_count() or 1
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = True
+        self._ctx = C.llama_init_from_model(model, cparams)
+        if not self._ctx:
+            self.close()
+            raise RuntimeError("llama.cpp could not create an embedding context (out of memory?)")
+        if C.llama_pooling_type(self._ctx) == C.LLAMA_POOLING_TYPE_NONE:
+            self.close()
+            raise ValueError(f"{self.description} has no pooling: give one (e.g. pooling='mean')")
+        self._mem = C.llama_get_memory(self._ctx)  # None for encoder-only models such as BERT
+        self.dim = int(C.llama_model_n_embd_out(model))
+        self._init_batch(self.max_batch_tokens)
+
+    def _init_batch(self, size: int) -> None:
+        self._tok = np.zeros(size, dtype=np.int32)
+        self._pos = np.zeros(size, dtype=np.int32)
+        self._nseq = np.ones(size, dtype=np.int32)
+        self._seq = np.zeros(size, dtype=np.int32)
+        self._out = np.ones(size, dtype=np.int8)  # pooling reads every token
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (i32p * size)(*[ctypes.cast(base + 4 * i, i32p) for i in range(size)])
+        self._batch = C.llama_batch()
+        self._batch.token = self._tok.ctypes.data_as(i32p)
+        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
+        self._batch.pos = self._pos.ctypes.data_as(i32p)
+        self._batch.n_seq_id = self._nseq.ctypes.data_as(i32p)
+        self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
+        self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text → token ids with the model's own special tokens (BERT: [CLS] … [SEP]); none parsed from text."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
+        return list(buf[:n])
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One forward pass over every input, each as its own sequence; rows of pooled (unnormalized) vectors.
+
+        The caller keeps within max_batch_tokens, max_batch_seqs and the vocabulary: llama.cpp aborts the
+        process (GGML_ASSERT) rather than return an error for an oversized pass, so this checks again.
+        """
+        total = sum(len(ids) for ids in inputs)
+        if not inputs or total > self.max_batch_tokens or len(inputs) > self.max_batch_seqs:
+            raise ValueError(f"a pass of {len(inputs)} inputs and {total} tokens does not fit this context")
+        n = 0
+        for s, ids in enumerate(inputs):
+            k = len(ids)
+            if k == 0:
+                raise ValueError("an empty input has no embedding")
+            self._tok[n : n + k] = ids
+            self._pos[n : n + k] = np.arange(k, dtype=np.int32)
+            self._seq[n : n + k] = s
+            n += k
+        if int(self._tok[:n].min()) < 0 or int(self._tok[:n].max()) >= self.vocab_size:
+            raise ValueError("a token id is outside the vocabulary")
+        self._batch.n_tokens = n
+        try:
+            rc = C.llama_decode(self._ctx, self._batch)  # encoder-only models are encoded by llama_decode
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} in embedding mode")
+            out = np.empty((len(inputs), self.dim), dtype=np.float32)
+            for s in range(len(inputs)):
+                ptr = C.llama_get_embeddings_seq(self._ctx, s)
+                if not ptr:
+                    raise RuntimeError(f"llama.cpp returned no pooled embedding for sequence {s}")
+                out[s] = np.ctypeslib.as_array(ptr, shape=(self.dim,))
+            return out
+        finally:
+            if self._mem:
+                C.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):

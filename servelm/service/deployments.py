@@ -5,19 +5,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
 from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
-from servelm.engine.base import Engine
-from servelm.errors import ModelNotFound
+from servelm.engine.base import Embedder, Engine
+from servelm.errors import InvalidParameter, ModelNotFound
 
 
 @dataclass(eq=False)
 class Deployment:
     name: str
-    engine: Engine
-    template: ChatTemplate
+    engine: Engine | None  # None: an embedding-only deployment (see Deployments.generator)
+    template: ChatTemplate | None
     tokenize: Callable[[str], list[int]]  # rendered prompt text → token ids (special tokens parsed)
     context_window: int  # most tokens one sequence may use: prompt plus completion
     vocab_size: int
@@ -26,7 +25,12 @@ class Deployment:
     grammars: Grammars | None = None  # constrained output (JSON schemas, grammars, tool calls)
     tool_style: ToolStyle = ToolStyle(HERMES, native=False)
     special_id: Callable[[str], int | None] = lambda _text: None  # a control token's id by its text
+    token_bytes: Callable[[int], bytes] = lambda _token: b""  # a token's text (control tokens spelled out)
+    # text → token ids with nothing added (no BOS); the flag says whether special-token text is parsed
+    tokenize_bare: Callable[[str, bool], list[int]] | None = None
+    fim_tokens: tuple[int, int, int] | None = None  # fill-in-the-middle (prefix, suffix, middle) token ids
     created: int = field(default_factory=lambda: int(time.time()))
+    embedder: Embedder | None = None  # serves POST /v1/embeddings
 
 
 class Deployments:
@@ -38,6 +42,25 @@ class Deployments:
             return self._by_name[model]
         except KeyError:
             raise ModelNotFound(model) from None
+
+    def generator(self, model: str) -> Deployment:
+        """The deployment for a text-generating request: 404 if unknown, 400 if it only embeds."""
+        d = self.get(model)
+        if d.engine is None or d.template is None:
+            raise InvalidParameter(
+                f"The model `{model}` does not generate text: it serves embeddings only (POST /v1/embeddings).",
+                "model", code="model_not_supported",
+            )
+        return d
+
+    def embedder(self, model: str) -> tuple[Deployment, Embedder]:
+        """The deployment for an embeddings request and its embedder: 404 if unknown, 400 if it has none."""
+        d = self.get(model)
+        if d.embedder is None:
+            raise InvalidParameter(
+                f"The model `{model}` does not produce embeddings.", "model", code="model_not_supported",
+            )
+        return d, d.embedder
 
     def all(self) -> list[Deployment]:
         return list(self._by_name.values())

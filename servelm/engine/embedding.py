@@ -1,0 +1,205 @@
+"""EmbeddingEngine: inputs of every request queue up together; a worker thread packs them into forward
+passes (one sequence per input, up to a token budget and a sequence count) and hands each request its
+vectors once the last of its inputs has been computed.
+
+Engine-neutral: any EmbeddingModel works (LlamaCppEmbedder, FakeEmbedder). Vectors come back as the
+model pools them, not normalized; normalizing and truncating to `dimensions` is the service's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+log = logging.getLogger("servelm.embedding")
+
+
+class EmbeddingModel(Protocol):
+    dim: int  # width of one vector
+    vocab_size: int
+    context_window: int  # most tokens one input may have
+    max_batch_tokens: int  # most tokens one forward pass may carry
+    max_batch_seqs: int  # most inputs one forward pass may carry
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text → token ids, with the special tokens the model expects around one input."""
+        ...
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One forward pass; one pooled vector (a row, `dim` wide) per input, in order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EmbeddingError(RuntimeError):
+    """The model could not compute a request's vectors for a reason of its own (not the client's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingStats:
+    running: int  # inputs in the forward pass now
+    waiting: int  # inputs queued for a later pass
+    passes: int  # forward passes since start
+    inputs: int  # inputs embedded since start
+
+
+@dataclass(eq=False)
+class _Job:
+    inputs: list[list[int]]
+    vectors: np.ndarray
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    left: int
+    done: bool = False  # answered, failed or abandoned: its queued inputs are skipped
+
+
+@dataclass(eq=False)
+class _Queue:
+    items: deque[tuple[_Job, int]] = field(default_factory=deque)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class EmbeddingEngine:
+    def __init__(self, model: EmbeddingModel) -> None:
+        self.model = model
+        self.dim = model.dim
+        self.vocab_size = model.vocab_size
+        self.context_window = min(model.context_window, model.max_batch_tokens)
+        self._q = _Queue()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._running = 0
+        self.passes = 0
+        self.embedded = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="servelm-embedding", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._q.cond:
+            self._stopping = True
+            self._q.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._q.cond:
+            jobs = {job for job, _ in self._q.items}
+            self._q.items.clear()
+        for job in jobs:
+            self._fail(job, EmbeddingError("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> EmbeddingStats:
+        return EmbeddingStats(self._running, len(self._q.items), self.passes, self.embedded)
+
+    # -- the asyncio side -------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text)
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Every input's vector (rows in input order). Inputs must be non-empty, within the context window
+        and the vocabulary: the service checks each with the client's words; this only guards."""
+        for ids in inputs:
+            if not ids or len(ids) > self.context_window:
+                raise ValueError(f"an input of {len(ids)} tokens does not fit a window of {self.context_window}")
+        if not inputs:
+            return np.empty((0, self.dim), dtype=np.float32)
+        loop = asyncio.get_running_loop()
+        job = _Job(inputs, np.empty((len(inputs), self.dim), dtype=np.float32), loop, loop.create_future(), len(inputs))
+        with self._q.cond:
+            if self._stopping:
+                raise EmbeddingError("the server is shutting down")
+            self._q.items.extend((job, i) for i in range(len(inputs)))
+            self._q.cond.notify()
+        try:
+            return await job.future
+        finally:
+            job.done = True  # cancelled (the client left): its remaining inputs are dropped
+
+    # -- the worker thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                vectors = self.model.embed([job.inputs[i] for job, i in batch])
+            except Exception as exc:  # a broken model must not kill the worker
+                log.exception("embedding pass failed; failing its requests")
+                for job in {job for job, _ in batch}:
+                    self._fail(job, EmbeddingError(f"the embedding model failed: {exc}"))
+            else:
+                self.passes += 1
+                self.embedded += len(batch)
+                self._deliver(batch, vectors)
+            self._running = 0
+
+    def _take(self) -> list[tuple[_Job, int]] | None:
+        """Wait for inputs, then pop, in arrival order, as many as fit one pass (None: stop)."""
+        q, m = self._q, self.model
+        with q.cond:
+            while True:
+                while q.items and q.items[0][0].done:
+                    q.items.popleft()
+                if self._stopping:
+                    return None
+                if q.items:
+                    break
+                q.cond.wait()
+            batch: list[tuple[_Job, int]] = []
+            tokens = 0
+            while q.items and len(batch) < m.max_batch_seqs:
+                job, i = q.items[0]
+                if job.done:
+                    q.items.popleft()
+                    continue
+                if batch and tokens + len(job.inputs[i]) > m.max_batch_tokens:
+                    break
+                batch.append(q.items.popleft())
+                tokens += len(job.inputs[i])
+            self._running = len(batch)
+            return batch
+
+    def _deliver(self, batch: list[tuple[_Job, int]], vectors: np.ndarray) -> None:
+        for row, (job, i) in enumerate(batch):
+            if job.done:
+                continue
+            job.vectors[i] = vectors[row]
+            job.left -= 1
+            if job.left == 0:
+                job.done = True
+                self._resolve(job, job.vectors, None)
+
+    def _fail(self, job: _Job, exc: BaseException) -> None:
+        if not job.done:
+            job.done = True
+            self._resolve(job, None, exc)
+
+    @staticmethod
+    def _resolve(job: _Job, result: np.ndarray | None, exc: BaseException | None) -> None:
+        def settle() -> None:
+            if job.future.done():  # cancelled meanwhile
+                return
+            if exc is not None:
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # its event loop is closed
+            pass

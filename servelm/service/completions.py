@@ -1,0 +1,354 @@
+"""POST /v1/completions (legacy): each prompt of the batch → one GenerationRequest, run together → choices
+indexed prompt_index * n + j, as one text_completion object or a stream of them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from servelm.engine.types import GenerationOutput, GenerationRequest, TokenLogprob
+from servelm.errors import InvalidParameter, ServerError
+from servelm.protocol.common import PromptTokensDetails, Usage
+from servelm.protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from servelm.service.choices import Collector, SeqResult, streams_live
+from servelm.service.deployments import Deployment, Deployments
+from servelm.service.logprobs import legacy_logprobs
+from servelm.service.params import EndpointParams, sampling_params
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PromptJob:
+    """One prompt of the batch, ready to run."""
+
+    generation: GenerationRequest
+    echo: str = ""  # the prompt's text, put ahead of each choice's text (empty without echo)
+
+
+@dataclass(frozen=True)
+class PreparedCompletion:
+    deployment: Deployment
+    request_id: str
+    jobs: tuple[PromptJob, ...]
+    model: str
+    created: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None
+
+
+@dataclass
+class PromptParts:
+    """A prompt's token ids in three parts; truncation cuts `body` from the left and keeps the rest whole."""
+
+    head: list[int]  # the BOS the tokenizer adds, the FIM prefix marker
+    body: list[int]  # the prompt's own tokens
+    tail: list[int] = field(default_factory=list)  # FIM: suffix marker, the suffix's tokens, middle marker
+    cut: int = 0  # tokens cut from the body's start
+
+    @property
+    def ids(self) -> list[int]:
+        return [*self.head, *self.body, *self.tail]
+
+
+class CompletionService:
+    def __init__(self, deployments: Deployments) -> None:
+        self.deployments = deployments
+
+    # -- validation and conversion ----------------------------------------------------------------
+    def prepare(self, req: CompletionRequest) -> PreparedCompletion:
+        dep = self.deployments.generator(req.model)  # 404 unknown, 400 embedding-only
+        _reject_unsupported(req, dep)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        jobs = []
+        for i, prompt in enumerate(_prompts(req.prompt)):
+            parts = _parts(prompt, req, dep)
+            max_tokens = _fit(parts, req, dep.context_window)
+            ids = parts.ids
+            ep = EndpointParams(
+                max_tokens=max_tokens,
+                prompt_param="prompt",
+                logprobs=req.logprobs,
+                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            )
+            params = sampling_params(req, dep, len(ids), ep)
+            echo = _echo_text(prompt, parts, dep) if req.echo else ""
+            jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params), echo))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return PreparedCompletion(dep, request_id, tuple(jobs), req.model, int(time.time()), bool(req.stream),
+                                  include_usage, bool(req.echo), req.logprobs)
+
+    # -- running ----------------------------------------------------------------------------------
+    async def complete(self, p: PreparedCompletion) -> Completion:
+        async def run(job: PromptJob) -> Collector:
+            col = Collector(job.generation.params)
+            async with aclosing(p.deployment.engine.generate(job.generation)) as outputs:
+                async for out in outputs:
+                    col.add(out)
+            return col
+
+        collectors = await _gather([run(job) for job in p.jobs])
+        choices = []
+        for i, (job, col) in enumerate(zip(p.jobs, collectors)):
+            n = job.generation.params.n
+            for j, seq in enumerate(col.chosen()):
+                choices.append(_whole_choice(p, job, col, i * n + j, seq))
+        return Completion(id=p.request_id, created=p.created, model=p.model, system_fingerprint=p.deployment.fingerprint,
+                          choices=choices, usage=_usage(p, collectors))
+
+    async def stream(self, p: PreparedCompletion) -> AsyncIterator[Completion]:
+        collectors: list[Collector] = []
+        async with aclosing(_merge([self._stream_one(p, i, job, collectors) for i, job in enumerate(p.jobs)])) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        if p.include_usage:
+            yield _chunk(p, [], usage=_usage(p, collectors))
+
+    async def _stream_one(self, p: PreparedCompletion, i: int, job: PromptJob, done: list[Collector]) -> AsyncIterator[Completion]:
+        params = job.generation.params
+        col = Collector(params)
+        base = i * params.n
+        live = streams_live(params)
+        states = [_LiveChoice() for _ in col.seqs]
+        async with aclosing(p.deployment.engine.generate(job.generation)) as outputs:
+            async for out in outputs:
+                col.add(out)
+                if live:
+                    choice = states[out.index].feed(p, job, col, base + out.index, out)
+                    if choice is not None:
+                        yield _chunk(p, [choice])
+        if not live:  # best_of > n or beam search: a choice is known only once every sequence has ended
+            for j, seq in enumerate(col.chosen()):
+                yield _chunk(p, [_whole_choice(p, job, col, base + j, seq)])
+        done.append(col)
+
+
+@dataclass
+class _LiveChoice:
+    """One streamed choice: whether its first chunk (which carries the echo) went out, and where its
+    logprobs' text offsets stand."""
+
+    started: bool = False
+    offset: int = 0  # the text offset of the choice's next token
+    length: int = 0  # characters sent so far
+
+    def feed(self, p: PreparedCompletion, job: PromptJob, col: Collector, index: int, out: GenerationOutput) -> CompletionChoice | None:
+        first = not self.started
+        if not first and not out.text and not out.token_ids and not out.finished:
+            return None
+        self.started = True
+        text = (job.echo if first else "") + out.text
+        logprobs = None
+        if p.logprobs is not None:
+            text_len = self.length + len(text) if out.finished else None
+            parts = []
+            if first:
+                self.offset = len(job.echo)
+                if p.echo:
+                    parts.append(_prompt_logprobs(p, job, col, len(job.echo)))
+            entries = _entries(out.token_ids, out.logprobs)
+            gen, self.offset = legacy_logprobs(out.token_ids, entries, p.deployment.token_bytes, self.offset, text_len)
+            logprobs = _join([*parts, gen])
+        self.length += len(text)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs,
+            finish_reason=out.finish_reason.value if out.finished else None,
+            stop_reason=out.stop_reason if out.finished else None,
+        )
+
+
+def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: int, seq: SeqResult) -> CompletionChoice:
+    text = job.echo + seq.text
+    logprobs = None
+    if p.logprobs is not None:
+        parts = [_prompt_logprobs(p, job, col, len(job.echo))] if p.echo else []
+        entries = _entries(seq.token_ids, seq.logprobs)
+        gen, _ = legacy_logprobs(seq.token_ids, entries, p.deployment.token_bytes, len(job.echo), len(text))
+        logprobs = _join([*parts, gen])
+    final = seq.final
+    return CompletionChoice(
+        index=index, text=text, logprobs=logprobs,
+        finish_reason=final.finish_reason.value if final and final.finish_reason else None,
+        stop_reason=final.stop_reason if final else None,
+    )
+
+
+def _prompt_logprobs(p: PreparedCompletion, job: PromptJob, col: Collector, text_len: int) -> dict:
+    prompt = job.generation.prompt_token_ids
+    entries = col.prompt_logprobs
+    if entries is None or len(entries) != len(prompt):
+        raise ServerError("The engine did not report the prompt's logprobs.")
+    out, _ = legacy_logprobs(prompt, entries, p.deployment.token_bytes, 0, text_len)
+    return out
+
+
+def _entries(token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[TokenLogprob]:
+    entries = logprobs or []
+    if len(entries) != len(token_ids):
+        raise ServerError(f"The engine reported logprobs for {len(entries)} of {len(token_ids)} tokens.")
+    return entries
+
+
+def _join(parts: list[dict]) -> CompletionLogprobs:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return CompletionLogprobs(**{k: [v for part in parts for v in part[k]] for k in keys})
+
+
+def _chunk(p: PreparedCompletion, choices: list[CompletionChoice], **usage: Any) -> Completion:
+    extra: dict[str, Any] = {"usage": None} if p.include_usage else {}
+    extra.update(usage)
+    return Completion(id=p.request_id, object="text_completion", created=p.created, model=p.model,
+                      system_fingerprint=p.deployment.fingerprint, choices=choices, **extra)
+
+
+def _usage(p: PreparedCompletion, collectors: list[Collector]) -> Usage:
+    prompt = sum(len(job.generation.prompt_token_ids) for job in p.jobs)
+    completion = sum(c.completion_tokens for c in collectors)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(c.cached_tokens for c in collectors)))
+
+
+# -- prompts --------------------------------------------------------------------------------------
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """The batch: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidParameter("prompt must not be an empty list.", "prompt")
+    if isinstance(prompt[0], list):
+        for i, ids in enumerate(prompt):
+            if not ids:
+                raise InvalidParameter(f"prompt[{i}] must not be an empty list of token ids.", "prompt")
+        return list(prompt)
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _parts(prompt: str | list[int], req: CompletionRequest, dep: Deployment) -> PromptParts:
+    raw = bool(req.use_raw_prompt)
+    bare = dep.tokenize_bare or (lambda text, _special: dep.tokenize(text))
+    if isinstance(prompt, list):
+        for t in prompt:
+            if not 0 <= t < dep.vocab_size:
+                raise InvalidParameter(f"prompt has token id {t}, outside the vocabulary (0..{dep.vocab_size - 1}).", "prompt")
+        parts = PromptParts([], list(prompt))
+    elif raw:  # the text's own tokens: no BOS, special-token text read as plain text
+        parts = PromptParts([], bare(prompt, False))
+    elif req.suffix:
+        lead = dep.tokenize("")  # the BOS the model asks for, if any
+        parts = PromptParts(lead, bare(prompt, True))
+    else:  # OpenAI's: the model's BOS if it asks for one, special-token text read as those tokens
+        ids = dep.tokenize(prompt)
+        lead = dep.tokenize("")  # the BOS the model asks for, if any
+        head = lead if ids[: len(lead)] == lead else []
+        parts = PromptParts(head, ids[len(head):])
+    if req.suffix:  # fill-in-the-middle: [BOS] PRE prompt SUF suffix MID (checked in _reject_unsupported)
+        pre, suf, mid = dep.fim_tokens  # type: ignore[misc]
+        parts = PromptParts([*parts.head, pre], parts.body, [suf, *bare(req.suffix, not raw), mid])
+    if not parts.ids:
+        raise InvalidParameter("prompt must contain at least one token; this one has none.", "prompt")
+    return parts
+
+
+def _fit(parts: PromptParts, req: CompletionRequest, window: int) -> int:
+    """error_behavior "truncate": cut the prompt's own tokens from the left until prompt + max_tokens fits the
+    context window, keeping at least one of them; a max_tokens too large for that is lowered. Returns the
+    max_tokens to use ("error", or a prompt that fits: the one asked for; sampling_params judges)."""
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    if req.error_behavior != "truncate" or len(parts.ids) + max_tokens <= window:
+        return max_tokens
+    fixed = len(parts.head) + len(parts.tail)
+    keep_min = min(len(parts.body), 1)
+    if fixed + keep_min + 1 > window:  # not even one completion token fits: sampling_params says why
+        return max_tokens
+    max_tokens = min(max_tokens, window - fixed - keep_min)
+    keep = window - fixed - max_tokens
+    parts.cut = len(parts.body) - keep
+    parts.body = parts.body[parts.cut:]
+    return max_tokens
+
+
+def _echo_text(prompt: str | list[int], parts: PromptParts, dep: Deployment) -> str:
+    """The text echoed: a text prompt as given (what is left of it when truncated); token ids detokenized."""
+    if isinstance(prompt, str) and not parts.cut:
+        return prompt
+    tokens = parts.body if isinstance(prompt, str) else parts.ids
+    return b"".join(dep.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def _reject_unsupported(req: CompletionRequest, dep: Deployment) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParameter("stream_options is only allowed when stream is true.", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise InvalidParameter(
+            "stream_options.continuous_usage_stats is not supported.", "stream_options.continuous_usage_stats", "unsupported_parameter"
+        )
+    if req.suffix:
+        if req.echo:
+            raise InvalidParameter("echo cannot be used together with suffix.", "echo")
+        if dep.fim_tokens is None:
+            raise InvalidParameter(
+                f"suffix is not supported: the model `{dep.name}` has no fill-in-the-middle tokens.", "suffix", "unsupported_parameter"
+            )
+
+
+# -- running several generations together ---------------------------------------------------------
+async def _gather(coros: list[Awaitable[T]]) -> list[T]:
+    """Run them concurrently; the first failure (or a cancellation) cancels the rest, which abort."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_END = object()
+
+
+async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Interleave several streams' items as they come. The first failure ends the merged stream with that
+    error; closing it (a client gone) cancels every stream still running."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream) as it:  # type: ignore[type-var]
+                async for item in it:
+                    queue.put_nowait(item)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(_END)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
