@@ -5,10 +5,11 @@
     .venv/bin/python -m bench.compare --with-llama-cpp-python
 
 Each server in turn is started, waited for, given every workload, and stopped; its peak resident
-memory is sampled throughout. The result is a markdown table of each server's figures, the ratios
+memory is sampled throughout. Workloads on the embedding model (embed-32) get a second process of each
+server, serving that model. The result is a markdown table of each server's figures, the ratios
 servelm / llama-server, the within-server ratios of RATIOS (constraint overhead = tok/s of json-8-free ÷
 tok/s of json-8), and a JSON file under bench/results/. A workload declared for some servers only (the
-json ones: servelm) is skipped on the others.
+json ones, beam-4: servelm) is skipped on the others.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench import llama_server, procfs, servers
-from bench.loadgen import LevelResult, RequestSpec, run_level
+from bench.loadgen import EmbeddingSpec, LevelResult, RequestSpec, run_level
 
 RESULTS = servers.REPO / "bench" / "results"
 BASELINE = "llama-server"
@@ -37,6 +38,8 @@ SMOLLM2_EOS = (0, 2)
 # Other work using this many cores or more (of the machine's) makes a measurement unfair: llama.cpp's
 # thread pool spins at its barriers, and a descheduled thread stalls the whole step.
 QUIET_CORES = 0.25
+# What a workload's requests go to: the chat model, or the sentence-embedding model (a process of its own).
+CHAT, EMBEDDING = "chat", "embedding"
 
 
 @dataclass(frozen=True)
@@ -56,18 +59,30 @@ class Workload:
     servers: tuple[str, ...] | None = None  # the only servers it runs against (default: every server)
     prompt_set: str | None = None  # workloads naming the same set send the same prompts (default: own name)
     warmup: int = 0  # uncounted requests of its own before it (e.g. to compile a schema once)
+    temperature: float = 0.0
+    stream: bool = True  # False: one JSON answer per request; no TTFT/ITL, tokens from usage
+    # Per server: RequestSpec fields that replace this workload's there (e.g. another extra_body when a peer
+    # asks for the same work in its own words).
+    server_overrides: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    model: str = CHAT  # CHAT, or EMBEDDING: the servers are started on the embedding model for it
+    embed_inputs: int = 32  # EMBEDDING: sentences per /v1/embeddings request
 
     def runs_on(self, server: str) -> bool:
         return self.servers is None or server in self.servers
 
-    def request_spec(self, ban_ids: tuple[int, ...], attempt: int = 0) -> RequestSpec:
-        """The requests of this workload; a retry gets fresh prompts, so no server has them cached."""
+    def request_spec(self, server: str, ban_ids: tuple[int, ...], attempt: int = 0) -> RequestSpec | EmbeddingSpec:
+        """The requests of this workload on `server`; a retry gets fresh prompts, so no server has them cached."""
         salt = self.prompt_set or self.name
-        return RequestSpec(max_tokens=self.max_tokens, prompt_tokens=self.prompt_tokens,
-                           temperature=0.0, ban_token_ids=ban_ids if self.ban_eos else (),
-                           system_prompt=self.system_prompt, unique_prompts=self.unique_prompts,
-                           prompt_salt=salt if attempt == 0 else f"{salt}-retry{attempt}",
-                           extra_body=dict(self.extra_body))
+        salt = salt if attempt == 0 else f"{salt}-retry{attempt}"
+        spec: RequestSpec | EmbeddingSpec
+        if self.model == EMBEDDING:
+            spec = EmbeddingSpec(inputs=self.embed_inputs, prompt_salt=salt, extra_body=dict(self.extra_body))
+        else:
+            spec = RequestSpec(max_tokens=self.max_tokens, prompt_tokens=self.prompt_tokens,
+                               temperature=self.temperature, ban_token_ids=ban_ids if self.ban_eos else (),
+                               system_prompt=self.system_prompt, unique_prompts=self.unique_prompts,
+                               prompt_salt=salt, extra_body=dict(self.extra_body), stream=self.stream)
+        return replace(spec, **self.server_overrides.get(server, {}))
 
 
 # Structured output: a long inventory object. minItems 40 cannot be reached in 128 tokens, so the grammar
@@ -108,6 +123,19 @@ WORKLOADS: list[Workload] = [
              warmup=1),
     Workload("json-8-free", "json-8's requests and prompts without response_format", concurrency=8,
              max_tokens=128, system_prompt=JSON_SYSTEM_PROMPT, servers=("servelm",), prompt_set="json-8"),
+    # 4 clients x 4 sampled sequences = 16 sequences, the 16 slots. llama-server has no best_of (its chat
+    # endpoint ignores the field), but runs n sequences on one prompt read (n_cmpl: the prompt's state is copied
+    # to the children): n=4 is the same work, minus picking the best (servelm: by cumulative logprob). Its
+    # usage counts one choice only.
+    Workload("best-of-4", "4 concurrent clients; best_of 4 (n 1), temperature 0.8, 64 output tokens each, EOS "
+             "banned, not streamed; llama-server: n 4", concurrency=4, temperature=0.8, stream=False,
+             extra_body={"n": 1, "best_of": 4}, servers=("llama-server", "servelm"),
+             server_overrides={"llama-server": {"extra_body": {"n": 4}, "usage_per_choice": True}}),
+    Workload("beam-4", "4 concurrent clients; beam search, 4 beams (best_of 4, n 1), temperature 0, 64 output "
+             "tokens, EOS banned, not streamed", concurrency=4, stream=False,
+             extra_body={"n": 1, "best_of": 4, "use_beam_search": True}, servers=("servelm",)),
+    Workload("embed-32", "2 concurrent clients; /v1/embeddings with 32 fresh sentences of 10-20 words each",
+             concurrency=2, requests=16, model=EMBEDDING, embed_inputs=32, servers=("llama-server", "servelm")),
 ]
 
 
@@ -131,6 +159,7 @@ class ServerRun:
     name: str
     argv: list[str]
     log: str
+    model: str = CHAT  # which model its workloads asked for (CHAT or EMBEDDING)
     ready_s: float | None = None
     other_cores_before: float | None = None  # cores busy with other work just before the start
     peak_rss_mib: float | None = None
@@ -139,23 +168,37 @@ class ServerRun:
     attempts: dict[str, int] = field(default_factory=dict)  # per workload: 1 + noisy retries used
     error: str | None = None
 
+    @property
+    def label(self) -> str:
+        return self.name if self.model == CHAT else f"{self.name} ({self.model})"
+
 
 def context_size(workloads: list[Workload], parallel: int) -> int:
-    """Total KV context for `parallel` slots of the largest workload (template margin included)."""
-    per_slot = max(int(w.prompt_tokens * 1.3) + w.max_tokens + 128 for w in workloads)
+    """Total KV context for `parallel` slots of the largest chat workload (template margin included)."""
+    chat = [w for w in workloads if w.model == CHAT] or [w for w in WORKLOADS if w.model == CHAT]
+    per_slot = max(int(w.prompt_tokens * 1.3) + w.max_tokens + 128 for w in chat)
     per_slot = -(-per_slot // 256) * 256
     return parallel * per_slot
 
 
-def build_spec(name: str, args: argparse.Namespace, model: Path, ctx: int) -> servers.ServerSpec:
+def build_spec(name: str, args: argparse.Namespace, model: Path, ctx: int, kind: str = CHAT,
+               embedding_model: Path | None = None) -> servers.ServerSpec:
+    """How to start server `name` for workloads on the chat model, or (kind EMBEDDING) on `embedding_model`."""
     port = servers.free_port()
     if name == "llama-server":
         binary = Path(args.llama_server_bin) if args.llama_server_bin else llama_server.build()
+        if kind == EMBEDDING:
+            assert embedding_model is not None
+            return servers.llama_server_embedding_spec(binary, embedding_model, port, args.threads,
+                                                       args.llama_server_arg)
         return servers.llama_server_spec(binary, model, port, args.parallel, ctx, args.threads,
                                          args.llama_server_arg)
     if name == "servelm":
-        return servers.servelm_spec(port, args.parallel, model, ctx, args.threads, args.servelm_arg)
+        return servers.servelm_spec(port, args.parallel, model, ctx, args.threads, args.servelm_arg,
+                                    embedding_model=embedding_model if kind == EMBEDDING else None)
     if name == "llama-cpp-python":
+        if kind == EMBEDDING:
+            raise SystemExit("llama-cpp-python runs no embedding workload here")
         servers.ensure_llama_cpp_python_server_extras()
         return servers.llama_cpp_python_spec(model, port, ctx, args.threads, args.llama_cpp_python_arg)
     raise SystemExit(f"unknown server {name!r}; choose from {', '.join(ALL_SERVERS)}")
@@ -183,20 +226,31 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
     before = procfs.CpuSnapshot.take(proc.proc.pid)
     result = await run_level(spec.base_url, spec.model, w.concurrency,
                              args.requests if args.requests is not None else w.requests,
-                             w.request_spec(ban, attempt), warmup=warmup, timeout_s=args.timeout)
+                             w.request_spec(run.name, ban, attempt), warmup=warmup, timeout_s=args.timeout)
     run.other_cores[w.name] = procfs.other_cores(before, procfs.CpuSnapshot.take(proc.proc.pid))
     run.levels[w.name] = result
-    print(f"   {w.name}: {result.output_tok_s:.1f} out tok/s, TTFT p50 "
-          f"{_num(result.ttft_ms['p50'])} ms, ITL p50 {_num(result.itl_ms['p50'])} ms, "
-          f"{result.errors} errors, other work {run.other_cores[w.name]:.2f} cores", flush=True)
+    if w.model == EMBEDDING:
+        figures = (f"{result.inputs_s:.1f} inputs/s, latency p50 {_num(result.e2e_ms['p50'])} ms, "
+                   f"p99 {_num(result.e2e_ms['p99'])} ms")
+    elif not w.stream:
+        figures = (f"{result.output_tok_s:.1f} out tok/s, {result.req_s:.2f} req/s, latency p50 "
+                   f"{_num(result.e2e_ms['p50'])} ms")
+    else:
+        figures = (f"{result.output_tok_s:.1f} out tok/s, TTFT p50 {_num(result.ttft_ms['p50'])} ms, "
+                   f"ITL p50 {_num(result.itl_ms['p50'])} ms")
+    print(f"   {w.name}: {figures}, {result.errors} errors, other work {run.other_cores[w.name]:.2f} cores",
+          flush=True)
+    for sample in result.error_samples:
+        print(f"   {w.name} error: {sample}", file=sys.stderr, flush=True)
 
 
 async def run_server(spec: servers.ServerSpec, workloads: list[Workload], args: argparse.Namespace,
                      log_dir: Path, run: ServerRun) -> None:
-    proc = servers.ServerProcess(spec, log_dir / f"{spec.name}.log")
+    suffix = "" if run.model == CHAT else f"-{run.model}"
+    proc = servers.ServerProcess(spec, log_dir / f"{spec.name}{suffix}.log")
     run.log = str(proc.log_path)
     ban = tuple(args.ban_eos)
-    print(f"\n== {spec.name}: {' '.join(spec.argv)}", flush=True)
+    print(f"\n== {run.label}: {' '.join(spec.argv)}", flush=True)
     run.other_cores_before = await wait_for_quiet(args.wait_quiet)
     if run.other_cores_before >= QUIET_CORES:
         print(f"   warning: other work keeps {run.other_cores_before:.2f} cores busy; the figures will be "
@@ -234,8 +288,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _figures(lv: LevelResult) -> dict[str, float | None]:
-    return {"out tok/s": lv.output_tok_s, "TTFT p50": lv.ttft_ms["p50"], "TTFT p99": lv.ttft_ms["p99"],
-            "ITL p50": lv.itl_ms["p50"], "ITL p99": lv.itl_ms["p99"]}
+    return {"out tok/s": lv.output_tok_s, "req/s": lv.req_s, "TTFT p50": lv.ttft_ms["p50"],
+            "TTFT p99": lv.ttft_ms["p99"], "ITL p50": lv.itl_ms["p50"], "ITL p99": lv.itl_ms["p99"],
+            "inputs/s": lv.inputs_s, "latency p50": lv.e2e_ms["p50"], "latency p99": lv.e2e_ms["p99"]}
 
 
 def workload_ratios(runs: list[ServerRun]) -> list[dict[str, Any]]:
@@ -267,50 +322,82 @@ def ratio_lines(runs: list[ServerRun], involving: str | None = None) -> list[str
     return lines
 
 
+def _run_of(runs: list[ServerRun], server: str, w: Workload) -> ServerRun | None:
+    """The process of `server` that ran (or was to run) workload `w`."""
+    return next((r for r in runs if r.name == server and r.model == w.model), None)
+
+
 def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
-    out = [("| workload | server | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-            "| out tok/req | prompt tok | errors | other cores |"),
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for w in workloads:
-        for r in runs:
-            if not w.runs_on(r.name):
+    chat = [w for w in workloads if w.model == CHAT]
+    embed = [w for w in workloads if w.model == EMBEDDING]
+    out: list[str] = []
+    if chat:
+        out += [("| workload | server | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+                 "| latency p50 ms | out tok/req | prompt tok | errors | other cores |"),
+                "|---|---|" + "---:|" * 11]
+    for w in chat:
+        for name in dict.fromkeys(r.name for r in runs):
+            r = _run_of(runs, name, w)
+            if r is None or not w.runs_on(name):
                 continue
             lv = r.levels.get(w.name)
             if lv is None:
-                out.append(f"| {w.name} | {r.name} | failed | | | | | | | | | |")
+                out.append(f"| {w.name} | {name} | failed |" + " |" * 10)
                 continue
             toks = (f"{lv.output_tokens_min}" if lv.output_tokens_min == lv.output_tokens_max
                     else f"{lv.output_tokens_min}-{lv.output_tokens_max}")
-            out.append(f"| {w.name} | {r.name} | {lv.output_tok_s:.1f} | {lv.req_s:.2f} "
+            out.append(f"| {w.name} | {name} | {lv.output_tok_s:.1f} | {lv.req_s:.2f} "
                        f"| {_num(lv.ttft_ms['p50'])} | {_num(lv.ttft_ms['p99'])} | {_num(lv.itl_ms['p50'])} "
-                       f"| {_num(lv.itl_ms['p99'])} | {toks} | {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} "
+                       f"| {_num(lv.itl_ms['p99'])} | {_num(lv.e2e_ms['p50'], 0)} | {toks} "
+                       f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
+    if embed:
+        out += [""] if out else []
+        out += ["| workload | server | inputs/s | req/s | latency p50 ms | latency p99 ms | prompt tok/req | errors "
+                "| other cores |", "|---|---|" + "---:|" * 7]
+    for w in embed:
+        for name in dict.fromkeys(r.name for r in runs):
+            r = _run_of(runs, name, w)
+            if r is None or not w.runs_on(name):
+                continue
+            lv = r.levels.get(w.name)
+            if lv is None:
+                out.append(f"| {w.name} | {name} | failed |" + " |" * 6)
+                continue
+            out.append(f"| {w.name} | {name} | {lv.inputs_s:.1f} | {lv.req_s:.2f} | {_num(lv.e2e_ms['p50'], 0)} "
+                       f"| {_num(lv.e2e_ms['p99'], 0)} | {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} "
                        f"| {_num(r.other_cores.get(w.name), 2)} |")
-    out += ["", "| server | ready after s | peak RSS MiB | other cores before start |", "|---|---:|---:|---:|"]
-    out += [f"| {r.name} | {_num(r.ready_s)} | {_num(r.peak_rss_mib)} | {_num(r.other_cores_before, 2)} |"
-            for r in runs]
+    out += ["", "| server | workloads | ready after s | peak RSS MiB | other cores before start |",
+            "|---|---|---:|---:|---:|"]
+    out += [f"| {r.label} | {', '.join(r.levels) or '-'} | {_num(r.ready_s)} | {_num(r.peak_rss_mib)} "
+            f"| {_num(r.other_cores_before, 2)} |" for r in runs]
     noisy = [f"{r.name}/{w}" for r in runs for w, c in r.other_cores.items() if c >= QUIET_CORES]
     if noisy:
         out += ["", f"**Warning**: other work used {QUIET_CORES} cores or more during {', '.join(noisy)}; "
                 "those figures are not a fair comparison."]
-    base = next((r for r in runs if r.name == BASELINE), None)
-    others = [r for r in runs if r.name != BASELINE]
-    if base and others:
-        cols = ["out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
-        out += ["", f"Ratios X / {BASELINE} (tok/s: higher is better; times and memory: lower is better)", "",
-                "| workload | server | " + " | ".join(cols) + " | peak RSS |",
-                "|---|---|" + "---:|" * (len(cols) + 1)]
-        for w in workloads:
-            if not w.runs_on(BASELINE):
-                continue
-            for r in others:
-                if not w.runs_on(r.name):
-                    continue
-                a, b = r.levels.get(w.name), base.levels.get(w.name)
-                fa = _figures(a) if a else {}
-                fb = _figures(b) if b else {}
-                cells = [_ratio(fa.get(c), fb.get(c)) for c in cols]
-                cells.append(_ratio(r.peak_rss_mib, base.peak_rss_mib))
-                out.append(f"| {w.name} | {r.name} | " + " | ".join(cells) + " |")
+    others = list(dict.fromkeys(r.name for r in runs if r.name != BASELINE))
+    compared = [w for w in workloads if w.runs_on(BASELINE) and any(w.runs_on(o) for o in others)]
+    if any(r.name == BASELINE for r in runs) and others:
+        chat_cols = ["out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+        embed_cols = ["inputs/s", "latency p50", "latency p99"]
+        out += ["", f"Ratios X / {BASELINE} (tok/s, req/s, inputs/s: higher is better; times and memory: lower "
+                "is better; peak RSS: of the two processes that ran the workload)"]
+        for kind, cols in ((CHAT, chat_cols), (EMBEDDING, embed_cols)):
+            rows = []
+            for w in (x for x in compared if x.model == kind):
+                base = _run_of(runs, BASELINE, w)
+                for name in others:
+                    r = _run_of(runs, name, w)
+                    if r is None or base is None or not w.runs_on(name):
+                        continue
+                    a, b = r.levels.get(w.name), base.levels.get(w.name)
+                    fa = _figures(a) if a else {}
+                    fb = _figures(b) if b else {}
+                    cells = [_ratio(fa.get(c), fb.get(c)) for c in cols]
+                    cells.append(_ratio(r.peak_rss_mib, base.peak_rss_mib))
+                    rows.append(f"| {w.name} | {name} | " + " | ".join(cells) + " |")
+            if rows:
+                out += ["", "| workload | server | " + " | ".join(cols) + " | peak RSS |",
+                        "|---|---|" + "---:|" * (len(cols) + 1)] + rows
     lines = ratio_lines(runs)
     if lines:
         out += ["", "Within-server ratios (same server, same run):", ""] + [f"- {line}" for line in lines]
@@ -337,7 +424,7 @@ def _cpu_model() -> str:
 
 
 def write_json(path: Path, runs: list[ServerRun], workloads: list[Workload], args: argparse.Namespace,
-               model: Path, complete: bool) -> None:
+               model: Path, embedding_model: Path | None, complete: bool) -> None:
     payload = {
         "complete": complete,
         "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -346,6 +433,7 @@ def write_json(path: Path, runs: list[ServerRun], workloads: list[Workload], arg
         "llama_cpp_python": llama_server.pinned_version(),
         "cmake_flags": llama_server.cmake_flags(),
         "model": str(model),
+        "embedding_model": None if embedding_model is None else str(embedding_model),
         "threads": args.threads,
         "parallel": args.parallel,
         "ban_eos": args.ban_eos,
@@ -367,6 +455,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS),
                    help="comma list of workload names (default: all)")
     p.add_argument("--model-path", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    p.add_argument("--embedding-model-path", default=None,
+                   help="GGUF file of the embedding workloads (default: servelm's all-MiniLM-L6-v2)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 2 x conc, >= 4)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads for the peer servers")
     p.add_argument("--parallel", type=int, default=16, help="slots / --max-num-seqs")
@@ -380,8 +470,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"run a workload again, up to N times, when other work used >= {QUIET_CORES} cores")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     p.add_argument("--llama-server-bin", default=None, help="use this llama-server instead of building one")
-    p.add_argument("--llama-server-arg", action="append", default=[], help="extra llama-server argument")
-    p.add_argument("--servelm-arg", action="append", default=[], help="extra `servelm serve` argument")
+    p.add_argument("--llama-server-arg", action="append", default=[],
+                   help="extra llama-server argument (every llama-server process: chat and embedding)")
+    p.add_argument("--servelm-arg", action="append", default=[],
+                   help="extra `servelm serve` argument (every servelm process: chat and embedding)")
     p.add_argument("--llama-cpp-python-arg", action="append", default=[], help="extra llama_cpp.server argument")
     p.add_argument("--json-out", default=None, help="default: bench/results/compare-<UTC time>.json")
     return p.parse_args(argv)
@@ -400,6 +492,10 @@ async def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(by_name)}")
     workloads = [by_name[n] for n in args.workloads.split(",") if n]
     model = Path(args.model_path) if args.model_path else servers.default_model_path()
+    embedding_model = None
+    if any(w.model == EMBEDDING for w in workloads):
+        embedding_model = (Path(args.embedding_model_path) if args.embedding_model_path
+                           else servers.default_embedding_model_path())
     ctx = args.ctx_size or context_size(workloads, args.parallel)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     runs: list[ServerRun] = []
@@ -410,18 +506,19 @@ async def _main(args: argparse.Namespace) -> int:
             skipped = [w.name for w in workloads if not w.runs_on(name)]
             if skipped:
                 print(f"\n{name}: skips {', '.join(skipped)} (declared for other servers only)", flush=True)
-            if not mine:
-                continue
-            spec = build_spec(name, args, model, ctx)
-            runs.append(ServerRun(spec.name, spec.argv, ""))
-            await run_server(spec, mine, args, RESULTS / "logs" / stamp, runs[-1])
+            # One process per model the workloads ask for (chat first if it comes first in the list).
+            for kind in dict.fromkeys(w.model for w in mine):
+                spec = build_spec(name, args, model, ctx, kind, embedding_model)
+                runs.append(ServerRun(spec.name, spec.argv, "", model=kind))
+                await run_server(spec, [w for w in mine if w.model == kind], args, RESULTS / "logs" / stamp,
+                                 runs[-1])
         complete = True
     finally:
         # Also on Ctrl-C or SIGTERM: report what finished (every server is already stopped).
         if runs:
             print("\n" + markdown(runs, workloads) + ("" if complete else "\n\n(interrupted: partial results)"))
             json_path = Path(args.json_out) if args.json_out else RESULTS / f"compare-{stamp}.json"
-            write_json(json_path, runs, workloads, args, model, complete)
+            write_json(json_path, runs, workloads, args, model, embedding_model, complete)
             print(f"\nJSON: {json_path}", flush=True)
     failed = [r.name for r in runs if r.error or any(lv.errors for lv in r.levels.values())]
     if failed:

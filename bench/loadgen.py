@@ -1,4 +1,4 @@
-"""Closed-loop streaming load generator for any OpenAI-compatible server.
+"""Closed-loop load generator for any OpenAI-compatible server.
 
 Each of `concurrency` clients sends one streamed `/chat/completions` request, reads its SSE stream to
 the end, and sends the next, until the level's request count is done. Per request it records the time
@@ -6,9 +6,14 @@ to the first content token (TTFT), the gaps between consecutive content chunks (
 count (from the stream's `usage` when the server sends it, else the number of content chunks) and the
 end-to-end time. Per level it reports output tokens/s, requests/s, TTFT and ITL percentiles and errors.
 
-    python -m bench.loadgen --url http://127.0.0.1:8000/v1 --concurrency 1,16 --ban-eos 0 2
+Two other request kinds: a non-streamed chat completion (`RequestSpec(stream=False)`; no TTFT or ITL,
+output tokens from `usage`), e.g. for `best_of`, where a stream would only carry the chosen answer at the
+end; and `/embeddings` requests of N sentences each (`EmbeddingSpec`), reported as inputs/s.
 
-As a library: `await run_level(url, model, concurrency, requests, ...)` returns a `LevelResult`.
+    python -m bench.loadgen --url http://127.0.0.1:8000/v1 --concurrency 1,16 --ban-eos 0 2
+    python -m bench.loadgen --model all-minilm-l6-v2 --embed-inputs 32 --concurrency 2 --requests 8
+
+As a library: `await run_level(url, model, concurrency, requests, spec, ...)` returns a `LevelResult`.
 """
 
 from __future__ import annotations
@@ -73,6 +78,13 @@ def build_prompt(n_tokens: int, seed: int | str = 0) -> str:
     return "Continue this text: " + " ".join(out)
 
 
+def build_sentences(count: int, seed: int | str = 0, min_words: int = 10, max_words: int = 20) -> list[str]:
+    """`count` deterministic, distinct sentences of `min_words`..`max_words` plain English words each."""
+    rng = random.Random(f"servelm-bench-sentences-{seed}")
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))).capitalize() + "."
+            for _ in range(count)]
+
+
 @dataclass
 class RequestSpec:
     """What every request of a level asks for. `extra_body` is merged into the JSON body last."""
@@ -85,6 +97,17 @@ class RequestSpec:
     unique_prompts: bool = True
     prompt_salt: str = ""  # distinguishes prompt sets, so no two levels/workloads share a prompt
     extra_body: dict[str, Any] = field(default_factory=dict)
+    stream: bool = True  # False: one JSON answer per request (no TTFT or ITL)
+    # Non-streamed only: the server's usage.completion_tokens counts one choice though the answer has several
+    # (llama-server with n > 1); output tokens are then completion_tokens x the number of choices.
+    usage_per_choice: bool = False
+
+    path = "/chat/completions"
+
+    async def send(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+        if self.stream:
+            return await stream_one(client, url, body)
+        return await complete_one(client, url, body, self.usage_per_choice)
 
     def body(self, model: str, index: int) -> dict[str, Any]:
         messages: list[dict[str, str]] = []
@@ -97,11 +120,36 @@ class RequestSpec:
             "messages": messages,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": self.stream,
         }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         if self.ban_token_ids:
             body["logit_bias"] = {str(t): -100 for t in self.ban_token_ids}
+        body.update(self.extra_body)
+        return body
+
+
+@dataclass
+class EmbeddingSpec:
+    """Every request of a level: POST /embeddings with `inputs` fresh sentences (none repeats)."""
+
+    inputs: int = 32
+    min_words: int = 10
+    max_words: int = 20
+    prompt_salt: str = ""
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    path = "/embeddings"
+
+    async def send(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+        return await embed_one(client, url, body)
+
+    def body(self, model: str, index: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "input": build_sentences(self.inputs, f"{self.prompt_salt}-{index}", self.min_words, self.max_words),
+        }
         body.update(self.extra_body)
         return body
 
@@ -115,6 +163,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     e2e_s: float = 0.0
     error: str | None = None
+    inputs: int = 0  # embedding requests: vectors returned
 
 
 @dataclass
@@ -134,6 +183,8 @@ class LevelResult:
     output_tokens_max: int | None
     prompt_tokens_mean: float | None
     error_samples: list[str] = field(default_factory=list)
+    inputs: int = 0  # embedding inputs embedded (vectors returned)
+    inputs_s: float = 0.0  # inputs / wall time
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,6 +268,48 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
     )
 
 
+async def complete_one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                       usage_per_choice: bool = False) -> RequestResult:
+    """Send one non-streamed chat completion; its output tokens come from `usage`."""
+    start = time.perf_counter()
+    try:
+        resp = await client.post(url, json=body)
+        end = time.perf_counter()
+        if resp.status_code != 200:
+            return RequestResult(ok=False, e2e_s=end - start, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
+        answer = resp.json()
+        choices = answer["choices"]
+        usage = answer["usage"]
+        tokens = int(usage["completion_tokens"]) * (len(choices) if usage_per_choice else 1)
+        prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
+        if not choices or not any((c.get("message") or {}).get("content") for c in choices):
+            return RequestResult(ok=False, e2e_s=end - start, error="answer had no content")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        return RequestResult(ok=False, e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
+    return RequestResult(ok=True, output_tokens=tokens, prompt_tokens=prompt_tokens, e2e_s=end - start)
+
+
+async def embed_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+    """Send one /embeddings request; it must return one non-empty vector per input."""
+    start = time.perf_counter()
+    expected = len(body["input"]) if isinstance(body["input"], list) else 1
+    try:
+        resp = await client.post(url, json=body)
+        end = time.perf_counter()
+        if resp.status_code != 200:
+            return RequestResult(ok=False, e2e_s=end - start, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
+        answer = resp.json()
+        data = answer["data"]
+        usage = answer.get("usage") or {}
+        prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
+        if len(data) != expected or not all(d.get("embedding") for d in data):
+            return RequestResult(ok=False, e2e_s=end - start,
+                                 error=f"{len(data)} vectors (some empty?) for {expected} inputs")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        return RequestResult(ok=False, e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
+    return RequestResult(ok=True, prompt_tokens=prompt_tokens, e2e_s=end - start, inputs=len(data))
+
+
 def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
     good = [r for r in results if r.ok]
     bad = [r for r in results if not r.ok]
@@ -238,6 +331,8 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         output_tokens_max=max((r.output_tokens for r in good), default=None),
         prompt_tokens_mean=sum(prompts) / len(prompts) if prompts else None,
         error_samples=sorted({r.error or "" for r in bad})[:5],
+        inputs=sum(r.inputs for r in good),
+        inputs_s=sum(r.inputs for r in good) / wall_s if wall_s > 0 else 0.0,
     )
 
 
@@ -253,22 +348,23 @@ async def run_level(
     model: str,
     concurrency: int,
     requests: int | None = None,
-    spec: RequestSpec | None = None,
+    spec: RequestSpec | EmbeddingSpec | None = None,
     warmup: int = 0,
     timeout_s: float = 300.0,
     api_key: str | None = None,
 ) -> LevelResult:
     """Run one closed-loop level: `concurrency` clients share `requests` requests.
 
-    `url` is the base URL (e.g. http://127.0.0.1:8000/v1). `warmup` requests run first, one at a time,
-    and are not counted. `requests` defaults to 2 x concurrency, at least 4.
+    `url` is the base URL (e.g. http://127.0.0.1:8000/v1). `spec` says what each request is (streamed chat
+    by default; `EmbeddingSpec` for /embeddings). `warmup` requests run first, one at a time, and are not
+    counted. `requests` defaults to 2 x concurrency, at least 4.
     """
     spec = spec or RequestSpec()
     total = requests if requests is not None else max(4, 2 * concurrency)
-    endpoint = url.rstrip("/") + "/chat/completions"
+    endpoint = url.rstrip("/") + spec.path
     async with _client(concurrency, timeout_s, api_key) as client:
         for i in range(warmup):
-            await stream_one(client, endpoint, spec.body(model, -1 - i))
+            await spec.send(client, endpoint, spec.body(model, -1 - i))
         next_index = 0
         results: list[RequestResult] = []
 
@@ -277,7 +373,7 @@ async def run_level(
             while next_index < total:
                 index = next_index
                 next_index += 1
-                results.append(await stream_one(client, endpoint, spec.body(model, index)))
+                results.append(await spec.send(client, endpoint, spec.body(model, index)))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -291,8 +387,16 @@ def _fmt(v: float | None, digits: int = 1) -> str:
 
 def format_table(levels: list[LevelResult]) -> str:
     """A plain-text table, one row per level."""
+    if any(lv.inputs for lv in levels):  # embeddings: inputs/s and request latency
+        head = ["conc", "reqs", "err", "inputs/s", "req/s", "e2e p50", "p90", "p99", "prompt tok"]
+        rows = [head]
+        for lv in levels:
+            rows.append([str(lv.concurrency), str(lv.requests), str(lv.errors), _fmt(lv.inputs_s), _fmt(lv.req_s, 2),
+                         _fmt(lv.e2e_ms["p50"]), _fmt(lv.e2e_ms["p90"]), _fmt(lv.e2e_ms["p99"]),
+                         _fmt(lv.prompt_tokens_mean, 0)])
+        return _align(rows) + "\n(times in ms; prompt tok = tokens of one request's inputs together)"
     head = ["conc", "reqs", "err", "out tok/s", "req/s", "TTFT p50", "p90", "p99",
-            "ITL p50", "p90", "p99", "out tok", "prompt tok"]
+            "ITL p50", "p90", "p99", "e2e p50", "out tok", "prompt tok"]
     rows = [head]
     for lv in levels:
         toks = ("-" if lv.output_tokens_min is None else
@@ -301,13 +405,16 @@ def format_table(levels: list[LevelResult]) -> str:
         rows.append([
             str(lv.concurrency), str(lv.requests), str(lv.errors), _fmt(lv.output_tok_s), _fmt(lv.req_s, 2),
             _fmt(lv.ttft_ms["p50"]), _fmt(lv.ttft_ms["p90"]), _fmt(lv.ttft_ms["p99"]),
-            _fmt(lv.itl_ms["p50"]), _fmt(lv.itl_ms["p90"]), _fmt(lv.itl_ms["p99"]),
+            _fmt(lv.itl_ms["p50"]), _fmt(lv.itl_ms["p90"]), _fmt(lv.itl_ms["p99"]), _fmt(lv.e2e_ms["p50"]),
             toks, _fmt(lv.prompt_tokens_mean, 0),
         ])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return _align(rows) + "\n(times in ms; out tok = output tokens per request, min-max)"
+
+
+def _align(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("(times in ms; out tok = output tokens per request, min-max)")
     return "\n".join(lines)
 
 
@@ -326,7 +433,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Closed-loop streaming load generator (OpenAI chat API).")
+    p = argparse.ArgumentParser(description="Closed-loop load generator (OpenAI chat or embeddings API).")
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL, ending in /v1")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model id sent in each request")
     p.add_argument("--concurrency", type=_int_list, default="1,16", help="comma list, e.g. 1,16")
@@ -344,14 +451,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
                    help="a JSON object merged into every request body, e.g. '{\"response_format\": {...}}'")
+    p.add_argument("--no-stream", action="store_true",
+                   help="non-streamed chat completions (no TTFT/ITL; output tokens from usage)")
+    p.add_argument("--embed-inputs", type=int, default=0, metavar="N",
+                   help="POST /embeddings with N fresh sentences per request instead of chat (reports inputs/s)")
     p.add_argument("--json-out", default=None, metavar="FILE")
     return p.parse_args(argv)
 
 
 async def _main(args: argparse.Namespace) -> list[LevelResult]:
-    spec = RequestSpec(max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
-                       temperature=args.temperature, ban_token_ids=tuple(args.ban_eos),
-                       unique_prompts=not args.same_prompt, extra_body=args.extra_body)
+    spec: RequestSpec | EmbeddingSpec
+    if args.embed_inputs > 0:
+        spec = EmbeddingSpec(inputs=args.embed_inputs, extra_body=args.extra_body)
+    else:
+        spec = RequestSpec(max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+                           temperature=args.temperature, ban_token_ids=tuple(args.ban_eos),
+                           unique_prompts=not args.same_prompt, extra_body=args.extra_body,
+                           stream=not args.no_stream)
     levels = []
     for conc in args.concurrency:
         level_spec = replace(spec, prompt_salt=f"c{conc}")
@@ -371,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"url": args.url, "model": args.model, "max_tokens": args.max_tokens,
                    "prompt_tokens": args.prompt_tokens, "ban_eos": args.ban_eos,
                    "temperature": args.temperature, "extra_body": args.extra_body,
+                   "stream": not args.no_stream, "embed_inputs": args.embed_inputs,
                    "levels": [lv.to_dict() for lv in levels]}
         with open(args.json_out, "w") as fh:
             json.dump(payload, fh, indent=2)

@@ -27,6 +27,13 @@ from bench import procfs
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "smollm2-135m-instruct"
+# The sentence-embedding model servelm serves beside the chat model (converted at install time).
+EMBEDDING_MODEL_FILE = "all-MiniLM-L6-v2.gguf"
+EMBEDDING_MODEL_ID = "all-minilm-l6-v2"
+# servelm's embedding model runs passes of whole inputs: up to 64 inputs and min(2048, the model's training
+# context) tokens (servelm/__main__.py EMBEDDING_SEQS, EMBEDDING_WINDOW); all-MiniLM-L6-v2 trained on 512.
+EMBEDDING_SEQS = 64
+EMBEDDING_BATCH_TOKENS = 512
 
 
 def default_model_path() -> Path:
@@ -38,6 +45,16 @@ def default_model_path() -> Path:
     if not path.exists():
         raise SystemExit(f"{path} does not exist; pass --model-path")
     return path
+
+
+def default_embedding_model_path() -> Path:
+    """The embedding model servelm loads by default: <venv>/share/servelm/all-MiniLM-L6-v2.gguf."""
+    for prefix in (Path(sys.prefix), REPO / ".venv"):
+        path = prefix / "share" / "servelm" / EMBEDDING_MODEL_FILE
+        if path.exists():
+            return path
+    raise SystemExit(f"no {EMBEDDING_MODEL_FILE} under {sys.prefix}/share/servelm (run `make install`) "
+                     "; pass --embedding-model-path")
 
 
 def free_port() -> int:
@@ -89,22 +106,56 @@ def llama_server_spec(binary: Path, model: Path, port: int, parallel: int, ctx: 
     return ServerSpec("llama-server", argv + extra, port)
 
 
-def servelm_spec(port: int, parallel: int, model: Path, ctx: int, threads: int,
-                 extra: list[str]) -> ServerSpec:
+def llama_server_embedding_spec(binary: Path, model: Path, port: int, threads: int, extra: list[str],
+                                seqs: int = EMBEDDING_SEQS, batch_tokens: int = EMBEDDING_BATCH_TOKENS) -> ServerSpec:
+    """llama-server on an embedding model, batched like servelm's embedding engine: `seqs` slots (one input
+    each), and whole inputs packed into passes of `batch_tokens` (-b = -ub: a non-causal model reads every
+    input in one micro-batch; llama-server forces -b down to -ub anyway). --kv-unified gives every slot the
+    whole -c, so one input may have up to `batch_tokens` tokens, as on servelm."""
+    flags = help_text(binary)
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--embedding",
+            "--pooling", "mean", "-np", str(seqs), "-c", str(batch_tokens), "-b", str(batch_tokens),
+            "-ub", str(batch_tokens), "-t", str(threads), "--alias", EMBEDDING_MODEL_ID]
+    argv += [f for f in ("--no-webui", "--kv-unified") if has_flag(flags, f)]
+    return ServerSpec("llama-server", argv + extra, port, model=EMBEDDING_MODEL_ID)
+
+
+# servelm loads its embedding model and gives the chat model an embedding context by default. For a like-for-like
+# comparison each servelm process serves what its peer process serves: the chat model alone, or the embedding
+# model (beside a chat model, which servelm always loads, kept as small as it goes).
+SERVELM_CHAT_ONLY = (("--no-embedding-model", None), ("--chat-embedding-window", "0"))
+SERVELM_EMBEDDING_CHAT_SIDE = (("--chat-embedding-window", "0"), ("--max-num-seqs", "1"), ("--kv-cells", "256"))
+
+
+def servelm_exe() -> Path:
     exe = Path(sys.executable).parent / "servelm"
-    if not exe.exists():
-        exe = REPO / ".venv" / "bin" / "servelm"
-    argv = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(parallel)]
+    return exe if exe.exists() else REPO / ".venv" / "bin" / "servelm"
+
+
+def servelm_spec(port: int, parallel: int, model: Path, ctx: int, threads: int,
+                 extra: list[str], embedding_model: Path | None = None) -> ServerSpec:
+    """servelm serving the chat model alone, or (`embedding_model` given) that embedding model beside a
+    minimal chat side; the requests then go to the embedding model."""
+    exe = servelm_exe()
     flags = help_text(exe, "serve")
+    argv = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(port)]
     # Match the peers where servelm has the knob: same file, same threads, same KV size.
-    for flag, value in (("--model-path", model), ("--model-id", MODEL_ID), ("--threads", threads),
-                        ("--kv-cells", ctx)):
+    chat = [("--model-path", model), ("--model-id", MODEL_ID), ("--threads", threads)]
+    if embedding_model is None:
+        chat += [("--max-num-seqs", parallel), ("--kv-cells", ctx), *SERVELM_CHAT_ONLY]
+    else:
+        chat += [("--embedding-model-path", embedding_model), ("--embedding-model-id", EMBEDDING_MODEL_ID),
+                 *SERVELM_EMBEDDING_CHAT_SIDE]
+    for flag, value in chat:
         if has_flag(flags, flag):
-            argv += [flag, str(value)]
+            argv += [flag] if value is None else [flag, str(value)]
         elif flag == "--model-path" and model != default_model_path():
             print(f"note: `servelm serve` has no --model-path; it serves its own model, not {model}",
                   file=sys.stderr)
-    return ServerSpec("servelm", argv + extra, port)
+        elif flag in ("--no-embedding-model", "--embedding-model-path"):
+            print(f"note: `servelm serve` has no {flag}", file=sys.stderr)
+    return ServerSpec("servelm", argv + extra, port,
+                      model=MODEL_ID if embedding_model is None else EMBEDDING_MODEL_ID)
 
 
 def llama_cpp_python_spec(model: Path, port: int, ctx: int, threads: int, extra: list[str]) -> ServerSpec:
