@@ -67,6 +67,7 @@ class BeamSearch:
         self.finished: list[Hypothesis] = []
         stops = [s.encode() for s in params.stop]
         self._tail_keep = 4 * max((len(s) for s in stops), default=0) + 64
+        self.rows: dict[int, np.ndarray] = {}  # this step's processed rows so far, by beam
         self.done = False  # the search has its hypotheses
         self.closed = False  # and the engine has sent them
 

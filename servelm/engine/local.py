@@ -246,9 +246,13 @@ class LocalEngine:
         plain = [i for i, s in enumerate(samplers) if s.state.beam is None]
         beams: dict[SequenceGroup, np.ndarray] = {}
         for i, s in enumerate(samplers):
-            if s.state.beam is not None:
-                beams.setdefault(s.group, []).append(i)  # type: ignore[arg-type]
-        beams = {g: picked[sorted(idx, key=lambda i: samplers[i].index)] for g, idx in beams.items()}
+            search = s.state.beam
+            if search is not None:
+                # beams recomputed after a preemption may finish reading in different steps: a beam step
+                # waits for every beam's row
+                search.rows[s.index] = picked[i].copy()
+                if len(search.rows) == search.width:
+                    beams[s.group] = np.stack([search.rows.pop(j) for j in range(search.width)])
         if len(plain) < len(samplers):
             picked, samplers = picked[plain], [samplers[i] for i in plain]
             states = [states[i] for i in plain]
