@@ -178,3 +178,21 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(make_engine):
     stop = "fg"
     res = by_index(await run(eng, [1], max_tokens=10, stop=(stop,), include_stop_str_in_output=True))[0]
     assert res["text"] == "cdefg" and res["final"].stop_reason == stop
+
+
+async def test_a_preempted_beam_search_resumes_with_the_same_result(make_engine):
+    alone = by_index(await run(make_engine(), [2] * 10, max_tokens=10, n=2, best_of=2, beam=BeamParams()))
+    runner = FakeRunner(num_slots=4, kv_cells=44, max_step_tokens=16)
+    eng = LocalEngine(runner)  # started once both requests wait, so they are admitted together
+    first = asyncio.ensure_future(run(eng, [41] * 10, max_tokens=24))
+    beams = asyncio.ensure_future(run(eng, [2] * 10, max_tokens=10, n=2, best_of=2, beam=BeamParams()))
+    await asyncio.sleep(0.01)
+    eng.start()
+    try:
+        crowded = by_index(await beams)
+        await first
+    finally:
+        eng.stop()
+    reads = [c for plan in runner.steps for c in plan.chunks if c.start == 0 and c.tokens[0] == 2]
+    assert len(reads) == 3, "the prompt was read, then both beams were preempted and read again"
+    assert [crowded[i]["tokens"] for i in (0, 1)] == [alone[i]["tokens"] for i in (0, 1)]
