@@ -202,7 +202,7 @@ class LocalEngine:
             self._send(outputs)
             return
         self.steps += 1
-        rows = self._rows(plan, logits)
+        rows = self._rows(plan)
         self._prompt_logprobs(plan, logits, rows)
         samplers, processed, tokens, beams = self._sample(plan, logits, rows)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
@@ -214,7 +214,7 @@ class LocalEngine:
         self._send(outputs)
 
     @staticmethod
-    def _rows(plan: StepPlan, logits: np.ndarray) -> list[int]:
+    def _rows(plan: StepPlan) -> list[int]:
         """For each chunk, the logits row of its last token (-1 when it has none)."""
         out, r = [], 0
         for chunk in plan.chunks:
@@ -265,7 +265,7 @@ class LocalEngine:
         want = [i for i, s in enumerate(samplers) if s.group.params.wants_cumulative]
         out: list[TokenLogprob | None] = [None] * len(samplers)
         if want:
-            ks = [samplers[i].group.params.logprobs or 0 for i in want]
+            ks = [samplers[i].group.params.logprobs for i in want]
             for i, e in zip(want, token_logprobs(rows[want], [tokens[i] for i in want], ks)):
                 out[i] = e
         return out

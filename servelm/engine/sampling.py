@@ -151,10 +151,27 @@ def logprob_entry(logp_row: np.ndarray, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, lp, top, rank)
 
 
-def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
-    """Logprob entries for the token taken in each row (rows are processed logits, not yet softmaxed)."""
-    logp = log_softmax(rows)
-    return [logprob_entry(logp[i], tokens[i], ks[i]) for i in range(len(tokens))]
+def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int | None]) -> list[TokenLogprob]:
+    """Logprob entries for the token taken in each row (rows are processed logits, not yet softmaxed).
+
+    ks[i] is how many alternatives row i reports; None: the row only ranks best_of samples, so its entry
+    holds the token's logprob alone (float32, no rank, no copy of the row in float64).
+    """
+    out: list[TokenLogprob] = [None] * len(tokens)  # type: ignore[list-item]
+    report = [i for i, k in enumerate(ks) if k is not None]
+    rank_only = [i for i, k in enumerate(ks) if k is None]
+    if report:
+        logp = log_softmax(rows[report])
+        for j, i in enumerate(report):
+            out[i] = logprob_entry(logp[j], tokens[i], ks[i])  # type: ignore[arg-type]
+    if rank_only:
+        sub = rows[rank_only]
+        m = sub.max(axis=1)
+        lse = m + np.log(np.exp(sub - m[:, None]).sum(axis=1))
+        chosen = sub[np.arange(len(rank_only)), [tokens[i] for i in rank_only]]
+        for j, i in enumerate(rank_only):
+            out[i] = TokenLogprob(tokens[i], float(chosen[j] - lse[j]))
+    return out
 
 
 def _apply_masks(logits: np.ndarray, rows: np.ndarray, allowed: np.ndarray, eog_ids: np.ndarray) -> None:

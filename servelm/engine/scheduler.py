@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 
 MIN_PREFIX_REUSE = 4  # fewer shared tokens than this are not worth a copy
+PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ class Scheduler:
                 if budget <= 0 or free_cells <= 0:
                     break
                 if seq.status is SeqStatus.RUNNING and seq.num_pending > 1:
-                    take = min(seq.num_pending, budget, free_cells)
+                    take = min(self._pending(seq), budget, free_cells)
                     plan.chunks.append(self._chunk(seq, take))
                     budget -= take
                     free_cells -= take
@@ -197,12 +198,20 @@ class Scheduler:
             self._admit(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
-                    take = min(seq.num_pending, budget)
+                    take = min(self._pending(seq), budget)
                     plan.chunks.append(self._chunk(seq, take))
                     budget -= take
             free_cells -= need
         plan.ops, self._ops = self._ops, []
         return plan
+
+    @staticmethod
+    def _pending(seq: Sequence) -> int:
+        """Tokens the sequence may read this step: all pending, except that a prompt read for its logprobs
+        goes in chunks of PROMPT_LOGPROBS_CHUNK (each of its tokens is a vocabulary-wide logits row)."""
+        if seq.group.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
+            return min(seq.num_pending, PROMPT_LOGPROBS_CHUNK)
+        return seq.num_pending
 
     def step_budget(self) -> int:
         seeded = any(g.params.seed is not None for g in (*self.running, *self.waiting))

@@ -53,6 +53,21 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future | async
     return None
 
 
+async def generate(request: Request, req: BaseModel, service: ChatService | CompletionService) -> Response:
+    """A text-generating request: prepared off the event loop, then streamed or answered whole."""
+    prepared = await asyncio.to_thread(service.prepare, req)  # type: ignore[arg-type]
+    if prepared.stream:
+        return StreamingResponse(
+            sse_frames(service.stream(prepared)),  # type: ignore[arg-type]
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))  # type: ignore[arg-type]
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(result.model_dump(mode="json"))
+
+
 def build_router(deployments: Deployments) -> APIRouter:
     router = APIRouter()
     chat = ChatService(deployments)
@@ -61,34 +76,12 @@ def build_router(deployments: Deployments) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
-        # off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
-        prepared = await asyncio.to_thread(chat.prepare, req)
-        if prepared.stream:
-            return StreamingResponse(
-                sse_frames(chat.stream(prepared)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        result = await run_unless_disconnected(request, asyncio.ensure_future(chat.complete(prepared)))
-        if result is None:
-            return Response(status_code=499)
-        return JSONResponse(result.model_dump(mode="json"))
+        # prepared off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
+        return await generate(request, await parse_body(request, ChatCompletionRequest), chat)
 
     @router.post("/v1/completions")
     async def legacy_completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
-        prepared = await asyncio.to_thread(completions.prepare, req)  # tokenizing a batch may take a while
-        if prepared.stream:
-            return StreamingResponse(
-                sse_frames(completions.stream(prepared)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        result = await run_unless_disconnected(request, asyncio.ensure_future(completions.complete(prepared)))
-        if result is None:
-            return Response(status_code=499)
-        return JSONResponse(result.model_dump(mode="json"))
+        return await generate(request, await parse_body(request, CompletionRequest), completions)
 
     @router.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -34,6 +34,39 @@ def _silence_llama_logs(verbose: bool) -> None:
     C.llama_log_set(_log, ctypes.c_void_p(0))
 
 
+def _tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    data = text.encode("utf-8")
+    cap = len(data) + 8
+    buf = (C.llama_token * cap)()
+    n = C.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:
+        cap = -n
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    return list(buf[:n])
+
+
+def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, C.llama_batch]:
+    """A llama_batch of `size` tokens whose buffers are numpy arrays we fill with vector operations
+    (tokens, positions, one sequence id per token, output flags); returns those arrays and the batch."""
+    tok = np.zeros(size, dtype=np.int32)
+    pos = np.zeros(size, dtype=np.int32)
+    nseq = np.ones(size, dtype=np.int32)
+    seq = np.zeros(size, dtype=np.int32)
+    out = np.full(size, 1 if outputs else 0, dtype=np.int8)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    seq_ptrs = (i32p * size)(*[ctypes.cast(seq.ctypes.data + 4 * i, i32p) for i in range(size)])
+    batch = C.llama_batch()
+    batch.token = tok.ctypes.data_as(i32p)
+    batch.embd = ctypes.POINTER(ctypes.c_float)()
+    batch.pos = pos.ctypes.data_as(i32p)
+    batch.n_seq_id = nseq.ctypes.data_as(i32p)
+    batch.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(i32p))
+    batch.logits = out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+    batch._keep = (nseq, seq_ptrs)  # the batch holds raw pointers into these: they must live as long
+    return tok, pos, seq, out, batch
+
+
 class LlamaCppRunner:
     def __init__(
         self,
@@ -126,33 +159,11 @@ class LlamaCppRunner:
         return table
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (C.llama_token * cap)()
-        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (C.llama_token * cap)()
-            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
+        return _tokenize(self._vocab, text, add_special, parse_special)
 
     # -- the batch --------------------------------------------------------------------------------
     def _init_batch(self, size: int) -> None:
-        self._tok = np.zeros(size, dtype=np.int32)
-        self._pos = np.zeros(size, dtype=np.int32)
-        self._nseq = np.ones(size, dtype=np.int32)
-        self._seq = np.zeros(size, dtype=np.int32)
-        self._out = np.zeros(size, dtype=np.int8)
-        i32p = ctypes.POINTER(ctypes.c_int32)
-        base = self._seq.ctypes.data
-        self._seq_ptrs = (i32p * size)(*[ctypes.cast(base + 4 * i, i32p) for i in range(size)])
-        self._batch = C.llama_batch()
-        self._batch.token = self._tok.ctypes.data_as(i32p)
-        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
-        self._batch.pos = self._pos.ctypes.data_as(i32p)
-        self._batch.n_seq_id = self._nseq.ctypes.data_as(i32p)
-        self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
-        self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         for op in plan.ops:
@@ -271,33 +282,11 @@ class LlamaCppEmbedder:
         self._init_batch(self.max_batch_tokens)
 
     def _init_batch(self, size: int) -> None:
-        self._tok = np.zeros(size, dtype=np.int32)
-        self._pos = np.zeros(size, dtype=np.int32)
-        self._nseq = np.ones(size, dtype=np.int32)
-        self._seq = np.zeros(size, dtype=np.int32)
-        self._out = np.ones(size, dtype=np.int8)  # pooling reads every token
-        i32p = ctypes.POINTER(ctypes.c_int32)
-        base = self._seq.ctypes.data
-        self._seq_ptrs = (i32p * size)(*[ctypes.cast(base + 4 * i, i32p) for i in range(size)])
-        self._batch = C.llama_batch()
-        self._batch.token = self._tok.ctypes.data_as(i32p)
-        self._batch.embd = ctypes.POINTER(ctypes.c_float)()
-        self._batch.pos = self._pos.ctypes.data_as(i32p)
-        self._batch.n_seq_id = self._nseq.ctypes.data_as(i32p)
-        self._batch.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p))
-        self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=True)  # pooling reads every token
 
     def tokenize(self, text: str) -> list[int]:
         """Text → token ids with the model's own special tokens (BERT: [CLS] … [SEP]); none parsed from text."""
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (C.llama_token * cap)()
-        n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
-        if n < 0:
-            cap = -n
-            buf = (C.llama_token * cap)()
-            n = C.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
-        return list(buf[:n])
+        return _tokenize(self._vocab, text, True, False)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One forward pass over every input, each as its own sequence; rows of pooled (unnormalized) vectors.
