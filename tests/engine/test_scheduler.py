@@ -212,3 +212,26 @@ def test_the_cache_is_given_up_when_a_request_needs_its_room():
     plan = run_step(s)
     assert ("rm", s.cache_slot) in plan.ops and [c.seq.group for c in plan.chunks] == [b]
     assert s.prefix == b.prompt_token_ids and s.kv_cells_used <= 30
+
+
+def test_rebeam_keeps_a_first_child_in_place_and_shares_cells_with_further_ones():
+    s = sched(num_slots=4, kv_cells=1000, max_step_tokens=100)
+    g = SequenceGroup("beam", (1, 2, 3, 4), SamplingParams(max_tokens=8, n=1, best_of=3))
+    s.add(g)
+    run_step(s, token=9)  # the prompt is read once; the other two beams fork from it
+    plan = s.schedule()
+    s.update(plan, {})  # beams take no sampled token: rebeam gives each its next one
+    assert len(plan.forks) == 2 and len(plan.chunks) == 3
+    slots = [seq.slot for seq in g.seqs]
+    before = [list(seq.token_ids) for seq in g.seqs]
+    computed = [seq.num_computed for seq in g.seqs]
+    # new beams: two children of beam 1, one of beam 0; beam 2 leaves no child
+    host = s.rebeam(g, [1, 1, 0], [20, 21, 22])
+    assert host[0] == 1 and host[2] == 0, "a parent's first child stays in the parent's sequence"
+    assert host[1] == 2, "a further child takes the sequence of the beam that left no child"
+    assert g.seqs[1].token_ids == before[1] + [20] and g.seqs[2].token_ids == before[1] + [21]
+    assert g.seqs[0].token_ids == before[0] + [22]
+    plan = s.schedule()
+    assert plan.ops == [("rm", slots[2]), ("cp", slots[1], slots[2], computed[1])], "remove, then share the parent's cells"
+    assert sorted(len(c.tokens) for c in plan.chunks) == [1, 1, 1], "each beam decodes only its new token"
+    assert [seq.slot for seq in g.seqs] == slots
