@@ -1,3 +1,3 @@
 """servelm: an OpenAI-compatible LLM server with its own continuous-batching engine over llama.cpp."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
