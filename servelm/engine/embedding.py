@@ -139,14 +139,16 @@ class EmbeddingEngine:
             try:
                 vectors = self.model.embed([job.inputs[i] for job, i in batch])
             except Exception as exc:  # a broken model must not kill the worker
+                self._running = 0
                 log.exception("embedding pass failed; failing its requests")
                 for job in {job for job, _ in batch}:
                     self._fail(job, EmbeddingError(f"the embedding model failed: {exc}"))
             else:
+                # counted before anyone is answered, so stats() seen by an answered caller are settled
+                self._running = 0
                 self.passes += 1
                 self.embedded += len(batch)
                 self._deliver(batch, vectors)
-            self._running = 0
 
     def _take(self) -> list[tuple[_Job, int]] | None:
         """Wait for inputs, then pop, in arrival order, as many as fit one pass (None: stop)."""
