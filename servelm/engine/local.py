@@ -25,6 +25,7 @@ from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry, pi
 from servelm.engine.scheduler import Scheduler, StepPlan
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest, TokenLogprob
+from servelm.errors import QueueFull
 from servelm.runners.base import KVCacheFull, ModelRunner
 
 log = logging.getLogger("servelm.engine")
@@ -62,8 +63,10 @@ class LocalEngine:
         seeded_step_tokens: int | None = None,
         prefix_cache: bool = False,
         grammars: Grammars | None = None,
+        max_waiting: int | None = None,
     ) -> None:
         self.runner = runner
+        self.max_waiting = max_waiting  # requests that may wait for a slot (None or 0: no bound); see admit()
         self.grammars = grammars
         self._masks = MaskComputer(runner.vocab_size) if grammars is not None else None
         self.scheduler = Scheduler(
@@ -100,7 +103,17 @@ class LocalEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the asyncio side -------------------------------------------------------------------------
+    def admit(self, limit: int | None = None) -> None:
+        """Raise QueueFull (429) when `limit` (else self.max_waiting; 0: no bound) requests already wait for
+        a slot. Read without a lock while the engine thread runs: off by a request or two at worst."""
+        limit = limit if limit is not None else self.max_waiting
+        if limit:
+            waiting = len(self._clients) - len(self.scheduler.running)
+            if waiting >= limit:
+                raise QueueFull(waiting)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        self.admit()
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params)
         params = request.params
         if request.constraint is not None and self.grammars is None:

@@ -8,12 +8,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from servelm.http import errors
+from servelm.http.dialects import build_dialect_router
+from servelm.http import limits
+from servelm.http.limits import SecurityConfig
+from servelm.http.metrics_route import build_metrics_router, engine_gauges
+from servelm.http.middleware import RequestLog
 from servelm.http.routes import build_router
+from servelm.metrics import Metrics
 from servelm.service.deployments import Deployments
+from servelm.service.metered import MeteredEngine
 
 
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
-               on_stop: Callable[[], None] | None = None) -> FastAPI:
+               on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if on_start is not None:
@@ -27,4 +34,13 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     errors.install(app)
     app.include_router(build_router(deployments))
+    app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
+    app.state.metrics = metrics = Metrics(lambda: engine_gauges(deployments))
+    for d in deployments.all():  # time every generation: TTFT, inter-token and end-to-end latency, tokens
+        if d.engine is not None:
+            inner = d.engine.inner if isinstance(d.engine, MeteredEngine) else d.engine
+            d.engine = MeteredEngine(inner, metrics.meter(d.name))
+    app.include_router(build_metrics_router(metrics))
+    limits.install(app, security or SecurityConfig())  # auth 401, rate limits 429, body size 413, deadline
+    app.add_middleware(RequestLog, metrics=metrics)  # outermost of ours: it sees every answer, 401/429 included
     return app

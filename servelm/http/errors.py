@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,7 +19,7 @@ log = logging.getLogger("servelm.http")
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 def install(app: FastAPI) -> None:
@@ -105,3 +108,51 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
     if origin is not None and origin is not annotation and hasattr(annotation, "__metadata__"):
         out += _models_in(origin)
     return out
+
+
+# -- Azure ML's error bodies ----------------------------------------------------------------------------
+AZURE_PATHS = frozenset({"/chat/completions", "/info"})  # where errors take Azure ML's shape
+# Our 400s that Azure ML answers with 422: content or parameters this model cannot take.
+AZURE_422_CODES = frozenset({"unsupported_content", "unsupported_parameter", "unknown_parameter"})
+_AZURE_CODES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "PayloadTooLarge",
+                422: "UnprocessableContent", 429: "TooManyRequests", 500: "InternalServerError",
+                503: "ServiceUnavailable", 504: "GatewayTimeout"}
+
+
+def azure_error_parts(exc: ApiError, data: dict | None = None) -> tuple[int, dict, dict[str, str]]:
+    """Status, body and headers of an error on Azure ML's paths: the OpenAI envelope plus Azure ML's fields: `status` and `code` at the top (and `status` in `error`),
+    `message`, and for a 422 `detail: {loc, value}` naming the parameter (`details`: every one, when the
+    extra-parameters check found several). The `x-ms-error-code` header carries the code."""
+    status = 422 if exc.status == 400 and exc.code in AZURE_422_CODES else exc.status
+    code = exc.code or _AZURE_CODES.get(status, exc.type)
+    body = exc.body()
+    body["error"]["status"] = status
+    body.update(status=status, code=code, message=exc.message)
+    if status == 422:
+        names = getattr(exc, "names", None) or ([exc.param] if exc.param else [])
+        details = [_detail(name, data) for name in names]
+        if details:
+            body["detail"] = body["error"]["detail"] = details[0]
+            body["details"] = details
+    headers = {**getattr(exc, "headers", {}), "x-ms-error-code": code}
+    return status, body, headers
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _detail(param: str, data: dict | None) -> dict:
+    """Azure's Detail: loc ["body", "messages", 0, "content", 1] and the value sent there (as text)."""
+    loc: list[str | int] = [int(i) if i else name for name, i in _PATH_PART.findall(param)]
+    value: Any = data
+    for part in loc:
+        try:
+            value = value[part]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
+            value = None
+            break
+    text = value if isinstance(value, str) or value is None else json.dumps(value)
+    if isinstance(text, str) and len(text) > 256:
+        text = text[:256] + "…"
+    return {"loc": ["body", *loc], "value": text}
+

@@ -11,7 +11,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from servelm.engine.base import Engine
+from servelm.errors import ModelNotFound
+from servelm.http.auth import allowed, check_access
 from servelm.http.errors import validation_error
+from servelm.http.limits import admit, remaining, timed_out
 from servelm.http.sse import sse_frames
 from servelm.protocol.chat import ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
@@ -23,6 +26,7 @@ from servelm.service.deployments import Deployment, Deployments
 from servelm.service.embeddings import EmbeddingService
 
 M = TypeVar("M", bound=BaseModel)
+DEPLOYMENT_HEADER = "x-servelm-deployment"
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -41,31 +45,53 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def run_unless_disconnected(request: Request, work: asyncio.Future | asyncio.Task) -> object | None:
-    """Await work; if the client goes away first, cancel it (freeing its sequences) and return None."""
+    """Await work; if the client goes away first, cancel it (freeing its sequences) and return None; past
+    the request's deadline, cancel it and raise RequestTimeout (504)."""
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watcher}, timeout=remaining(request.scope),
+                                     return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
     if work in done:
         return work.result()
     work.cancel()
+    if not done:
+        raise timed_out(request.scope)
     return None
 
 
 async def generate(request: Request, req: BaseModel, service: ChatService | CompletionService) -> Response:
     """A text-generating request: prepared off the event loop, then streamed or answered whole."""
+    check_access(request.scope, service.deployments, getattr(req, "model", None))  # a key's deployments: else 404
     prepared = await asyncio.to_thread(service.prepare, req)  # type: ignore[arg-type]
+    gens = prepared.generations
+    # the deployment's queue (429 queue_full) and the key's tokens per minute (429 tokens)
+    admission = admit(request.scope, prepared.deployment.engine, sum(len(g.prompt_token_ids) for g in gens),
+                      sum(g.params.max_tokens * g.params.num_seqs for g in gens), 1, prepared.deployment.max_waiting)
     if prepared.stream:
         return StreamingResponse(
-            sse_frames(service.stream(prepared)),  # type: ignore[arg-type]
+            sse_frames(admission.stream(service.stream(prepared))),  # type: ignore[arg-type]
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(prepared.deployment)},
         )
     result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))  # type: ignore[arg-type]
     if result is None:
         return Response(status_code=499)
-    return JSONResponse(result.model_dump(mode="json"))
+    admission.settle(getattr(result, "usage", None))
+    return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment))
+
+
+def deployment_header(d: Deployment) -> dict[str, str]:
+    """Which deployment answered (an alias or a weighted endpoint names several)."""
+    return {DEPLOYMENT_HEADER: d.name}
+
+
+def _card(name: str, d: Deployment | None) -> ModelCard:
+    """A model id: a deployment, an alias (root: its deployment), or a weighted endpoint (root: null)."""
+    if d is None:
+        return ModelCard(id=name, created=0, root=None)
+    return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name)
 
 
 def build_router(deployments: Deployments) -> APIRouter:
@@ -84,24 +110,31 @@ def build_router(deployments: Deployments) -> APIRouter:
         return await generate(request, await parse_body(request, CompletionRequest), completions)
 
     @router.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        cards = [ModelCard(id=d.name, created=d.created, max_model_len=d.context_window) for d in deployments.all()]
+    @router.get("/v3/models")
+    async def list_models(request: Request) -> JSONResponse:
+        cards = [_card(name, d) for name, d in deployments.model_ids()
+                 if allowed(request.scope, name, d.name if d is not None else None)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     @router.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> JSONResponse:
-        d = deployments.get(model_id)
-        return JSONResponse(ModelCard(id=d.name, created=d.created, max_model_len=d.context_window).model_dump(mode="json"))
+    @router.get("/v3/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        for name, d in deployments.model_ids():
+            if name == model_id and allowed(request.scope, name, d.name if d is not None else None):
+                return JSONResponse(_card(name, d).model_dump(mode="json"))
+        raise ModelNotFound(model_id)
 
     @router.post("/v1/embeddings")
     async def create_embeddings(request: Request) -> Response:
         req = await parse_body(request, EmbeddingRequest)
+        check_access(request.scope, deployments, req.model)
         prepared = await asyncio.to_thread(embeddings.prepare, req)  # tokenizing many texts takes a while
+        admit(request.scope, None, sum(len(i) for i in prepared.inputs), 0, 1)  # the key's tokens per minute
         result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared)))
         if result is None:
             return Response(status_code=499)
         body = await asyncio.to_thread(result.model_dump_json)  # thousands of floats: off the event loop
-        return Response(body, media_type="application/json")
+        return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
 
     @router.get("/health")
     async def health() -> JSONResponse:

@@ -78,6 +78,7 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str = "servelm"
     max_model_len: int | None = None
+    root: str | None = None  # the deployment an id names (itself, or an alias's); null for a weighted endpoint
 
 
 class ModelList(ResponseModel):

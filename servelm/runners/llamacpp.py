@@ -8,6 +8,7 @@ logits come back as a numpy view of llama.cpp's output buffer. Every C pointer i
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 
@@ -19,6 +20,24 @@ from servelm.runners.base import KVCacheFull
 
 _LOG_LEVEL_WARN = 3
 _quiet_logs = None
+log = logging.getLogger("servelm.runners")
+
+
+def _load_progress(model_path: str | Path) -> C.llama_progress_callback:
+    """A progress callback for llama_model_load_from_file that logs every tenth of the load, so that a long
+    load shows it is moving. The caller keeps it alive while llama.cpp may call it."""
+    name = Path(model_path).name
+    last = [-1]
+
+    @C.llama_progress_callback
+    def _progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+        tenth = int(fraction * 10 + 1e-6)
+        if tenth > last[0]:
+            last[0] = tenth
+            log.info("loading model %s: %d%%", name, tenth * 10)
+        return True  # go on loading
+
+    return _progress
 
 
 def _silence_llama_logs(verbose: bool) -> None:
@@ -82,6 +101,7 @@ class LlamaCppRunner:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
+        self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
         self._model = C.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the model file {model_path}")

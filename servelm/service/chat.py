@@ -46,6 +46,10 @@ class PreparedChat:
     include_usage: bool
     tools: ToolPlan | None = None  # set when the answer may hold tool calls
 
+    @property
+    def generations(self) -> tuple[GenerationRequest, ...]:
+        return (self.generation,)
+
 
 class ChatService:
     def __init__(self, deployments: Deployments) -> None:
@@ -74,7 +78,7 @@ class ChatService:
         params = sampling_params(req, dep, len(prompt), ep)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return PreparedChat(dep, generation, req.model, int(time.time()), bool(req.stream), include_usage, output.tools)
+        return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedChat) -> ChatCompletion:

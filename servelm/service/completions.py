@@ -44,6 +44,10 @@ class PreparedCompletion:
     echo: bool
     logprobs: int | None
 
+    @property
+    def generations(self) -> tuple[GenerationRequest, ...]:
+        return tuple(job.generation for job in self.jobs)
+
 
 @dataclass
 class PromptParts:
@@ -64,14 +68,15 @@ class CompletionService:
         self.deployments = deployments
 
     # -- validation and conversion ----------------------------------------------------------------
-    def prepare(self, req: CompletionRequest) -> PreparedCompletion:
+    def prepare(self, req: CompletionRequest, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedCompletion:
+        """default_max_tokens: used when the request gives none (None: up to the context window, as OVMS does)."""
         dep = self.deployments.generator(req.model)  # 404 unknown, 400 embedding-only
         _reject_unsupported(req, dep)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = []
         for i, prompt in enumerate(_prompts(req.prompt)):
             parts = _parts(prompt, req, dep)
-            max_tokens = _fit(parts, req, dep.context_window)
+            max_tokens = _fit(parts, req, dep.context_window, default_max_tokens)
             ids = parts.ids
             ep = EndpointParams(
                 max_tokens=max_tokens,
@@ -83,7 +88,7 @@ class CompletionService:
             echo = _echo_text(prompt, parts, dep) if req.echo else ""
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params), echo))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return PreparedCompletion(dep, request_id, tuple(jobs), req.model, int(time.time()), bool(req.stream),
+        return PreparedCompletion(dep, request_id, tuple(jobs), dep.name, int(time.time()), bool(req.stream),
                                   include_usage, bool(req.echo), req.logprobs)
 
     # -- running ----------------------------------------------------------------------------------
@@ -259,11 +264,15 @@ def _parts(prompt: str | list[int], req: CompletionRequest, dep: Deployment) -> 
     return parts
 
 
-def _fit(parts: PromptParts, req: CompletionRequest, window: int) -> int:
+def _fit(parts: PromptParts, req: CompletionRequest, window: int, default: int | None = DEFAULT_MAX_TOKENS) -> int | None:
     """error_behavior "truncate": cut the prompt's own tokens from the left until prompt + max_tokens fits the
     context window, keeping at least one of them; a max_tokens too large for that is lowered. Returns the
     max_tokens to use ("error", or a prompt that fits: the one asked for; sampling_params judges)."""
-    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    max_tokens = req.max_tokens if req.max_tokens is not None else default
+    if max_tokens is None:  # up to the window: truncation keeps room for one token
+        if req.error_behavior != "truncate" or len(parts.ids) < window:
+            return None
+        max_tokens = 1
     if req.error_behavior != "truncate" or len(parts.ids) + max_tokens <= window:
         return max_tokens
     fixed = len(parts.head) + len(parts.tail)

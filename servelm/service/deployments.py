@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,17 +32,36 @@ class Deployment:
     fim_tokens: tuple[int, int, int] | None = None  # fill-in-the-middle (prefix, suffix, middle) token ids
     created: int = field(default_factory=lambda: int(time.time()))
     embedder: Embedder | None = None  # serves POST /v1/embeddings
+    max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)
 
 
 class Deployments:
-    def __init__(self, deployments: list[Deployment]) -> None:
+    """The deployments by name, their aliases, and endpoints that split traffic across several by weight."""
+
+    def __init__(self, deployments: list[Deployment], *, aliases: dict[str, str] | None = None,
+                 endpoints: dict[str, list[tuple[str, float]]] | None = None, rng: random.Random | None = None) -> None:
         self._by_name = {d.name: d for d in deployments}
+        self._aliases = dict(aliases or {})
+        self._endpoints = {name: ([d for d, _ in routes], [w for _, w in routes]) for name, routes in (endpoints or {}).items()}
+        self._rng = rng or random.Random()
 
     def get(self, model: str) -> Deployment:
+        """The deployment that answers `model`: by name, alias, or a weighted draw for an endpoint."""
+        name = self._aliases.get(model, model)
+        if name in self._endpoints:
+            names, weights = self._endpoints[name]
+            name = self._rng.choices(names, weights)[0]
         try:
-            return self._by_name[model]
+            return self._by_name[name]
         except KeyError:
             raise ModelNotFound(model) from None
+
+    def model_ids(self) -> list[tuple[str, Deployment | None]]:
+        """Every name a request may use, with the deployment it names (None for a weighted endpoint)."""
+        ids: list[tuple[str, Deployment | None]] = [(d.name, d) for d in self._by_name.values()]
+        ids += [(a, self._by_name[n]) for a, n in self._aliases.items()]
+        ids += [(e, None) for e in self._endpoints]
+        return ids
 
     def generator(self, model: str) -> Deployment:
         """The deployment for a text-generating request: 404 if unknown, 400 if it only embeds."""

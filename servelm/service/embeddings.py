@@ -33,7 +33,7 @@ class EmbeddingService:
 
     def prepare(self, req: EmbeddingRequest) -> PreparedEmbedding:
         """Validate and tokenize (may take milliseconds: call it off the event loop)."""
-        _, embedder = self.deployments.embedder(req.model)
+        dep, embedder = self.deployments.embedder(req.model)
         dimensions = embedder.dim if req.dimensions is None else req.dimensions
         if not 1 <= dimensions <= embedder.dim:
             raise InvalidParameter(
@@ -43,7 +43,7 @@ class EmbeddingService:
         tokenized = _tokenize(req, embedder)
         one = isinstance(req.input, str) or isinstance(req.input[0], int)  # errors name `input`, else `input[i]`
         inputs = [_check_tokens(ids, "input" if one else f"input[{i}]", embedder) for i, ids in enumerate(tokenized)]
-        return PreparedEmbedding(embedder, inputs, req.model, dimensions, req.encoding_format == "base64")
+        return PreparedEmbedding(embedder, inputs, dep.name, dimensions, req.encoding_format == "base64")
 
     async def run(self, p: PreparedEmbedding) -> EmbeddingResponse:
         vectors = await p.embedder.embed(p.inputs)

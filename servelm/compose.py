@@ -1,0 +1,190 @@
+"""From deployment specs to running parts: each chat deployment gets a llama.cpp runner, a LocalEngine and
+(optionally) an embedding context on the same weights; each embedding deployment gets an EmbeddingEngine.
+
+The specs come from the config file (`--config`), or, without one, from the command line's single model and
+the embedded embedding model (`default_specs`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm import __version__
+from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings, resolve_model_source
+from servelm.service.deployments import Deployment, Deployments
+
+log = logging.getLogger("servelm")
+EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
+EMBEDDING_WINDOW = 2048  # most tokens per input (and per pass) of an embedding model: attention is quadratic in it
+
+
+def build_deployment(
+    name: str,
+    runner,
+    fingerprint_source: str = "",
+    seeded_step_tokens: int | None = None,
+    prefix_cache: bool = False,
+    chat_template: str | None = None,
+) -> tuple[Deployment, object]:
+    """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started)."""
+    from servelm.chat.template import ChatTemplate
+    from servelm.chat.tools import detect_style
+    from servelm.constrain.grammars import Grammars
+    from servelm.engine.local import LocalEngine
+
+    grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text)
+    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache, grammars=grammars)
+    bos = runner.bos_token
+    template_source = chat_template or runner.chat_template
+
+    def tokenize(text: str) -> list[int]:
+        ids = runner.tokenize(text, add_special=True, parse_special=True)
+        # a template that writes the BOS token itself must not get a second one from the tokenizer
+        if bos and len(ids) > 1 and ids[0] == ids[1] and text.startswith(bos):
+            ids = ids[1:]
+        return ids
+
+    deployment = Deployment(
+        name=name,
+        engine=engine,
+        template=ChatTemplate(template_source, bos_token=runner.bos_token, eos_token=runner.eos_token),
+        tokenize=tokenize,
+        context_window=runner.context_window,
+        vocab_size=runner.vocab_size,
+        max_choices=runner.num_slots,
+        fingerprint=_fingerprint(fingerprint_source or runner.description),
+        grammars=grammars,
+        tool_style=detect_style(template_source),
+        special_id=grammars.special_id,
+        token_bytes=lambda t: grammars.spelled[t] if 0 <= t < len(grammars.spelled) else b"",
+        tokenize_bare=lambda text, special: runner.tokenize(text, add_special=False, parse_special=special),
+        fim_tokens=getattr(runner, "fim_tokens", None),
+    )
+    return deployment, engine
+
+
+def build_embedding_deployment(name: str, model, fingerprint_source: str = "") -> tuple[Deployment, object]:
+    """An embedding-only deployment over an embedding model (its EmbeddingEngine is not started)."""
+    from servelm.engine.embedding import EmbeddingEngine
+
+    embedder = EmbeddingEngine(model)
+    deployment = Deployment(
+        name=name,
+        engine=None,
+        template=None,
+        tokenize=embedder.tokenize,
+        context_window=embedder.context_window,
+        vocab_size=embedder.vocab_size,
+        max_choices=0,
+        fingerprint=_fingerprint(fingerprint_source or name),
+        embedder=embedder,
+    )
+    return deployment, embedder
+
+
+def _fingerprint(source: str) -> str:
+    return "fp_" + hashlib.sha256(f"{__version__}:{source}".encode()).hexdigest()[:10]
+
+
+def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
+    """Without a config file: the chat model of --model-path / --model-id, and the embedding model."""
+    specs = [DeploymentSpec(
+        name=settings.model_id, model=str(settings.resolved_model_path()), kind="chat",
+        chat_template=settings.chat_template, embedding_window=settings.chat_embedding_window, engine=settings.engine,
+    )]
+    path = settings.resolved_embedding_model_path()
+    if path is not None:
+        specs.append(DeploymentSpec(name=settings.embedding_model_id, model=str(path), kind="embedding",
+                                    engine=settings.engine))
+    elif settings.embedding_model and settings.embedding_model_path is None:
+        log.warning("the embedding model is not installed (run `make install`); serving no %r",
+                    settings.embedding_model_id)
+    return specs
+
+
+@dataclass
+class Built:
+    deployments: Deployments
+    workers: list[Any] = field(default_factory=list)  # started with the app, stopped with it
+    closers: list[Any] = field(default_factory=list)  # llama.cpp objects to close after serving, in order
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.start()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+    def close(self) -> None:
+        for c in self.closers:
+            c.close()
+
+
+def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_llama: bool = False) -> Built:
+    """Load every deployment's model (several models run in one server, each with its own engine)."""
+    deployments: list[Deployment] = []
+    built = Built(Deployments([]))
+    embedders: list[Any] = []  # closed before the runners whose weights they share
+    runners: list[Any] = []
+    try:
+        for spec in specs:
+            if spec.kind == "chat":
+                _build_chat(spec, verbose_llama, deployments, built.workers, embedders, runners)
+            else:
+                _build_embedding(spec, verbose_llama, deployments, built.workers, embedders)
+    except BaseException:
+        for c in (*embedders, *runners):
+            c.close()
+        raise
+    built.closers = [*embedders, *runners]
+    aliases = {a: s.name for s in specs for a in s.aliases}
+    routes = {e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints}
+    built.deployments = Deployments(deployments, aliases=aliases, endpoints=routes)
+    return built
+
+
+def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers: list, embedders: list,
+                runners: list) -> None:
+    from servelm.engine.embedding import EmbeddingEngine
+    from servelm.runners.llamacpp import LlamaCppEmbedder, LlamaCppRunner
+
+    path = resolve_model_source(spec.model, "chat")
+    e = spec.engine
+    log.info("loading %s for %r", path, spec.name)
+    runner = LlamaCppRunner(
+        path, num_slots=e.max_num_seqs, kv_cells=e.kv_cells, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
+        context_window=e.context_window, threads=e.threads, verbose=verbose,
+    )
+    runners.append(runner)
+    template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
+    deployment, engine = build_deployment(
+        spec.name, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
+        prefix_cache=e.prefix_cache, chat_template=template,
+    )
+    deployment.max_waiting = spec.limits.max_waiting
+    workers.append(engine)
+    if spec.embedding_window:
+        window = min(spec.embedding_window, runner.context_window)
+        ctx = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=e.threads)
+        embedders.append(ctx)
+        deployment.embedder = EmbeddingEngine(ctx)
+        workers.append(deployment.embedder)
+    deployments.append(deployment)
+
+
+def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list, workers: list, embedders: list) -> None:
+    from servelm.runners.llamacpp import LlamaCppEmbedder
+
+    path = resolve_model_source(spec.model, "embedding")
+    log.info("loading %s for %r", path, spec.name)
+    model = LlamaCppEmbedder(path, window=EMBEDDING_WINDOW, max_seqs=EMBEDDING_SEQS, threads=spec.engine.threads,
+                             verbose=verbose)
+    embedders.append(model)
+    deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
+    deployment.max_waiting = spec.limits.max_waiting
+    workers.append(engine)
+    deployments.append(deployment)

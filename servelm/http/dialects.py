@@ -1,0 +1,180 @@
+"""The platform dialects' routes: Azure ML (`/chat/completions?api-version=…`, `/info`), SageMaker / DJL LMI
+(`/invocations`, `/ping`) and OpenVINO Model Server (`/v3/chat/completions`, `/v3/completions`; `/v3/models`
+is in routes.py). Each translates the request (service/dialects.py) and serves it with the OpenAI services."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from servelm.errors import ApiError, InvalidParameter
+from servelm.http.errors import azure_error_parts, validation_error
+from servelm.http.routes import generate
+from servelm.protocol.chat import ChatCompletionRequest
+from servelm.protocol.completions import CompletionRequest
+from servelm.protocol.dialects import DjlRequest
+from servelm.service.chat import ChatService
+from servelm.service.completions import CompletionService, PreparedCompletion
+from servelm.service.deployments import Deployments
+from servelm.service.dialects import (
+    NativeService,
+    azure_chat_body,
+    check_api_version,
+    invocation_kind,
+    ovms_body,
+    route_model,
+    sagemaker_target,
+)
+
+log = logging.getLogger("servelm.http")
+M = TypeVar("M", bound=BaseModel)
+
+AZURE_DEPLOYMENT_HEADER = "azureml-model-deployment"
+EXTRA_PARAMETERS_HEADER = "extra-parameters"
+DROPPED_PARAMETERS_HEADER = "x-servelm-dropped-parameters"  # the extra parameters dropped (no header, or ignore)
+SAGEMAKER_TARGET_HEADER = "x-amzn-sagemaker-target-model"
+JSONLINES = "application/jsonlines"
+
+
+def build_dialect_router(deployments: Deployments) -> APIRouter:
+    router = APIRouter()
+    chat = ChatService(deployments)
+    completions = CompletionService(deployments)
+    native = NativeService(completions)
+    ovms_completions = _DefaultMaxTokens(completions, None)
+
+    # -- Azure ML ---------------------------------------------------------------------------------
+    @router.post("/chat/completions")
+    async def azure_chat(request: Request) -> Response:
+        data: dict | None = None
+        try:
+            check_api_version(request.query_params.get("api-version"))
+            data = load_object(await request.body())
+            body, dropped = azure_chat_body(data, request.headers.get(EXTRA_PARAMETERS_HEADER))
+            body = route_model(body, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER, deployments)
+            response = await generate(request, validate(body, ChatCompletionRequest), chat)
+        except ApiError as exc:
+            return azure_error_response(exc, data)
+        if dropped:
+            response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(dropped)
+        return response
+
+    @router.get("/info")
+    async def azure_info(request: Request) -> Response:
+        try:
+            check_api_version(request.query_params.get("api-version"))
+            name = route_model({}, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER,
+                               deployments)["model"]
+        except ApiError as exc:
+            return azure_error_response(exc, None)
+        return JSONResponse({"model_name": name, "model_type": "chat-completion", "model_provider_name": "servelm"})
+
+    # -- SageMaker / DJL LMI ----------------------------------------------------------------------
+    @router.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        data = load_object(await request.body())
+        target = sagemaker_target(request.headers.get(SAGEMAKER_TARGET_HEADER))
+        data = route_model(data, target, "X-Amzn-SageMaker-Target-Model", deployments)
+        kind = invocation_kind(data)
+        model, service = {"chat": (ChatCompletionRequest, chat), "completion": (CompletionRequest, completions),
+                          "native": (DjlRequest, native)}[kind]
+        response = await generate(request, validate(data, model), service)  # type: ignore[arg-type]
+        if isinstance(response, StreamingResponse) and _wants_jsonlines(request.headers.get("accept", ""), kind):
+            response.body_iterator = sse_to_jsonlines(response.body_iterator)
+            response.headers["content-type"] = JSONLINES
+        return response
+
+    @router.get("/ping")
+    async def ping() -> JSONResponse:
+        workers = [d.engine for d in deployments.all() if d.engine is not None]
+        ok = all(getattr(w, "alive", True) for w in workers)
+        return JSONResponse({"status": "Healthy" if ok else "Unhealthy"}, status_code=200 if ok else 503)
+
+    # -- OpenVINO Model Server --------------------------------------------------------------------
+    @router.post("/v3/chat/completions")
+    async def ovms_chat(request: Request) -> Response:
+        data = ovms_body(load_object(await request.body()))
+        return await generate(request, validate(data, ChatCompletionRequest), chat)
+
+    @router.post("/v3/completions")
+    async def ovms_legacy_completions(request: Request) -> Response:
+        data = ovms_body(load_object(await request.body()))
+        return await generate(request, validate(data, CompletionRequest), ovms_completions)  # type: ignore[arg-type]
+
+    return router
+
+
+class _DefaultMaxTokens:
+    """CompletionService with another max_tokens default (OVMS: none, so up to the context window)."""
+
+    def __init__(self, service: CompletionService, default: int | None) -> None:
+        self.service, self.default = service, default
+        self.deployments = service.deployments
+
+    def prepare(self, req: CompletionRequest) -> PreparedCompletion:
+        return self.service.prepare(req, default_max_tokens=self.default)
+
+    def complete(self, p: PreparedCompletion) -> Any:
+        return self.service.complete(p)
+
+    def stream(self, p: PreparedCompletion) -> Any:
+        return self.service.stream(p)
+
+
+# -- parsing ----------------------------------------------------------------------------------------
+
+
+def load_object(raw: bytes) -> dict:
+    """The body as a JSON object (a dialect rewrites it before validation); else the usual 400s."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidParameter(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload.)", None, None) from None
+    if not isinstance(data, dict):
+        raise InvalidParameter("The request body must be a JSON object.", None, "invalid_type")
+    return data
+
+
+def validate(data: dict, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(json.dumps(data))  # JSON mode: the same strictness as the /v1 routes
+    except ValidationError as exc:
+        raise validation_error(exc, model) from None
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+
+def _wants_jsonlines(accept: str, kind: str) -> bool:
+    """jsonlines where DJL streams that way (chat and the native schema), SSE for completions; an Accept
+    header naming either picks it."""
+    if JSONLINES in accept:
+        return True
+    if "text/event-stream" in accept:
+        return False
+    return kind in ("chat", "native")
+
+
+async def sse_to_jsonlines(frames: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """The same stream as jsonlines: each `data:` frame's JSON on its own line, without `[DONE]`."""
+    async for frame in frames:
+        raw = frame if isinstance(frame, bytes) else str(frame).encode()
+        for event in raw.split(b"\n\n"):
+            if event.startswith(b"data: ") and event != b"data: [DONE]":
+                yield event[len(b"data: "):] + b"\n"
+
+
+# -- Azure ML's error bodies ----------------------------------------------------------------------------
+
+
+def azure_error_response(exc: ApiError, data: dict | None) -> JSONResponse:
+    status, body, headers = azure_error_parts(exc, data)
+    return JSONResponse(body, status_code=status, headers=headers)

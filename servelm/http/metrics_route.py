@@ -1,0 +1,32 @@
+"""GET /metrics (Prometheus text format), and the engine counts it reads from every deployment."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from servelm.metrics import CONTENT_TYPE, EngineGauges, Metrics
+from servelm.service.deployments import Deployments
+
+
+def engine_gauges(deployments: Deployments) -> Iterator[EngineGauges]:
+    """Each text-generating deployment's queue, running sequences and KV cells (embedding-only ones have none)."""
+    seen: set[str] = set()
+    for d in deployments.all():
+        if d.engine is None or d.name in seen:
+            continue
+        seen.add(d.name)
+        s = d.engine.stats()
+        yield EngineGauges(d.name, s.waiting, s.running, s.kv_cells_used, s.kv_cells_cached, s.kv_cells_total)
+
+
+def build_metrics_router(metrics: Metrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router

@@ -1,0 +1,122 @@
+"""Every Prometheus collector, declared once, in a registry of its own per app (tests build many apps in one
+process, so nothing goes to prometheus_client's global default registry).
+
+A leaf: it imports nothing of servelm. Engine counts reach it at scrape time through a callable that
+returns one `EngineGauges` per deployment; generation timings through `GenerationMeter`, which the service
+layer's MeteredEngine calls without knowing about Prometheus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads (our names need no UTF-8 escaping)
+
+# seconds; a 135M model on 2 cores answers in tens of milliseconds, a big one on a busy server in tens of seconds
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """One deployment's engine counts at scrape time."""
+
+    model: str
+    waiting: int
+    running: int
+    kv_cells_used: int
+    kv_cells_cached: int
+    kv_cells_total: int
+
+
+class _EngineCollector(Collector):
+    """Fills the engine gauges when Prometheus scrapes, so nothing has to update them on every step."""
+
+    def __init__(self, source: Callable[[], Iterable[EngineGauges]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "waiting": GaugeMetricFamily("servelm_requests_waiting", "sequences waiting to be scheduled (queue depth)", labels=["model"]),
+            "running": GaugeMetricFamily("servelm_sequences_running", "sequences being decoded", labels=["model"]),
+            "kv_cells_used": GaugeMetricFamily("servelm_kv_cells_used", "KV cache cells held by running requests", labels=["model"]),
+            "kv_cells_cached": GaugeMetricFamily("servelm_kv_cells_cached", "KV cache cells held by the prefix cache", labels=["model"]),
+            "kv_cells_total": GaugeMetricFamily("servelm_kv_cells_capacity", "KV cache cells in all", labels=["model"]),
+        }
+        for g in self._source():
+            for key, family in families.items():
+                family.add_metric([g.model], getattr(g, key))
+        yield from families.values()
+
+    def describe(self) -> list:
+        return []  # collected only on demand: registering must not call the source
+
+
+class Metrics:
+    """The app's collectors. `route` labels are route templates (never raw paths), `model` deployment names."""
+
+    def __init__(self, engine_gauges: Callable[[], Iterable[EngineGauges]] = lambda: ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("servelm_http_requests", "HTTP requests answered, by route template, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.request_seconds = Histogram("servelm_http_request_duration_seconds",
+                                         "HTTP request duration until the last body byte, by route template",
+                                         ["route", "method"], buckets=_REQUEST_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("servelm_prompt_tokens", "prompt tokens of generation requests", ["model"], registry=r)
+        self.generation_tokens = Counter("servelm_generation_tokens", "tokens generated (all choices)", ["model"], registry=r)
+        self.generations = Counter("servelm_generation_requests", "generation requests ended, by how they ended",
+                                   ["model", "outcome"], registry=r)
+        self.ttft = Histogram("servelm_time_to_first_token_seconds", "from a request reaching the engine to its first output",
+                              ["model"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("servelm_inter_token_latency_seconds",
+                             "between a choice's successive outputs, per token they carry", ["model"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("servelm_e2e_request_latency_seconds", "from a request reaching the engine to its last output",
+                             ["model"], buckets=_E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(engine_gauges))
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.request_seconds.labels(route, method).observe(seconds)
+
+    def meter(self, model: str) -> GenerationMeter:
+        return GenerationMeter(self, model)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector."""
+        return generate_latest(self.registry)
+
+
+class GenerationMeter:
+    """One deployment's generation timings and token counts (its labelled children, looked up once)."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self._metrics = metrics
+        self._model = model
+        self._ttft = metrics.ttft.labels(model)
+        self._itl = metrics.itl.labels(model)
+        self._e2e = metrics.e2e.labels(model)
+        self._prompt = metrics.prompt_tokens.labels(model)
+        self._generated = metrics.generation_tokens.labels(model)
+
+    def first_output(self, seconds: float, prompt_tokens: int) -> None:
+        self._ttft.observe(seconds)
+        self._prompt.inc(prompt_tokens)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, seconds: float, completion_tokens: int, outcome: str) -> None:
+        """outcome: "completed", "aborted" (the client went away or the request was cancelled) or "failed"."""
+        self._e2e.observe(seconds)
+        self._generated.inc(completion_tokens)
+        self._metrics.generations.labels(self._model, outcome).inc()

@@ -1,0 +1,34 @@
+"""API keys and rate limits through the official client, on a server of its own (--api-key, --rate-limit-rpm)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .conftest import start_server, stop_server
+from .helpers import MODEL, user
+
+pytestmark = pytest.mark.e2e
+
+
+def test_keys_and_requests_per_minute(tmp_path_factory: pytest.TempPathFactory) -> None:
+    srv = start_server(tmp_path_factory, "--api-key", "sk-e2e-one", "--api-key", "sk-e2e-two",
+                       "--rate-limit-rpm", "2", "--no-embedding-model", "--chat-embedding-window", "0")
+    try:
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+        with pytest.raises(openai.AuthenticationError) as e:
+            client("sk-wrong").chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+
+        right = client("sk-e2e-two")
+        for _ in range(2):
+            assert right.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2).choices
+        with pytest.raises(openai.RateLimitError) as e:
+            right.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
+        assert e.value.code == "rate_limit_exceeded" and int(e.value.response.headers["retry-after"]) >= 1
+        # the other key has its own bucket
+        assert client("sk-e2e-one").chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2).choices
+    finally:
+        stop_server(srv)

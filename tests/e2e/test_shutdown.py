@@ -1,0 +1,85 @@
+"""Graceful shutdown: a SIGTERM lets a stream in flight finish (or ends it at the deadline), refuses new
+connections, and the process exits 0. Each test starts its own server; the session's shared one is not used."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from .conftest import start_server
+from .helpers import MODEL, NO_EOS, STORY
+
+pytestmark = pytest.mark.e2e
+FLAGS = ("--no-embedding-model", "--chat-embedding-window", "0", "--max-num-seqs", "2", "--kv-cells", "4096")
+
+
+@pytest.fixture(autouse=True)
+def _server_alive_and_idle() -> Iterator[None]:
+    """Overrides the e2e conftest's fixture of the same name, which would start the shared server."""
+    yield
+
+
+def _stream(base_url: str, max_tokens: int) -> httpx.Response:
+    body = {"model": MODEL, "messages": STORY, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS,
+            "stream": True}
+    client = httpx.Client(timeout=60)
+    request = client.build_request("POST", f"{base_url}/v1/chat/completions", json=body,
+                                   headers={"x-request-id": "shutdown-test-1"})
+    return client.send(request, stream=True)
+
+
+def _first_content(lines: Iterator[str]) -> None:
+    for line in lines:
+        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            return
+    pytest.fail("the stream ended before its first content")
+
+
+def test_sigterm_lets_a_stream_finish_then_exits_0(tmp_path_factory):
+    srv = start_server(tmp_path_factory, "--shutdown-timeout", "30", *FLAGS)
+    response = _stream(srv.base_url, max_tokens=200)
+    try:
+        assert response.status_code == 200 and response.headers["x-request-id"] == "shutdown-test-1"
+        lines = response.iter_lines()
+        _first_content(lines)
+        srv.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):  # no new connections while draining
+            httpx.get(f"{srv.base_url}/health", timeout=2)
+        rest = [line for line in lines if line]
+    finally:
+        response.close()
+    assert rest[-1] == "data: [DONE]"
+    finals = [json.loads(line[6:]) for line in rest[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in finals if c["choices"][0]["finish_reason"]] == ["length"]
+    assert srv.process.wait(timeout=30) == 0
+    log = srv.log_tail(20000)
+    assert "loading model SmolLM2-135M-Instruct.Q4_1.gguf: 100%" in log
+    assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
+
+
+def test_sigterm_ends_a_stream_at_the_deadline_and_exits_0(tmp_path_factory):
+    deadline = 1.0
+    srv = start_server(tmp_path_factory, "--shutdown-timeout", str(deadline), *FLAGS)
+    response = _stream(srv.base_url, max_tokens=3000)  # far longer than the deadline
+    try:
+        lines = response.iter_lines()
+        _first_content(lines)
+        signalled = time.monotonic()
+        srv.process.send_signal(signal.SIGTERM)
+        try:
+            rest = [line for line in lines if line]
+        except httpx.TransportError:  # the stream was cut mid-way: the server cancelled it
+            rest = []
+    finally:
+        response.close()
+    assert srv.process.wait(timeout=30) == 0
+    assert time.monotonic() - signalled < deadline + 15
+    assert not rest or rest[-1] != "data: [DONE]"  # cut at the deadline, not run to its 3000 tokens
+    log = srv.log_tail(20000)
+    assert "Cancel 1 running task(s)" in log and "request_id=shutdown-test-1 (CancelledError)" in log

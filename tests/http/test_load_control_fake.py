@@ -1,0 +1,132 @@
+"""Load control: per-key requests/tokens per minute (429 + Retry-After), the bounded queue (429 queue_full),
+and the request deadline (504, or an error event that ends a stream)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from servelm.http.auth import key_spec
+from servelm.http.limits import SecurityConfig
+from servelm.http.ratelimit import Charge, TokenBucket
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT = {"model": "fake-model", "messages": MSG, "max_tokens": 3}
+SLOW = {"model": "fake-model", "messages": MSG, "max_tokens": 200, "ignore_eos": True}
+
+
+def post(server, body=CHAT, **headers):
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, headers=headers, timeout=20)
+
+
+def wait_idle(server, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        s = server.engine.stats()
+        if s.running == 0 and s.waiting == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_bucket_refills_per_minute_and_lends_to_a_large_request():
+    clock = Clock()
+    b = TokenBucket(60, clock)  # one a second
+    assert all(b.take(1) == 0 for _ in range(60))
+    assert b.take(1) == pytest.approx(1.0)
+    clock.now = 2.0
+    assert b.take(1) == 0 and b.take(1) == 0 and b.take(1) > 0
+    b = TokenBucket(60, clock)
+    assert b.take_on_credit(100) == 0  # admitted into debt
+    assert b.take_on_credit(1) == pytest.approx(40.0)  # until the debt is paid
+    Charge(b, reserved=30).settle(10)  # 20 unused reserved tokens come back
+    assert b.take_on_credit(1) == pytest.approx(20.0)
+
+
+def test_requests_per_minute_answer_429_with_retry_after(fake_server_factory):
+    server = fake_server_factory(security=SecurityConfig(rate_limit_rpm=2))
+    assert post(server).status_code == 200 and post(server).status_code == 200
+    r = post(server)
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests" and "RPM" in err["message"]
+    assert httpx.get(server.base_url + "/health").status_code == 200  # probes are not counted
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="fake-model", messages=MSG, max_tokens=2)
+
+
+def test_each_key_has_its_own_buckets_and_may_override_the_limit(fake_server_factory):
+    keys = [key_spec("sk-a"), key_spec("sk-b", rpm=0), key_spec("sk-c", rpm=1)]
+    server = fake_server_factory(security=SecurityConfig(keys=keys, rate_limit_rpm=1))
+    a, b, c = ({"Authorization": f"Bearer {k}"} for k in ("sk-a", "sk-b", "sk-c"))
+    assert post(server, **a).status_code == 200 and post(server, **a).status_code == 429
+    assert all(post(server, **b).status_code == 200 for _ in range(3))  # rpm=0: no limit for this key
+    assert post(server, **c).status_code == 200 and post(server, **c).status_code == 429
+
+
+def test_tokens_per_minute_charge_prompt_and_max_tokens(fake_server_factory):
+    server = fake_server_factory(security=SecurityConfig(rate_limit_tpm=30))
+    body = {**CHAT, "max_tokens": 20, "ignore_eos": True}
+    first = post(server, body)  # ~19 prompt + 20 reserved: admitted, into debt
+    assert first.status_code == 200
+    r = post(server, body)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "tokens" and "TPM" in r.json()["error"]["message"]
+    assert int(r.headers["retry-after"]) >= 1
+
+
+def test_a_full_queue_answers_429_queue_full(fake_server_factory):
+    server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, kv_cells=1000,
+                                 security=SecurityConfig(max_waiting=1))
+    results: list[int] = []
+    body = {**SLOW, "max_tokens": 50}  # a second each
+    threads = [threading.Thread(target=lambda: results.append(post(server, body).status_code)) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # the first runs, the second waits
+    assert server.engine.stats().waiting == 1
+    r = post(server)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    assert "queue is full (1 requests waiting)" in r.json()["error"]["message"] and r.headers["retry-after"]
+    streamed = post(server, {**CHAT, "stream": True})  # refused before the stream starts: a status, not an event
+    assert streamed.status_code == 429
+    for t in threads:
+        t.join(20)
+    assert results == [200, 200] and wait_idle(server)
+
+
+def test_a_request_past_its_deadline_is_stopped_with_504(fake_server_factory):
+    server = fake_server_factory(step_delay=0.02, context_window=400, kv_cells=1000,
+                                 security=SecurityConfig(request_timeout=0.5))
+    start = time.monotonic()
+    r = post(server, SLOW)
+    assert r.status_code == 504 and time.monotonic() - start < 3
+    assert r.json()["error"]["code"] == "request_timeout"
+    assert wait_idle(server) and server.runner.cells_in_use() == 0
+    assert post(server).status_code == 200  # quick requests still pass
+
+
+def test_a_stream_past_its_deadline_ends_with_an_error_event(fake_server_factory):
+    server = fake_server_factory(step_delay=0.02, context_window=400, kv_cells=1000,
+                                 security=SecurityConfig(request_timeout=0.5))
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**SLOW, "stream": True},
+                      timeout=10) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+    assert len(events) > 3  # some tokens came first
+    assert wait_idle(server) and server.runner.cells_in_use() == 0
