@@ -8,7 +8,6 @@ import sys
 from collections.abc import Sequence
 
 from servelm import __version__
-from servelm.compose import build_deployment, build_embedding_deployment  # noqa: F401  (tests build with them)
 from servelm.config import EngineSettings, ServerSettings, load_config_file
 
 log = logging.getLogger("servelm")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import uvicorn
 
-from servelm.__main__ import build_deployment
+from servelm.compose import build_deployment
 from servelm.engine.local import LocalEngine
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeRunner

@@ -100,7 +100,7 @@ class CompletionService:
                     col.add(out)
             return col
 
-        collectors = await _gather([run(job) for job in p.jobs])
+        collectors = await gather_all([run(job) for job in p.jobs])
         choices = []
         for i, (job, col) in enumerate(zip(p.jobs, collectors)):
             n = job.generation.params.n
@@ -311,7 +311,7 @@ def _reject_unsupported(req: CompletionRequest, dep: Deployment) -> None:
 
 
 # -- running several generations together ---------------------------------------------------------
-async def _gather(coros: list[Awaitable[T]]) -> list[T]:
+async def gather_all(coros: list[Awaitable[T]]) -> list[T]:
     """Run them concurrently; the first failure (or a cancellation) cancels the rest, which abort."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

@@ -9,23 +9,21 @@ same ChatService / CompletionService underneath, the dialect's shapes out. No ne
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest
 from servelm.errors import InvalidParameter, UnprocessableContent
 from servelm.protocol.completions import CompletionRequest
 from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequest, DjlStreamLine, DjlToken
 from servelm.service.choices import Collector, SeqResult
-from servelm.service.completions import CompletionService, PreparedCompletion
+from servelm.service.completions import CompletionService, PreparedCompletion, gather_all
 from servelm.service.deployments import Deployment, Deployments
 
-T = TypeVar("T")
 
 # -- model routing --------------------------------------------------------------------------------
 
@@ -213,7 +211,7 @@ class NativeService:
             extra = {"details": _details(dep, p.inputs[i], seq)} if p.details else {}
             return DjlOutput(generated_text=_full(p, i, seq.text), **extra)
 
-        outputs = await _gather([run(i) for i in range(len(p.completion.jobs))])
+        outputs = await gather_all([run(i) for i in range(len(p.completion.jobs))])
         return DjlOutputs(outputs) if p.batch else outputs[0]
 
     async def stream(self, p: PreparedNative) -> AsyncIterator[DjlStreamLine]:
@@ -264,15 +262,3 @@ def _djl_finish(out: GenerationOutput | None) -> str:
     if out.finish_reason is FinishReason.STOP:
         return "stop_sequence" if isinstance(out.stop_reason, str) else "eos_token"
     return out.finish_reason.value
-
-
-async def _gather(coros: list[Awaitable[T]]) -> list[T]:
-    """Run them together; the first failure (or a cancellation) cancels the rest, which abort."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-

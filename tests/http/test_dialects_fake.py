@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from servelm.__main__ import build_deployment
+from servelm.compose import build_deployment
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments

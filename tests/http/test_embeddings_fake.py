@@ -12,7 +12,7 @@ import openai
 import pytest
 import uvicorn
 
-from servelm.__main__ import build_deployment, build_embedding_deployment
+from servelm.compose import build_deployment, build_embedding_deployment
 from servelm.engine.embedding import EmbeddingEngine
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.http.app import create_app
