@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from servelm.engine.sampling import log_softmax, logprob_entry
-from servelm.engine.types import SamplingParams, TokenLogprob
+from servelm.engine.detokenizer import Detokenizer
+from servelm.engine.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 NEG_INF = float("-inf")
 
@@ -173,6 +174,33 @@ class BeamSearch:
     def add_running(self, beam: Beam) -> None:
         """The search is cut short (out of KV cells): a running beam counts as a hypothesis cut for length."""
         self._add(beam, "length")
+
+    def outputs(self, request_id: str, prompt_len: int, cached: int,
+                detokenizer: Callable[[], Detokenizer]) -> list[GenerationOutput]:
+        """The n best hypotheses as the request's final outputs, each text cut at its stop string."""
+        params = self.params
+        outs = []
+        for i, hyp in enumerate(self.best(params.n)):
+            detok = detokenizer()
+            text = ""
+            for token in hyp.beam.tokens:
+                piece, hit = detok.push(token)
+                text += piece
+                if hit is not None:
+                    break
+            else:
+                text += detok.flush()
+            tokens, entries = list(hyp.beam.tokens), list(hyp.beam.logprobs)
+            if hyp.reason == "stop" and (hyp.stop_reason is None or isinstance(hyp.stop_reason, int)):
+                tokens, entries = tokens[:-1], entries[:-1]  # the EOS or stop token is not part of the text
+            outs.append(GenerationOutput(
+                request_id, i, text, tokens,
+                finish_reason=FinishReason.STOP if hyp.reason == "stop" else FinishReason.LENGTH,
+                stop_reason=hyp.stop_reason, prompt_tokens=prompt_len, completion_tokens=len(hyp.beam.tokens),
+                cached_tokens=cached, logprobs=entries if params.logprobs is not None else None,
+                cumulative_logprob=hyp.beam.cumulative,
+            ))
+        return outs
 
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses; should the search have ended with fewer (a tiny vocabulary, every

@@ -24,7 +24,8 @@ from servelm.engine.beam import BeamSearch
 from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
 from servelm.engine.scheduler import Scheduler, StepPlan
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
-from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest, TokenLogprob
+from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
+                                  TokenLogprob)
 from servelm.errors import QueueFull
 from servelm.runners.base import KVCacheFull, ModelRunner
 
@@ -124,8 +125,7 @@ class LocalEngine:
         for seq in group.seqs:
             sampler = SamplerState.create(params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
             matcher = self.grammars.matcher(request.constraint) if request.constraint is not None else None
-            detok = Detokenizer(self._token_text(params.skip_special_tokens), params.stop,
-                                include_stop=params.include_stop_str_in_output)
+            detok = self._detokenizer(params)
             free_unless = request.constraint.free_unless if request.constraint is not None else ()
             seq.state = _SeqState(sampler, detok, matcher, free_unless, beam=search,
                                   logprobs=[] if params.logprobs is not None else None)
@@ -148,6 +148,10 @@ class LocalEngine:
             self._clients.pop(request.request_id, None)
             if remaining:
                 self.abort(request.request_id)
+
+    def _detokenizer(self, params: SamplingParams) -> Detokenizer:
+        return Detokenizer(self._token_text(params.skip_special_tokens), params.stop,
+                           include_stop=params.include_stop_str_in_output)
 
     def _token_text(self, skip_special: bool) -> Callable[[int], bytes]:
         if skip_special or self.grammars is None:
@@ -423,29 +427,8 @@ class LocalEngine:
             search.add_running(beam)
         for seq in group.seqs:
             self.scheduler.finish(seq)
-        params = group.params
-        for i, hyp in enumerate(search.best(params.n)):
-            detok = Detokenizer(self._token_text(params.skip_special_tokens), params.stop,
-                                include_stop=params.include_stop_str_in_output)
-            text = ""
-            for token in hyp.beam.tokens:
-                piece, hit = detok.push(token)
-                text += piece
-                if hit is not None:
-                    break
-            else:
-                text += detok.flush()
-            tokens, entries = list(hyp.beam.tokens), list(hyp.beam.logprobs)
-            if hyp.reason == "stop" and (hyp.stop_reason is None or isinstance(hyp.stop_reason, int)):
-                tokens, entries = tokens[:-1], entries[:-1]  # the EOS or stop token is not part of the text
-            out = GenerationOutput(
-                group.request_id, i, text, tokens,
-                finish_reason=FinishReason.STOP if hyp.reason == "stop" else FinishReason.LENGTH,
-                stop_reason=hyp.stop_reason, prompt_tokens=group.prompt_len, completion_tokens=len(hyp.beam.tokens),
-                cached_tokens=group.cached_tokens,
-                logprobs=entries if params.logprobs is not None else None,
-                cumulative_logprob=hyp.beam.cumulative,
-            )
+        for out in search.outputs(group.request_id, group.prompt_len, group.cached_tokens,
+                                  lambda: self._detokenizer(group.params)):
             self._deliver(group, out, outputs)
 
     def _send(self, outputs: dict[str, list[GenerationOutput]] | dict[str, BaseException]) -> None:
