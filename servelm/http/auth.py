@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from servelm.errors import ApiError, ModelNotFound, Unauthorized
+from servelm.errors import ModelNotFound, Unauthorized
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # probes and scrapers need no key
@@ -191,17 +191,18 @@ def allowed(scope: Scope, *names: str | None) -> bool:
 
 
 class _Resolver(Protocol):
-    def get(self, model: str) -> Any: ...
+    def targets(self, model: str) -> list[str]: ...
 
 
 def check_access(scope: Scope, deployments: _Resolver, model: str | None) -> None:
-    """404 model_not_found, as for an unknown model, when the key may not use `model` (by the name asked
-    for, or the deployment that name resolves to)."""
-    if allowed(scope, model):
-        return
-    try:
-        resolved = deployments.get(model).name if model else None
-    except ApiError:
-        resolved = None
-    if not allowed(scope, resolved):
+    """404 model_not_found, as for an unknown model, when the key may not use `model`: neither the name asked
+    for nor every deployment it may reach (an alias's one, all of a weighted endpoint's) is the key's."""
+    if not can_use(scope, deployments, model):
         raise ModelNotFound(model or "")
+
+
+def can_use(scope: Scope, deployments: _Resolver, model: str | None) -> bool:
+    if allowed(scope, model):
+        return True
+    targets = deployments.targets(model) if model else []
+    return bool(targets) and all(allowed(scope, t) for t in targets)

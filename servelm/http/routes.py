@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.engine.base import Engine
 from servelm.errors import ModelNotFound
-from servelm.http.auth import allowed, check_access
+from servelm.http.auth import can_use, check_access
 from servelm.http.errors import validation_error
 from servelm.http.limits import admit, remaining, timed_out
 from servelm.http.sse import sse_frames
@@ -112,15 +112,14 @@ def build_router(deployments: Deployments) -> APIRouter:
     @router.get("/v1/models")
     @router.get("/v3/models")
     async def list_models(request: Request) -> JSONResponse:
-        cards = [_card(name, d) for name, d in deployments.model_ids()
-                 if allowed(request.scope, name, d.name if d is not None else None)]
+        cards = [_card(name, d) for name, d in deployments.model_ids() if can_use(request.scope, deployments, name)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     @router.get("/v1/models/{model_id:path}")
     @router.get("/v3/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> JSONResponse:
         for name, d in deployments.model_ids():
-            if name == model_id and allowed(request.scope, name, d.name if d is not None else None):
+            if name == model_id and can_use(request.scope, deployments, name):
                 return JSONResponse(_card(name, d).model_dump(mode="json"))
         raise ModelNotFound(model_id)
 

@@ -56,6 +56,13 @@ class Deployments:
         except KeyError:
             raise ModelNotFound(model) from None
 
+    def targets(self, model: str) -> list[str]:
+        """The deployments a name may reach: itself, an alias's deployment, or every route of an endpoint."""
+        name = self._aliases.get(model, model)
+        if name in self._endpoints:
+            return list(self._endpoints[name][0])
+        return [name] if name in self._by_name else []
+
     def model_ids(self) -> list[tuple[str, Deployment | None]]:
         """Every name a request may use, with the deployment it names (None for a weighted endpoint)."""
         ids: list[tuple[str, Deployment | None]] = [(d.name, d) for d in self._by_name.values()]

@@ -150,3 +150,22 @@ def test_azure_paths_answer_401_in_azure_mls_shape(keyed):
     assert r.headers["x-ms-error-code"] == "invalid_api_key"
     ok = post(keyed, path="/chat/completions?api-version=2024-05-01-preview", **{"api-key": "sk-open"})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_key_may_use_a_weighted_endpoint_only_if_it_may_use_every_deployment_behind_it():
+    import random
+
+    from servelm.http.auth import SCOPE_KEY, can_use
+    from servelm.service.deployments import Deployment, Deployments
+
+    def dep(name):
+        return Deployment(name=name, engine=None, template=None, tokenize=lambda t: [], context_window=1,
+                          vocab_size=1, max_choices=0, fingerprint="fp")
+
+    deps = Deployments([dep("a"), dep("b")], aliases={"small": "a"}, endpoints={"ab": [("a", 1.0), ("b", 1.0)]},
+                       rng=random.Random(0))
+    only_a = {SCOPE_KEY: key_spec("k", deployments=["a"])}
+    assert can_use(only_a, deps, "a") and can_use(only_a, deps, "small")
+    assert not can_use(only_a, deps, "b") and not can_use(only_a, deps, "ab") and not can_use(only_a, deps, "zz")
+    both = {SCOPE_KEY: key_spec("k", deployments=["a", "b"])}
+    assert can_use(both, deps, "ab") and can_use({}, deps, "ab")
