@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import llama_server, procfs, servers
-from bench.loadgen import EmbeddingSpec, LevelResult, RequestSpec, run_level
+from bench.loadgen import EmbeddingSpec, LevelResult, RequestSpec, build_prompt, run_level
 
 RESULTS = servers.REPO / "bench" / "results"
 BASELINE = "llama-server"
@@ -134,6 +134,13 @@ WORKLOADS: list[Workload] = [
     Workload("beam-4", "4 concurrent clients; beam search, 4 beams (best_of 4, n 1), temperature 0, 64 output "
              "tokens, EOS banned, not streamed", concurrency=4, stream=False,
              extra_body={"n": 1, "best_of": 4, "use_beam_search": True}, servers=("servelm",)),
+    # Issue 6's shapes: a long shared system prompt (prefix caching: first-token latency), and long prompts
+    # arriving while others decode (chunked prefill: inter-token latency).
+    Workload("shared-prefix-4", "4 concurrent clients; a ~650-token system prompt shared by every request, a "
+             "short unique question, 32 output tokens, EOS banned", concurrency=4, requests=16, prompt_tokens=24,
+             max_tokens=32, system_prompt=build_prompt(640, "shared-system-prompt")),
+    Workload("long-prompts-4", "4 concurrent clients; ~1,235-token prompts, each new, 32 output tokens, EOS banned",
+             concurrency=4, requests=12, prompt_tokens=1200, max_tokens=32),
     Workload("embed-32", "2 concurrent clients; /v1/embeddings with 32 fresh sentences of 10-20 words each",
              concurrency=2, requests=16, model=EMBEDDING, embed_inputs=32, servers=("llama-server", "servelm")),
 ]
