@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -334,45 +335,45 @@ def _run_of(runs: list[ServerRun], server: str, w: Workload) -> ServerRun | None
     return next((r for r in runs if r.name == server and r.model == w.model), None)
 
 
+def _workload_rows(runs: list[ServerRun], workloads: list[Workload], header: str, columns: int,
+                   row: Callable[[Workload, ServerRun, LevelResult], str]) -> list[str]:
+    """One markdown table: a row per workload and server that ran it (`row` gives the cells after the
+    workload and server), "failed" where it produced no result."""
+    if not workloads:
+        return []
+    out = [header, "|---|---|" + "---:|" * columns]
+    for w in workloads:
+        for name in dict.fromkeys(r.name for r in runs):
+            r = _run_of(runs, name, w)
+            if r is None or not w.runs_on(name):
+                continue
+            lv = r.levels.get(w.name)
+            cells = "failed |" + " |" * (columns - 1) if lv is None else row(w, r, lv)
+            out.append(f"| {w.name} | {name} | {cells}")
+    return out
+
+
+def _chat_row(w: Workload, r: ServerRun, lv: LevelResult) -> str:
+    toks = (f"{lv.output_tokens_min}" if lv.output_tokens_min == lv.output_tokens_max
+            else f"{lv.output_tokens_min}-{lv.output_tokens_max}")
+    return (f"{lv.output_tok_s:.1f} | {lv.req_s:.2f} | {_num(lv.ttft_ms['p50'])} | {_num(lv.ttft_ms['p99'])} "
+            f"| {_num(lv.itl_ms['p50'])} | {_num(lv.itl_ms['p99'])} | {_num(lv.e2e_ms['p50'], 0)} | {toks} "
+            f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
+
+
+def _embed_row(w: Workload, r: ServerRun, lv: LevelResult) -> str:
+    return (f"{lv.inputs_s:.1f} | {lv.req_s:.2f} | {_num(lv.e2e_ms['p50'], 0)} | {_num(lv.e2e_ms['p99'], 0)} "
+            f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
+
+
 def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
     chat = [w for w in workloads if w.model == CHAT]
     embed = [w for w in workloads if w.model == EMBEDDING]
-    out: list[str] = []
-    if chat:
-        out += [("| workload | server | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-                 "| latency p50 ms | out tok/req | prompt tok | errors | other cores |"),
-                "|---|---|" + "---:|" * 11]
-    for w in chat:
-        for name in dict.fromkeys(r.name for r in runs):
-            r = _run_of(runs, name, w)
-            if r is None or not w.runs_on(name):
-                continue
-            lv = r.levels.get(w.name)
-            if lv is None:
-                out.append(f"| {w.name} | {name} | failed |" + " |" * 10)
-                continue
-            toks = (f"{lv.output_tokens_min}" if lv.output_tokens_min == lv.output_tokens_max
-                    else f"{lv.output_tokens_min}-{lv.output_tokens_max}")
-            out.append(f"| {w.name} | {name} | {lv.output_tok_s:.1f} | {lv.req_s:.2f} "
-                       f"| {_num(lv.ttft_ms['p50'])} | {_num(lv.ttft_ms['p99'])} | {_num(lv.itl_ms['p50'])} "
-                       f"| {_num(lv.itl_ms['p99'])} | {_num(lv.e2e_ms['p50'], 0)} | {toks} "
-                       f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
-    if embed:
-        out += [""] if out else []
-        out += ["| workload | server | inputs/s | req/s | latency p50 ms | latency p99 ms | prompt tok/req | errors "
-                "| other cores |", "|---|---|" + "---:|" * 7]
-    for w in embed:
-        for name in dict.fromkeys(r.name for r in runs):
-            r = _run_of(runs, name, w)
-            if r is None or not w.runs_on(name):
-                continue
-            lv = r.levels.get(w.name)
-            if lv is None:
-                out.append(f"| {w.name} | {name} | failed |" + " |" * 6)
-                continue
-            out.append(f"| {w.name} | {name} | {lv.inputs_s:.1f} | {lv.req_s:.2f} | {_num(lv.e2e_ms['p50'], 0)} "
-                       f"| {_num(lv.e2e_ms['p99'], 0)} | {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} "
-                       f"| {_num(r.other_cores.get(w.name), 2)} |")
+    out = _workload_rows(runs, chat, "| workload | server | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
+                         "| ITL p99 ms | latency p50 ms | out tok/req | prompt tok | errors | other cores |", 11, _chat_row)
+    embed_table = _workload_rows(runs, embed, "| workload | server | inputs/s | req/s | latency p50 ms | latency p99 ms "
+                                 "| prompt tok/req | errors | other cores |", 7, _embed_row)
+    out += ([""] if out and embed_table else []) + embed_table
     out += ["", "| server | workloads | ready after s | peak RSS MiB | other cores before start |",
             "|---|---|---:|---:|---:|"]
     out += [f"| {r.label} | {', '.join(r.levels) or '-'} | {_num(r.ready_s)} | {_num(r.peak_rss_mib)} "

@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -268,46 +269,54 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
     )
 
 
-async def complete_one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                       usage_per_choice: bool = False) -> RequestResult:
-    """Send one non-streamed chat completion; its output tokens come from `usage`."""
+_ANSWER_ERRORS = (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError)
+
+
+async def _post_json(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                     read: Callable[[dict[str, Any], float], RequestResult]) -> RequestResult:
+    """POST one non-streamed request and time it; `read(answer, e2e_s)` judges a 200's JSON answer."""
     start = time.perf_counter()
     try:
         resp = await client.post(url, json=body)
-        end = time.perf_counter()
+        e2e = time.perf_counter() - start
         if resp.status_code != 200:
-            return RequestResult(ok=False, e2e_s=end - start, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
-        answer = resp.json()
+            return RequestResult(ok=False, e2e_s=e2e, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
+        return read(resp.json(), e2e)
+    except _ANSWER_ERRORS as exc:
+        return RequestResult(ok=False, e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+def _prompt_tokens(usage: dict[str, Any]) -> int | None:
+    return int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
+
+
+async def complete_one(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                       usage_per_choice: bool = False) -> RequestResult:
+    """Send one non-streamed chat completion; its output tokens come from `usage`."""
+
+    def read(answer: dict[str, Any], e2e: float) -> RequestResult:
         choices = answer["choices"]
         usage = answer["usage"]
         tokens = int(usage["completion_tokens"]) * (len(choices) if usage_per_choice else 1)
-        prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
         if not choices or not any((c.get("message") or {}).get("content") for c in choices):
-            return RequestResult(ok=False, e2e_s=end - start, error="answer had no content")
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
-        return RequestResult(ok=False, e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
-    return RequestResult(ok=True, output_tokens=tokens, prompt_tokens=prompt_tokens, e2e_s=end - start)
+            return RequestResult(ok=False, e2e_s=e2e, error="answer had no content")
+        return RequestResult(ok=True, output_tokens=tokens, prompt_tokens=_prompt_tokens(usage), e2e_s=e2e)
+
+    return await _post_json(client, url, body, read)
 
 
 async def embed_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
     """Send one /embeddings request; it must return one non-empty vector per input."""
-    start = time.perf_counter()
     expected = len(body["input"]) if isinstance(body["input"], list) else 1
-    try:
-        resp = await client.post(url, json=body)
-        end = time.perf_counter()
-        if resp.status_code != 200:
-            return RequestResult(ok=False, e2e_s=end - start, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
-        answer = resp.json()
+
+    def read(answer: dict[str, Any], e2e: float) -> RequestResult:
         data = answer["data"]
-        usage = answer.get("usage") or {}
-        prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
         if len(data) != expected or not all(d.get("embedding") for d in data):
-            return RequestResult(ok=False, e2e_s=end - start,
-                                 error=f"{len(data)} vectors (some empty?) for {expected} inputs")
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
-        return RequestResult(ok=False, e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
-    return RequestResult(ok=True, prompt_tokens=prompt_tokens, e2e_s=end - start, inputs=len(data))
+            return RequestResult(ok=False, e2e_s=e2e, error=f"{len(data)} vectors (some empty?) for {expected} inputs")
+        return RequestResult(ok=True, prompt_tokens=_prompt_tokens(answer.get("usage") or {}), e2e_s=e2e,
+                             inputs=len(data))
+
+    return await _post_json(client, url, body, read)
 
 
 def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:

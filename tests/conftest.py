@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +18,35 @@ from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments
 
 
+@contextmanager
+def serving(app) -> Iterator[str]:
+    """Run an ASGI app under uvicorn on a free port of 127.0.0.1 for the block; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def wait_engine_idle(engine, timeout: float = 10.0) -> bool:
+    """Poll the engine until nothing runs or waits; False if it is still busy after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.running == 0 and stats.waiting == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @dataclass
 class FakeServer:
     base_url: str
@@ -27,33 +57,20 @@ class FakeServer:
 
 @pytest.fixture
 def fake_server_factory() -> Iterator:
-    started: list[tuple[uvicorn.Server, threading.Thread]] = []
+    with ExitStack() as stack:
 
-    def start(*, security=None, extra_deployments=(), **runner_kw) -> FakeServer:
-        """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app."""
-        runner = FakeRunner(**runner_kw)
-        deployment, engine = build_deployment("fake-model", runner)
-        others = [build_deployment(name, FakeRunner(**runner_kw)) for name in extra_deployments]
-        engines = [engine, *(e for _, e in others)]
-        app = create_app(Deployments([deployment, *(d for d, _ in others)]),
-                         on_start=lambda: [e.start() for e in engines], on_stop=lambda: [e.stop() for e in engines],
-                         security=security)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        started.append((server, thread))
-        return FakeServer(f"http://127.0.0.1:{port}", runner, engine)
+        def start(*, security=None, extra_deployments=(), **runner_kw) -> FakeServer:
+            """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app."""
+            runner = FakeRunner(**runner_kw)
+            deployment, engine = build_deployment("fake-model", runner)
+            others = [build_deployment(name, FakeRunner(**runner_kw)) for name in extra_deployments]
+            engines = [engine, *(e for _, e in others)]
+            app = create_app(Deployments([deployment, *(d for d, _ in others)]),
+                             on_start=lambda: [e.start() for e in engines],
+                             on_stop=lambda: [e.stop() for e in engines], security=security)
+            return FakeServer(stack.enter_context(serving(app)), runner, engine)
 
-    yield start
-    for server, thread in started:
-        server.should_exit = True
-        thread.join(timeout=10)
+        yield start
 
 
 @pytest.fixture

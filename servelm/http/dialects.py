@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import azure_error_parts, validation_error
-from servelm.http.routes import generate
+from servelm.http.routes import all_alive, generate
 from servelm.protocol.chat import ChatCompletionRequest
 from servelm.protocol.completions import CompletionRequest
 from servelm.protocol.dialects import DjlRequest
@@ -92,8 +92,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
 
     @router.get("/ping")
     async def ping() -> JSONResponse:
-        workers = [d.engine for d in deployments.all() if d.engine is not None]
-        ok = all(getattr(w, "alive", True) for w in workers)
+        ok = all_alive(deployments)
         return JSONResponse({"status": "Healthy" if ok else "Unhealthy"}, status_code=200 if ok else 503)
 
     # -- OpenVINO Model Server --------------------------------------------------------------------

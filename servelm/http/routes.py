@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from servelm.engine.base import Engine
 from servelm.errors import ModelNotFound
 from servelm.http.auth import can_use, check_access
 from servelm.http.errors import validation_error
@@ -82,6 +81,12 @@ async def generate(request: Request, req: BaseModel, service: ChatService | Comp
     return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment))
 
 
+def all_alive(deployments: Deployments) -> bool:
+    """Every engine and embedder thread is running (what /health and SageMaker's /ping report)."""
+    workers = [w for d in deployments.all() for w in (d.engine, d.embedder) if w is not None]
+    return all(getattr(w, "alive", True) for w in workers)
+
+
 def deployment_header(d: Deployment) -> dict[str, str]:
     """Which deployment answered (an alias or a weighted endpoint names several)."""
     return {DEPLOYMENT_HEADER: d.name}
@@ -137,9 +142,7 @@ def build_router(deployments: Deployments) -> APIRouter:
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        engines: list[Engine] = [d.engine for d in deployments.all() if d.engine is not None]
-        workers = [*engines, *(d.embedder for d in deployments.all() if d.embedder is not None)]
-        ok = all(getattr(w, "alive", True) for w in workers)
+        ok = all_alive(deployments)
         stats = {d.name: _deployment_stats(d) for d in deployments.all()}
         return JSONResponse({"status": "ok" if ok else "unavailable", "deployments": stats}, status_code=200 if ok else 503)
 

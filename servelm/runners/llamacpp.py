@@ -86,6 +86,16 @@ def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndar
     return tok, pos, seq, out, batch
 
 
+def _free(owner: object) -> None:
+    """Free an owner's llama.cpp context, then its model if it owns one; a second call does nothing."""
+    if getattr(owner, "_ctx", None):
+        C.llama_free(owner._ctx)  # type: ignore[attr-defined]
+        owner._ctx = None  # type: ignore[attr-defined]
+    if getattr(owner, "_model", None):
+        C.llama_model_free(owner._model)  # type: ignore[attr-defined]
+        owner._model = None  # type: ignore[attr-defined]
+
+
 class LlamaCppRunner:
     def __init__(
         self,
@@ -225,12 +235,7 @@ class LlamaCppRunner:
         C.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            C.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            C.llama_model_free(self._model)
-            self._model = None
+        _free(self)
 
 
 class LlamaCppEmbedder:
@@ -345,9 +350,4 @@ class LlamaCppEmbedder:
                 C.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            C.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            C.llama_model_free(self._model)
-            self._model = None
+        _free(self)

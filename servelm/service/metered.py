@@ -59,7 +59,11 @@ class MeteredEngine:
     def stats(self) -> EngineStats:
         return self.inner.stats()
 
-    def __getattr__(self, name: str):  # start, stop, alive, scheduler, …: whatever the wrapped engine has
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    @property
+    def alive(self) -> bool:  # /health and /ping ask
+        return getattr(self.inner, "alive", True)
+
+    def admit(self, max_waiting: int | None) -> None:  # the waiting-queue bound (http/limits.admit)
+        check = getattr(self.inner, "admit", None)
+        if check is not None:
+            check(max_waiting)

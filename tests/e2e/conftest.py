@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,16 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Runni
 
 def stop_server(srv: RunningServer) -> None:
     _stop(srv.process)
+
+
+@contextmanager
+def own_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[RunningServer]:
+    """A server of a test module's own (other flags than the session's), stopped after the block."""
+    srv = start_server(tmp_path_factory, *flags)
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
 
 
 @pytest.fixture(scope="session")

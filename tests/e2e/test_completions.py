@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from .conftest import start_server, stop_server
+from .conftest import own_server
 from .helpers import MODEL, NO_EOS
 
 pytestmark = pytest.mark.e2e
@@ -198,11 +198,8 @@ def test_best_of_returns_n_choices(client: openai.OpenAI, stream: bool) -> None:
 # -- error_behavior, on a server with a 128-token window ------------------------------------------
 @pytest.fixture(scope="module")
 def small_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    srv = start_server(tmp_path_factory, "--context-window", "128", "--kv-cells", "512")
-    try:
+    with own_server(tmp_path_factory, "--context-window", "128", "--kv-cells", "512") as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        stop_server(srv)
 
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 20  # about 200 tokens

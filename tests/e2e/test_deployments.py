@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .conftest import start_server, stop_server
+from .conftest import own_server
 from .helpers import MODEL, RunningServer, user
 
 pytestmark = pytest.mark.e2e
@@ -50,11 +50,8 @@ routes = [{{deployment = "{MODEL}", weight = 1}}, {{deployment = "twin", weight 
 def multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     path: Path = tmp_path_factory.mktemp("config") / "servelm.toml"
     path.write_text(CONFIG)
-    srv = start_server(tmp_path_factory, "--config", str(path))
-    try:
+    with own_server(tmp_path_factory, "--config", str(path)) as srv:
         yield srv
-    finally:
-        stop_server(srv)
 
 
 @pytest.fixture(scope="module")

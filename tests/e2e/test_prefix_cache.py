@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from .conftest import start_server, stop_server
+from .conftest import own_server
 from .helpers import MODEL
 
 pytestmark = pytest.mark.e2e
@@ -17,11 +17,8 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant that answers a
 
 @pytest.fixture(scope="module")
 def cached_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    srv = start_server(tmp_path_factory, "--prefix-cache")
-    try:
+    with own_server(tmp_path_factory, "--prefix-cache") as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-    finally:
-        stop_server(srv)
 
 
 def ask(client: openai.OpenAI, messages, **kw):

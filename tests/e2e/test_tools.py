@@ -20,7 +20,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from .conftest import start_server, stop_server
+from .conftest import own_server
 from .helpers import (
     MODEL,
     RunningServer,
@@ -410,11 +410,8 @@ HERMES_TEMPLATE = r"""{%- if tools %}
 def native_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     path: Path = tmp_path_factory.mktemp("template") / "hermes.jinja"
     path.write_text(HERMES_TEMPLATE, encoding="utf-8")
-    srv = start_server(tmp_path_factory, "--chat-template", str(path))
-    try:
+    with own_server(tmp_path_factory, "--chat-template", str(path)) as srv:
         yield srv
-    finally:
-        stop_server(srv)
 
 
 @pytest.fixture(scope="module")

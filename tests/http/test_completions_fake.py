@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from servelm.runners.fake import FakeRunner
+from tests.conftest import wait_engine_idle
 
 FIM = (61, 62, 63)
 
@@ -335,15 +336,7 @@ def test_unknown_model_is_404(fake_server):
 
 # -- disconnects ----------------------------------------------------------------------------------
 def _wait_engine_idle(server, timeout: float = 3.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = server.engine.stats()
-        if stats.running == 0 and stats.waiting == 0:
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_engine_idle(server.engine, timeout)
 
 
 def test_a_client_leaving_a_batch_stream_aborts_every_prompt(fake_server_factory):

@@ -4,17 +4,15 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from servelm.compose import build_deployment
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments
+from tests.conftest import serving
 
 MSG = [{"role": "user", "content": "hi"}]
 AZURE = "/chat/completions?api-version=2024-05-01-preview"
@@ -167,16 +165,8 @@ def two_models():
         engines.append(e)
     app = create_app(Deployments(deps), on_start=lambda: [e.start() for e in engines],
                      on_stop=lambda: [e.stop() for e in engines])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base_url:
+        yield base_url
 
 
 def test_azureml_model_deployment_header_routes(two_models):

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import base64
-import threading
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from servelm.compose import build_deployment, build_embedding_deployment
 from servelm.engine.embedding import EmbeddingEngine
@@ -18,6 +15,7 @@ from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeEmbedder, FakeRunner
 from servelm.service.deployments import Deployments
+from tests.conftest import serving
 
 EMBED = "fake-embed"
 CHAT = "fake-model"
@@ -47,17 +45,8 @@ def served():
     workers = [engine, chat.embedder, embedder]
     app = create_app(Deployments([chat, embed]), on_start=lambda: [w.start() for w in workers],
                      on_stop=lambda: [w.stop() for w in workers])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the test server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield Served(f"http://127.0.0.1:{port}", model, chat_model)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base_url:
+        yield Served(base_url, model, chat_model)
 
 
 @pytest.fixture(scope="module")

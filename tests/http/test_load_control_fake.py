@@ -14,6 +14,7 @@ import pytest
 from servelm.http.auth import key_spec
 from servelm.http.limits import SecurityConfig
 from servelm.http.ratelimit import Charge, TokenBucket
+from tests.conftest import wait_engine_idle
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "fake-model", "messages": MSG, "max_tokens": 3}
@@ -25,13 +26,7 @@ def post(server, body=CHAT, **headers):
 
 
 def wait_idle(server, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        s = server.engine.stats()
-        if s.running == 0 and s.waiting == 0:
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_engine_idle(server.engine, seconds)
 
 
 class Clock:
