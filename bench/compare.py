@@ -19,6 +19,7 @@ import asyncio
 import datetime as dt
 import json
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from bench import llama_server, procfs, servers
 from bench.loadgen import EmbeddingSpec, LevelResult, RequestSpec, build_prompt, run_level
@@ -174,6 +177,8 @@ class ServerRun:
     levels: dict[str, LevelResult] = field(default_factory=dict)
     other_cores: dict[str, float] = field(default_factory=dict)  # per workload, while it ran
     attempts: dict[str, int] = field(default_factory=dict)  # per workload: 1 + noisy retries used
+    # per workload (servelm only): the engine loop's time outside llama_decode, as a share of its step time
+    loop_overhead: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
     @property
@@ -232,11 +237,18 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
     assert proc.proc is not None
     spec = proc.spec
     before = procfs.CpuSnapshot.take(proc.proc.pid)
+    engine_before = engine_seconds(spec.root_url)
     result = await run_level(spec.base_url, spec.model, w.concurrency,
                              args.requests if args.requests is not None else w.requests,
                              w.request_spec(run.name, ban, attempt), warmup=warmup, timeout_s=args.timeout)
     run.other_cores[w.name] = procfs.other_cores(before, procfs.CpuSnapshot.take(proc.proc.pid))
     run.levels[w.name] = result
+    engine_after = engine_seconds(spec.root_url)
+    if engine_before and engine_after and engine_after[0] > engine_before[0]:
+        step, forward = (a - b for a, b in zip(engine_after, engine_before))
+        run.loop_overhead[w.name] = 1 - forward / step
+        print(f"   {w.name}: engine loop outside llama_decode {100 * run.loop_overhead[w.name]:.1f}% "
+              f"of {step:.1f} s of steps", flush=True)
     if w.model == EMBEDDING:
         figures = (f"{result.inputs_s:.1f} inputs/s, latency p50 {_num(result.e2e_ms['p50'])} ms, "
                    f"p99 {_num(result.e2e_ms['p99'])} ms")
@@ -250,6 +262,17 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
           flush=True)
     for sample in result.error_samples:
         print(f"   {w.name} error: {sample}", file=sys.stderr, flush=True)
+
+
+def engine_seconds(root_url: str) -> tuple[float, float] | None:
+    """servelm's engine counters (step seconds, forward-pass seconds) summed over its models; None elsewhere."""
+    try:
+        text = httpx.get(root_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = [sum(float(v) for v in re.findall(rf"^servelm_engine_{name}_seconds_total{{[^}}]*}} (\S+)$", text, re.M))
+             for name in ("step", "forward")]
+    return (found[0], found[1]) if found[0] > 0 or "servelm_engine_step_seconds" in text else None
 
 
 async def run_server(spec: servers.ServerSpec, workloads: list[Workload], args: argparse.Namespace,
@@ -406,6 +429,9 @@ def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
             if rows:
                 out += ["", "| workload | server | " + " | ".join(cols) + " | peak RSS |",
                         "|---|---|" + "---:|" * (len(cols) + 1)] + rows
+    overhead = [f"{r.name}/{w} {100 * v:.1f}%" for r in runs for w, v in r.loop_overhead.items()]
+    if overhead:
+        out += ["", "Engine loop time outside llama_decode (share of its step time): " + ", ".join(overhead)]
     lines = ratio_lines(runs)
     if lines:
         out += ["", "Within-server ratios (same server, same run):", ""] + [f"- {line}" for line in lines]

@@ -27,6 +27,7 @@ def build_deployment(
     fingerprint_source: str = "",
     seeded_step_tokens: int | None = None,
     prefix_cache: bool = False,
+    prefix_cache_cells: int | None = None,
     chat_template: str | None = None,
 ) -> tuple[Deployment, object]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started)."""
@@ -36,7 +37,8 @@ def build_deployment(
     from servelm.engine.local import LocalEngine
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text)
-    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache, grammars=grammars)
+    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache,
+                         prefix_cache_cells=prefix_cache_cells, grammars=grammars)
     bos = runner.bos_token
     template_source = chat_template or runner.chat_template
 
@@ -157,13 +159,14 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers:
     log.info("loading %s for %r", path, spec.name)
     runner = LlamaCppRunner(
         path, num_slots=e.max_num_seqs, kv_cells=e.kv_cells, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
+        spare_seqs=e.prefix_cache_entries if e.prefix_cache else 0,
         context_window=e.context_window, threads=e.threads, verbose=verbose,
     )
     runners.append(runner)
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
-        prefix_cache=e.prefix_cache, chat_template=template,
+        prefix_cache=e.prefix_cache, prefix_cache_cells=e.prefix_cache_cells, chat_template=template,
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)

@@ -51,11 +51,17 @@ class EngineSettings(BaseSettings):
     )
     prefix_cache: bool = Field(
         False,
-        description="keep the latest prompt's KV cells and reuse them for prompts that begin the same way (reads "
-        "shared system prompts once). Off by default: a reused prefix was computed in other batch shapes than a "
-        "fresh read, so a greedy answer may differ slightly from the same request without the cache (llama-server "
-        "documents the same of its cache_prompt); seeded requests never read it",
+        description="keep prompts and finished turns in the KV cache and reuse their cells for prompts that begin "
+        "the same way (a shared system prompt is read once; a conversation's next turn reads only what is new); "
+        "reported as usage.prompt_tokens_details.cached_tokens. Off by default: llama.cpp's CPU kernels round "
+        "differently with the number of rows in a pass and the cells in use, so with the cache a greedy or seeded "
+        "answer can differ from the same request without it (llama-server documents the same of its "
+        "cache_prompt); seeded requests never read it",
     )
+    prefix_cache_entries: int = Field(8, ge=1, le=128, description="prefixes the cache keeps (least recently used "
+                                      "first out); each holds a spare llama.cpp sequence id")
+    prefix_cache_cells: int | None = Field(None, ge=0, description="most KV cells the cache may keep (default: half "
+                                           "of --kv-cells); running requests take them back whenever they need room")
     context_window: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the model's)")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")
 

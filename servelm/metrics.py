@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
 
@@ -35,6 +35,8 @@ class EngineGauges:
     kv_cells_used: int
     kv_cells_cached: int
     kv_cells_total: int
+    step_seconds: float = 0.0  # counters: the engine thread's time in steps, and of it in the forward pass
+    forward_seconds: float = 0.0
 
 
 class _EngineCollector(Collector):
@@ -43,13 +45,18 @@ class _EngineCollector(Collector):
     def __init__(self, source: Callable[[], Iterable[EngineGauges]]) -> None:
         self._source = source
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        families = {
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "waiting": GaugeMetricFamily("servelm_requests_waiting", "sequences waiting to be scheduled (queue depth)", labels=["model"]),
             "running": GaugeMetricFamily("servelm_sequences_running", "sequences being decoded", labels=["model"]),
             "kv_cells_used": GaugeMetricFamily("servelm_kv_cells_used", "KV cache cells held by running requests", labels=["model"]),
             "kv_cells_cached": GaugeMetricFamily("servelm_kv_cells_cached", "KV cache cells held by the prefix cache", labels=["model"]),
             "kv_cells_total": GaugeMetricFamily("servelm_kv_cells_capacity", "KV cache cells in all", labels=["model"]),
+            "step_seconds": CounterMetricFamily("servelm_engine_step_seconds", "engine-thread time in steps with work",
+                                                labels=["model"]),
+            "forward_seconds": CounterMetricFamily("servelm_engine_forward_seconds", "of which in the model's forward "
+                                                   "pass (llama_decode); the rest is the loop's own overhead",
+                                                   labels=["model"]),
         }
         for g in self._source():
             for key, family in families.items():

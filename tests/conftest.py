@@ -59,10 +59,11 @@ class FakeServer:
 def fake_server_factory() -> Iterator:
     with ExitStack() as stack:
 
-        def start(*, security=None, extra_deployments=(), **runner_kw) -> FakeServer:
-            """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app."""
+        def start(*, security=None, extra_deployments=(), prefix_cache=False, **runner_kw) -> FakeServer:
+            """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app;
+            prefix_cache turns the first deployment's cache on."""
             runner = FakeRunner(**runner_kw)
-            deployment, engine = build_deployment("fake-model", runner)
+            deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache)
             others = [build_deployment(name, FakeRunner(**runner_kw)) for name in extra_deployments]
             engines = [engine, *(e for _, e in others)]
             app = create_app(Deployments([deployment, *(d for d, _ in others)]),

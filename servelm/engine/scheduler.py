@@ -6,11 +6,12 @@ token budget, so a long prompt is read a chunk at a time while the others keep d
 are admitted and retired between steps. KV cells are counted here: a group's shared prompt counts
 once; when the cache would overflow, the newest group is preempted (its cells freed, recomputed later).
 
-Prefix cache: the prompt of the latest request to finish reading its prompt stays in the KV cache under
-one spare sequence id (`cache_slot`). A new request whose prompt begins with those tokens (a shared
-system prompt, a chat template's preamble, a conversation that grew by a turn) starts with a copy of
-those cells (`llama_memory_seq_cp`: in a unified cache a shared cell costs nothing) and reads only the
-rest. Seeded requests neither read it nor are changed by it (see seeded_step_tokens).
+Prefix cache (engine/prefix_cache.py): prompts, and whole turns once they finish, stay in the KV cache
+under spare sequence ids, least recently used first out, within a cell budget, and give their cells back
+first when running requests need room. A new request whose prompt begins with an entry's tokens (a shared
+system prompt, a chat template's preamble, a conversation that grew by a turn) starts with a copy of those
+cells (`llama_memory_seq_cp`: in a unified cache a shared cell costs nothing) and reads only the rest.
+Seeded requests and requests for prompt logprobs do not read it (see seeded_step_tokens).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from servelm.engine.prefix_cache import PrefixCache
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 
-MIN_PREFIX_REUSE = 4  # fewer shared tokens than this are not worth a copy
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
 
 
@@ -73,6 +74,8 @@ class Scheduler:
         *,
         seeded_step_tokens: int | None = None,
         prefix_cache: bool = False,
+        prefix_cache_entries: int = 8,
+        prefix_cache_cells: int | None = None,
     ) -> None:
         if num_slots < 1 or kv_cells < 1 or max_step_tokens < num_slots:
             raise ValueError("need num_slots >= 1, kv_cells >= 1 and max_step_tokens >= num_slots")
@@ -86,14 +89,20 @@ class Scheduler:
         self.running: list[SequenceGroup] = []  # in admission order
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self._ops: list[KVOp] = []
-        self.prefix_cache = prefix_cache
-        self.cache_slot = num_slots  # the spare sequence id that holds the cached prefix
-        self.prefix: tuple[int, ...] = ()
+        # Entries hold sequence ids num_slots.. num_slots + entries - 1; by default up to half the cells.
+        self.cache: PrefixCache | None = None
+        if prefix_cache and prefix_cache_entries > 0:
+            budget = prefix_cache_cells if prefix_cache_cells is not None else kv_cells // 2
+            self.cache = PrefixCache(list(range(num_slots, num_slots + prefix_cache_entries)), budget)
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
+    def kv_cells_cached(self) -> int:
+        return self.cache.cells if self.cache is not None else 0
+
+    @property
     def kv_cells_used(self) -> int:
-        used = len(self.prefix)
+        used = self.kv_cells_cached
         for group in self.running:
             if group.forked and group.holds_kv():
                 used += group.prefix_cells
@@ -133,6 +142,8 @@ class Scheduler:
         if seq.status is SeqStatus.FINISHED:
             return
         seq.status = SeqStatus.FINISHED
+        if len(seq.group.seqs) == 1 and seq.slot is not None and seq.num_computed > seq.prompt_len:
+            self._remember(seq, seq.num_computed)  # the whole turn, for the conversation's next one
         self._release(seq)
         group = seq.group
         if group.finished:
@@ -161,6 +172,7 @@ class Scheduler:
             seq.num_computed = 0
             seq.shared = 0
             seq.cached = 0
+            seq.source = None
             seq.status = SeqStatus.WAITING
         group.prefix_cells = 0
         self.running.remove(group)
@@ -189,9 +201,12 @@ class Scheduler:
         while self.waiting and budget > 0:
             group = self.waiting[0]
             need = self._admission_cells(group)
-            if need > free_cells and self.prefix and need <= free_cells + len(self.prefix):
-                free_cells += len(self.prefix)
-                self._drop_prefix()
+            if need > free_cells and need <= free_cells + self.kv_cells_cached:
+                while need > free_cells:
+                    used = self.kv_cells_used
+                    if not self._evict_lru():
+                        break
+                    free_cells += used - self.kv_cells_used
             if len(group.live) > len(self.free_slots) or need > free_cells:
                 break
             self.waiting.popleft()
@@ -224,8 +239,7 @@ class Scheduler:
             decoding = [s for g in self.running for s in g.seqs if s.status is SeqStatus.RUNNING and s.num_pending == 1]
             if len(decoding) <= free:
                 return free
-            if self.prefix:
-                self._drop_prefix()
+            if self._evict_lru():
                 continue
             if len(self.running) > 1:
                 self._preempt(self.running[-1])
@@ -255,35 +269,44 @@ class Scheduler:
     # -- the prefix cache -------------------------------------------------------------------------
     def _reuse_prefix(self, seq: Sequence) -> None:
         params = seq.group.params
-        if not self.prefix or params.seed is not None or params.prompt_logprobs is not None or seq.num_computed:
+        if self.cache is None or params.seed is not None or params.prompt_logprobs is not None or seq.num_computed:
             return
-        limit = min(len(self.prefix), len(seq.token_ids) - 1)  # the last token is computed for its logits
-        n = 0
-        while n < limit and self.prefix[n] == seq.token_ids[n]:
-            n += 1
-        if n < MIN_PREFIX_REUSE:
+        entry, n = self.cache.lookup(seq.token_ids, len(seq.token_ids) - 1)  # the last one is read for its logits
+        if entry is None:
             return
-        self._ops.append(("cp", self.cache_slot, seq.slot, n))
+        self._ops.append(("cp", entry.slot, seq.slot, n))
         seq.num_computed = seq.cached = n
+        seq.source = entry
         seq.group.cached_tokens = n
 
-    def _remember_prefix(self, seq: Sequence) -> None:
-        """The sequence has just computed its whole prompt: keep that prompt as the cached prefix."""
-        prompt = tuple(seq.token_ids[: seq.prompt_len])
-        if not self.prefix_cache or prompt == self.prefix or seq.slot is None:
+    def _remember(self, seq: Sequence, length: int) -> None:
+        """Keep the sequence's first `length` cells (its prompt, or its whole turn) in the prefix cache."""
+        if self.cache is None or seq.slot is None:
             return
-        if self.prefix:
-            self._drop_prefix()
-        self._ops.append(("cp", seq.slot, self.cache_slot, len(prompt)))
-        self.prefix = prompt
-        seq.cached = len(prompt)  # those cells are now counted once, as the cache's
+        tokens = tuple(seq.token_ids[:length])
+        entry = self.cache.insert(tokens, seq.slot, seq.source, seq.cached, self._ops)
+        self._settle_evictions()
+        if entry is not None:
+            seq.cached, seq.source = length, entry  # those cells are now counted once, as the cache's
 
-    def _drop_prefix(self) -> None:
-        self._ops.append(("rm", self.cache_slot))
-        self.prefix = ()
-        for group in self.running:  # cells borrowed from the cache now count as their holders' own
-            for seq in group.seqs:
-                seq.cached = 0
+    def _evict_lru(self) -> bool:
+        """Give back the least recently used entry's cells; False if the cache holds none."""
+        if self.cache is None or not self.cache.entries:
+            return False
+        self.cache.evict(self.cache.lru(), self._ops)
+        self._settle_evictions()
+        return True
+
+    def _settle_evictions(self) -> None:
+        """Cells borrowed from an evicted entry are counted under its parent's, or as the borrower's own."""
+        assert self.cache is not None
+        gone, self.cache.evicted = self.cache.evicted, []
+        for entry in gone:
+            for group in self.running:
+                for seq in group.seqs:
+                    if seq.source is entry:
+                        keep = min(seq.cached, entry.shared) if entry.parent is not None else 0
+                        seq.cached, seq.source = keep, entry.parent if keep else None
 
     def _chunk(self, seq: Sequence, take: int) -> ScheduledChunk:
         start = seq.num_computed
@@ -303,7 +326,7 @@ class Scheduler:
                 continue
             seq.num_computed += len(chunk.tokens)
             if chunk.start < seq.prompt_len <= seq.num_computed:
-                self._remember_prefix(seq)
+                self._remember(seq, seq.prompt_len)
             for sampler in chunk.samplers:
                 if sampler.status is SeqStatus.FORK_PENDING:
                     self._fork(seq, sampler)

@@ -34,6 +34,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV cells are in the cache
     shared: int = 0  # leading cells owned by the group's shared prefix, not counted as this sequence's own
     cached: int = 0  # leading cells borrowed from the scheduler's prefix cache, not counted either
+    source: Any = None  # the prefix-cache entry those cells are counted under
     slot: int | None = None  # the llama.cpp sequence id while it holds KV
     key: int = field(default_factory=lambda: next(_seq_keys))
     state: Any = None  # the engine loop's own per-sequence state (RNG, detokenizer, counts)

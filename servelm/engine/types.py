@@ -147,3 +147,5 @@ class EngineStats:
     kv_cells_total: int
     free_slots: int
     total_slots: int
+    step_seconds: float = 0.0  # engine-thread time in steps that had work, since start
+    forward_seconds: float = 0.0  # of which inside the model's forward pass (llama_decode)

@@ -13,7 +13,8 @@ class ModelRunner(Protocol):
     vocab_size: int
     context_window: int  # the most positions one sequence may use
     kv_cells: int  # cells in the (unified) KV cache shared by every sequence
-    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, and num_slots for the prefix cache
+    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1
+    spare_seqs: int  # further sequence ids num_slots.. for the prefix cache's entries
     max_step_tokens: int  # tokens one forward pass may carry
     eog_ids: np.ndarray  # end-of-generation tokens
     chat_template: str | None

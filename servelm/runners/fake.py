@@ -31,6 +31,7 @@ class FakeRunner:
         *,
         vocab_size: int = 64,
         num_slots: int = 4,
+        spare_seqs: int = 8,
         kv_cells: int = 256,
         max_step_tokens: int = 32,
         context_window: int = 128,
@@ -39,6 +40,7 @@ class FakeRunner:
     ) -> None:
         self.vocab_size = vocab_size
         self.num_slots = num_slots
+        self.spare_seqs = spare_seqs
         self.kv_cells = kv_cells
         self.max_step_tokens = max_step_tokens
         self.context_window = context_window
@@ -53,7 +55,8 @@ class FakeRunner:
         self.eos_token = "</s>"
         self.description = "fake"
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
-        self.shared: dict[int, int] = {}  # slot → leading cells it shares with the slot it was forked from
+        self.cell_ids: dict[int, list[int]] = {}  # slot → the identity of each of its cells (a copy shares them)
+        self._next_cell = 0
         self.steps: list[StepPlan] = []
         self.max_cells_seen = 0
 
@@ -81,7 +84,7 @@ class FakeRunner:
         for op in plan.ops:
             if op[0] == "rm":
                 self.cells.pop(op[1], None)
-                self.shared.pop(op[1], None)
+                self.cell_ids.pop(op[1], None)
                 continue
             _, src, dst, n = op
             if len(self.cells.get(src, [])) < n:
@@ -89,7 +92,7 @@ class FakeRunner:
             if self.cells.get(dst):
                 raise FakeKVError(f"copy into slot {dst}, which already holds cells")
             self.cells[dst] = list(self.cells[src][:n])
-            self.shared[dst] = n
+            self.cell_ids[dst] = list(self.cell_ids[src][:n])
         rows = []
         total = self.cells_in_use()
         for chunk in plan.chunks:
@@ -98,6 +101,8 @@ class FakeRunner:
             if chunk.start != len(held):
                 raise FakeKVError(f"slot {slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
             held.extend(chunk.tokens)
+            self.cell_ids.setdefault(slot, []).extend(range(self._next_cell, self._next_cell + len(chunk.tokens)))
+            self._next_cell += len(chunk.tokens)
             total += len(chunk.tokens)
             if chunk.all_logits:
                 rows.extend(self.logits_after(t) for t in chunk.tokens)
@@ -124,11 +129,12 @@ class FakeRunner:
         return row
 
     def cells_in_use(self) -> int:
-        """Distinct cells, as a unified cache counts them (a forked prefix once)."""
-        return sum(len(c) - self.shared.get(slot, 0) for slot, c in self.cells.items())
+        """Distinct cells, as a unified cache counts them (a copied cell once, however many hold it)."""
+        return len({cell for ids in self.cell_ids.values() for cell in ids})
 
     def close(self) -> None:
         self.cells.clear()
+        self.cell_ids.clear()
 
 
 class FakeEmbedder:

@@ -104,13 +104,16 @@ class LlamaCppRunner:
         num_slots: int = 16,
         kv_cells: int = 16384,
         max_step_tokens: int = 512,
+        spare_seqs: int = 8,
         context_window: int | None = None,
         threads: int | None = None,
         verbose: bool = False,
+        vocab_only: bool = False,  # the tokenizer and metadata only: no weights, no context (servelm/ray's ingress)
     ) -> None:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
+        mparams.vocab_only = vocab_only
         self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
         self._model = C.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
@@ -121,23 +124,24 @@ class LlamaCppRunner:
         self.context_window = min(context_window or train_ctx, train_ctx, kv_cells)
         self.kv_cells = kv_cells
         self.num_slots = num_slots
+        self.spare_seqs = spare_seqs
         self.max_step_tokens = max_step_tokens
 
         cparams = C.llama_context_default_params()
         cparams.n_ctx = kv_cells
         cparams.n_batch = max_step_tokens
         cparams.n_ubatch = max_step_tokens
-        cparams.n_seq_max = num_slots + 1  # one spare sequence id holds the scheduler's prefix cache
+        cparams.n_seq_max = num_slots + spare_seqs  # the spare ids hold the prefix cache's entries
         cparams.kv_unified = True
         n_threads = threads or os.cpu_count() or 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
-        self._ctx = C.llama_init_from_model(self._model, cparams)
-        if not self._ctx:
+        self._ctx = None if vocab_only else C.llama_init_from_model(self._model, cparams)
+        if not self._ctx and not vocab_only:
             C.llama_model_free(self._model)
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
-        self._mem = C.llama_get_memory(self._ctx)
+        self._mem = C.llama_get_memory(self._ctx) if self._ctx else None
 
         self.eog_ids = np.array([t for t in range(self.vocab_size) if C.llama_vocab_is_eog(self._vocab, t)], dtype=np.int64)
         self._pieces = [self._piece(t) for t in range(self.vocab_size)]

@@ -159,61 +159,6 @@ def test_steps_stay_small_while_a_seeded_request_is_in_the_system():
     assert run_step(s).num_tokens > 20, "without a seeded request the full budget comes back"
 
 
-def test_a_prompt_that_begins_like_the_cached_one_reuses_its_cells():
-    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
-    first = SequenceGroup("first", tuple(range(1, 21)), SamplingParams(max_tokens=2))
-    s.add(first)
-    plan = run_step(s)
-    assert plan.num_tokens == 20
-    plan = run_step(s)
-    assert ("cp", first.seqs[0].slot, s.cache_slot, 20) in plan.ops, "the whole prompt is kept as the prefix"
-    s.finish(first.seqs[0])
-    assert s.kv_cells_used == 20, "the cached prefix is counted"
-    second = SequenceGroup("second", tuple(range(1, 16)) + (99, 98), SamplingParams(max_tokens=2))
-    s.add(second)
-    plan = run_step(s)
-    seq = second.seqs[0]
-    assert ("cp", s.cache_slot, seq.slot, 15) in plan.ops
-    assert [(c.start, c.tokens) for c in plan.chunks] == [(15, (99, 98))]
-    assert second.cached_tokens == 15
-    assert s.prefix == second.prompt_token_ids, "the newest prompt replaces the cached one"
-    assert s.kv_cells_used == 17, "cells shared by a request and the cache count once"
-
-
-def test_an_identical_prompt_still_computes_its_last_token():
-    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
-    for rid in ("a", "b"):
-        g = SequenceGroup(rid, tuple(range(1, 11)), SamplingParams(max_tokens=1))
-        s.add(g)
-        plan = run_step(s)
-        s.finish(g.seqs[0])
-    assert [(c.start, len(c.tokens)) for c in plan.chunks] == [(9, 1)] and plan.chunks[0].wants_logits
-
-
-def test_seeded_requests_do_not_read_the_cache():
-    s = Scheduler(num_slots=2, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
-    s.add(SequenceGroup("a", tuple(range(1, 11)), SamplingParams(max_tokens=1)))
-    run_step(s)
-    seeded = SequenceGroup("s", tuple(range(1, 11)), SamplingParams(max_tokens=1, seed=3))
-    s.add(seeded)
-    plan = run_step(s)
-    assert [c.start for c in plan.chunks if c.seq.group is seeded] == [0] and seeded.cached_tokens == 0
-
-
-def test_the_cache_is_given_up_when_a_request_needs_its_room():
-    s = Scheduler(num_slots=2, kv_cells=30, max_step_tokens=64, prefix_cache=True)
-    a = SequenceGroup("a", tuple(range(1, 21)), SamplingParams(max_tokens=1))
-    s.add(a)
-    run_step(s)
-    s.finish(a.seqs[0])
-    assert len(s.prefix) == 20 and s.kv_cells_used == 20
-    b = SequenceGroup("b", tuple(range(50, 60)), SamplingParams(max_tokens=5))
-    s.add(b)
-    plan = run_step(s)
-    assert ("rm", s.cache_slot) in plan.ops and [c.seq.group for c in plan.chunks] == [b]
-    assert s.prefix == b.prompt_token_ids and s.kv_cells_used <= 30
-
-
 def test_rebeam_keeps_a_first_child_in_place_and_shares_cells_with_further_ones():
     s = sched(num_slots=4, kv_cells=1000, max_step_tokens=100)
     g = SequenceGroup("beam", (1, 2, 3, 4), SamplingParams(max_tokens=8, n=1, best_of=3))

@@ -73,6 +73,18 @@ def test_requests_tokens_and_latencies_are_counted(fake_server):
     assert value(m, "servelm_sequences_running", model="fake-model") == 0
 
 
+def test_engine_step_and_forward_time_are_counted(fake_server_factory):
+    """The loop's own overhead is 1 - forward/step: both counters move with work, forward never above step."""
+    url = fake_server_factory(step_delay=0.01).base_url
+    before = scrape(url)
+    assert chat(url, max_tokens=5).status_code == 200
+    after = scrape(url)
+    step = value(after, "servelm_engine_step_seconds_total", model="fake-model")
+    forward = value(after, "servelm_engine_forward_seconds_total", model="fake-model")
+    assert value(before, "servelm_engine_step_seconds_total", model="fake-model") < step
+    assert 5 * 0.01 <= forward <= step, "five steps of 10 ms each in the fake runner's forward pass"
+
+
 def test_a_stream_the_client_leaves_counts_as_aborted(fake_server_factory):
     url = fake_server_factory(step_delay=0.05).base_url  # 100 tokens would take 5 s
     with httpx.stream("POST", url + "/v1/chat/completions",

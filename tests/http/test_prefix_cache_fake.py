@@ -1,0 +1,42 @@
+"""The prefix cache through the HTTP layer on the fake model, whose arithmetic is exact: with and without the
+cache, the same greedy requests give the same text, and usage reports what the cache supplied."""
+
+from __future__ import annotations
+
+import openai
+
+SYSTEM = {"role": "system", "content": "abcdefghijklmnopqrstuvwxyz"}
+
+
+def conversation(client: openai.OpenAI, turns: list[str]) -> list[tuple[str, int]]:
+    messages, out = [SYSTEM], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        r = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6, temperature=0)
+        out.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return out
+
+
+def test_greedy_answers_do_not_depend_on_the_cache(fake_server_factory):
+    runs = {}
+    for cache in (False, True):
+        server = fake_server_factory(prefix_cache=cache, num_slots=2, kv_cells=400, context_window=200)
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+        turns = ["hello", "more", "again"]
+        runs[cache] = conversation(client, turns) + conversation(client, turns)
+    assert [t for t, _ in runs[True]] == [t for t, _ in runs[False]]
+    assert [c for _, c in runs[False]] == [0] * 6
+    hits = [c for _, c in runs[True]]
+    assert hits[0] == 0 and all(c > 0 for c in hits[1:]), "later turns and the repeated conversation were cached"
+
+
+def test_completions_report_cached_tokens(fake_server_factory):
+    server = fake_server_factory(prefix_cache=True)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+    prompt = "abcdefghijklmnop"
+    first = client.completions.create(model="fake-model", prompt=prompt, max_tokens=3, temperature=0)
+    second = client.completions.create(model="fake-model", prompt=prompt, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details is None or first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].text == first.choices[0].text
