@@ -60,6 +60,10 @@ class PrefixCache:
         self._clock += 1
         return self._clock
 
+    def peek(self, tokens: tuple[int, ...] | list[int], limit: int) -> int:
+        """How many leading tokens of `tokens` (at most `limit`) the cache could give; touches nothing."""
+        return max((common_prefix(e.tokens, tokens, limit) for e in self.entries), default=0)
+
     def lookup(self, tokens: list[int], limit: int) -> tuple[CacheEntry | None, int]:
         """The entry sharing the longest prefix with `tokens` (at most `limit` tokens), and that length."""
         best, best_n = None, 0

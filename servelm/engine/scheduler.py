@@ -20,9 +20,10 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from servelm.engine.prefix_cache import PrefixCache
+from servelm.engine.prefix_cache import PrefixCache, common_prefix
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 
+DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
 
 
@@ -198,8 +199,11 @@ class Scheduler:
                     plan.chunks.append(self._chunk(seq, take))
                     budget -= take
                     free_cells -= take
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        for group in list(self.waiting):
+            if budget <= 0:
+                break
+            if self._waits_for_prefix(group):
+                continue  # a running request is reading the prompt this one begins with: reuse it, soon
             need = self._admission_cells(group)
             if need > free_cells and need <= free_cells + self.kv_cells_cached:
                 while need > free_cells:
@@ -209,7 +213,7 @@ class Scheduler:
                     free_cells += used - self.kv_cells_used
             if len(group.live) > len(self.free_slots) or need > free_cells:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(group)
             self._admit(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
@@ -268,8 +272,7 @@ class Scheduler:
 
     # -- the prefix cache -------------------------------------------------------------------------
     def _reuse_prefix(self, seq: Sequence) -> None:
-        params = seq.group.params
-        if self.cache is None or params.seed is not None or params.prompt_logprobs is not None or seq.num_computed:
+        if not self._reads_cache(seq.group) or seq.num_computed:
             return
         entry, n = self.cache.lookup(seq.token_ids, len(seq.token_ids) - 1)  # the last one is read for its logits
         if entry is None:
@@ -278,6 +281,24 @@ class Scheduler:
         seq.num_computed = seq.cached = n
         seq.source = entry
         seq.group.cached_tokens = n
+
+    def _reads_cache(self, group: SequenceGroup) -> bool:
+        return self.cache is not None and group.params.seed is None and group.params.prompt_logprobs is None
+
+    def _waits_for_prefix(self, group: SequenceGroup) -> bool:
+        """Whether a running request still reading its prompt shares at least DEFER_PREFIX more leading tokens
+        with this group's prompt than the cache holds: once that prompt is read and kept, this group reads only
+        the rest (four requests arriving together with one long system prompt read it once, not four times)."""
+        if not self._reads_cache(group) or group.forked or group.seqs[0].num_computed:
+            return False
+        prompt = group.prompt_token_ids
+        held = self.cache.peek(prompt, len(prompt) - 1)  # type: ignore[union-attr]
+        for other in self.running:
+            first = other.seqs[0]
+            if first.num_computed < other.prompt_len and self._reads_cache(other):
+                if common_prefix(other.prompt_token_ids, prompt, len(prompt) - 1) >= held + DEFER_PREFIX:
+                    return True
+        return False
 
     def _remember(self, seq: Sequence, length: int) -> None:
         """Keep the sequence's first `length` cells (its prompt, or its whole turn) in the prefix cache."""

@@ -159,3 +159,22 @@ def test_cells_are_never_undercounted_under_random_traffic():
                     s.finish(seq)
         hits += sum(g.cached_tokens > 0 for g in s.running)
     assert hits > 0, "the traffic did reuse cached prefixes"
+
+
+def test_requests_arriving_together_with_one_long_prefix_read_it_once():
+    s = Scheduler(num_slots=4, kv_cells=2000, max_step_tokens=64, prefix_cache=True)
+    system = list(range(100, 300))
+    groups = [ask(s, f"r{k}", [*system, k + 1, k + 2], max_tokens=4) for k in range(4)]
+    read = 0
+    for _ in range(12):
+        read += sum(len(c.tokens) for c in run_step(s).chunks if c.start < c.seq.prompt_len)
+    assert [g.cached_tokens for g in groups] == [0, 200, 200, 200]
+    assert read == 202 + 3 * 2, "the shared 200 tokens were read once"
+
+
+def test_a_request_does_not_wait_for_a_prefix_too_short_to_matter():
+    s = Scheduler(num_slots=4, kv_cells=2000, max_step_tokens=256, prefix_cache=True)
+    a = ask(s, "a", [*range(100, 130), *range(1, 100)], max_tokens=4)
+    b = ask(s, "b", [*range(100, 130), *range(200, 240)], max_tokens=4)
+    plan = run_step(s)
+    assert {c.seq.group for c in plan.chunks} == {a, b}, "30 shared tokens are not worth a wait"
