@@ -42,6 +42,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         else:
             p.add_argument(flag, dest=dest, default=None, type=int, metavar="N", help=_help(field))
     p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")
+    p.add_argument("--ray", action="store_true", help="run on Ray Serve (pip install 'servelm[ray]'): each "
+                   "deployment's replicas (num_replicas, min_replicas/max_replicas in --config) on a Ray cluster, "
+                   "with prefix-affine routing")
+    p.add_argument("--ray-address", default=None, help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, "
+                   "else a local Ray instance started for this server)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -57,7 +62,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(**top, engine=EngineSettings(**eng))
 
 
-def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
+def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = False,
+          ray_address: str | None = None) -> None:
     from servelm.compose import build, default_specs
     from servelm.http.app import create_app
     from servelm.http.auth import load_keys
@@ -69,6 +75,8 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
         config = load_config_file(settings.config) if settings.config else None
         keys = load_keys(settings, config.keys if config else [])  # hashed here: the keys themselves go no further
         specs = config.deployments if config and config.deployments else default_specs(settings)
+        if ray:
+            return _serve_on_ray(settings, specs, config.endpoints if config else [], keys, verbose_llama, ray_address)
         built = build(specs, config.endpoints if config else [], verbose_llama)
     except (ValueError, OSError, RuntimeError) as exc:  # a bad file, a missing model: say which, no traceback
         raise SystemExit(f"servelm: {exc}") from None
@@ -83,6 +91,19 @@ def serve(settings: ServerSettings, verbose_llama: bool = False) -> None:
         built.close()
 
 
+def _serve_on_ray(settings: ServerSettings, specs: list, endpoints: list, keys: list, verbose_llama: bool,
+                  address: str | None) -> None:
+    from servelm.http.limits import SecurityConfig
+
+    try:
+        from servelm.ray.application import build_application, serve_on_ray
+    except ImportError as exc:
+        raise SystemExit(f"servelm: --ray needs Ray Serve (pip install 'servelm[ray]'): {exc}") from None
+    app = build_application(specs, endpoints, SecurityConfig.from_settings(settings, keys), verbose_llama=verbose_llama,
+                            log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout)
+    serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="servelm", description="An OpenAI-compatible LLM server over llama.cpp.")
     parser.add_argument("--version", action="version", version=f"servelm {__version__}")
@@ -90,14 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        verbose = args.verbose_llama
-        del args.verbose_llama
+        verbose, ray, ray_address = args.verbose_llama, args.ray, args.ray_address
+        del args.verbose_llama, args.ray, args.ray_address
         try:
             settings = settings_from_args(args)
         except Exception as exc:  # pydantic's message names the setting
             print(f"servelm: invalid setting: {exc}", file=sys.stderr)
             return 2
-        serve(settings, verbose)
+        serve(settings, verbose, ray, ray_address)
     return 0
 
 

@@ -1,5 +1,6 @@
 """From deployment specs to running parts: each chat deployment gets a llama.cpp runner, a LocalEngine and
-(optionally) an embedding context on the same weights; each embedding deployment gets an EmbeddingEngine.
+(optionally) an embedding context on the same weights; each embedding deployment gets an EmbeddingEngine; a
+chat deployment with `engine = "vllm"` gets a VllmEngine on a GPU (vLLM is imported only then).
 
 The specs come from the config file (`--config`), or, without one, from the command line's single model and
 the embedded embedding model (`default_specs`).
@@ -29,15 +30,17 @@ def build_deployment(
     prefix_cache: bool = False,
     prefix_cache_cells: int | None = None,
     chat_template: str | None = None,
+    engine: object | None = None,
 ) -> tuple[Deployment, object]:
-    """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started)."""
+    """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
+    `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
     from servelm.chat.template import ChatTemplate
     from servelm.chat.tools import detect_style
     from servelm.constrain.grammars import Grammars
     from servelm.engine.local import LocalEngine
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text)
-    engine = LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache,
+    engine = engine or LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache,
                          prefix_cache_cells=prefix_cache_cells, grammars=grammars)
     bos = runner.bos_token
     template_source = chat_template or runner.chat_template
@@ -134,7 +137,9 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
     runners: list[Any] = []
     try:
         for spec in specs:
-            if spec.kind == "chat":
+            if spec.kind == "chat" and spec.backend == "vllm":
+                _build_vllm(spec, deployments, built.workers)
+            elif spec.kind == "chat":
                 _build_chat(spec, verbose_llama, deployments, built.workers, embedders, runners)
             else:
                 _build_embedding(spec, verbose_llama, deployments, built.workers, embedders)
@@ -176,6 +181,41 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers:
         embedders.append(ctx)
         deployment.embedder = EmbeddingEngine(ctx)
         workers.append(deployment.embedder)
+    deployments.append(deployment)
+
+
+def _build_vllm(spec: DeploymentSpec, deployments: list, workers: list) -> None:
+    """A chat deployment on vLLM (a GPU): vLLM's engine, servelm's API. servelm's grammars do not run there, so
+    the deployment has none (constrained output and tools are a 400), and it answers no embeddings."""
+    from servelm.chat.template import ChatTemplate
+    from servelm.chat.tools import detect_style
+    from servelm.config import VllmSettings
+    from servelm.engine.vllm import VllmEngine, VllmOptions  # imports vllm itself only when it builds the engine
+
+    v = spec.vllm or VllmSettings()
+    options = VllmOptions(model=v.model or spec.model, tensor_parallel_size=v.tensor_parallel_size,
+                          gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+                          dtype=v.dtype, extra=dict(v.engine_args))
+    log.info("loading %s into vLLM for %r", options.model, spec.name)
+    engine = VllmEngine.create(options)
+    tok = engine.tokenizer
+    deployment = Deployment(
+        name=spec.name,
+        engine=engine,
+        template=ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token),
+        tokenize=tok.tokenize,
+        context_window=engine.context_window,
+        vocab_size=engine.vocab_size,
+        max_choices=engine.max_num_seqs,
+        fingerprint=_fingerprint(f"vllm:{options.model}"),
+        tool_style=detect_style(tok.chat_template),
+        special_id=tok.special_id,
+        token_bytes=tok.token_bytes,
+        tokenize_bare=tok.tokenize_bare,
+        check_params=engine.check_params,
+    )
+    deployment.max_waiting = spec.limits.max_waiting
+    workers.append(engine)
     deployments.append(deployment)
 
 

@@ -156,6 +156,31 @@ class DeploymentLimits(BaseModel):
     )
 
 
+class VllmSettings(BaseModel):
+    """A vLLM deployment's engine (`engine = "vllm"`; needs `pip install servelm[vllm]` and a CUDA GPU)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="the Hugging Face repo id or local model directory vLLM loads "
+                              "(default: the deployment's `model`)")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is split over (tensor parallelism)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of each GPU's memory vLLM may take "
+                                          "(weights, activations and its KV cache)")
+    max_model_len: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the "
+                                      "model's)")
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="any other vLLM AsyncEngineArgs field by "
+                                        "its name (max_num_seqs, enable_prefix_caching, quantization, ...)")
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> VllmSettings:
+        named = {"model", "tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "dtype"}
+        repeated = sorted(named & set(self.engine_args))
+        if repeated:
+            raise ValueError(f"engine_args repeats {', '.join(repeated)}: set it in the vllm table itself")
+        return self
+
+
 class DeploymentSpec(BaseModel):
     """One model the server runs. `model` is an embedded model's name (smollm2-135m-instruct,
     all-minilm-l6-v2), a GGUF file's path, or a Hugging Face repo id `org/repo[:file.gguf]` (needs
@@ -171,6 +196,51 @@ class DeploymentSpec(BaseModel):
     embedding_window: int = Field(256, ge=0, description="a chat model's /v1/embeddings window (0: none)")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: DeploymentLimits = Field(default_factory=DeploymentLimits)
+    # -- replicas under `servelm serve --ray` (servelm/ray/); one process serves one engine per deployment --
+    num_replicas: int | None = Field(None, ge=1, description="replicas, each with its own engine (default 1)")
+    min_replicas: int | None = Field(None, ge=0, description="autoscaling: fewest replicas (default 1)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscaling: most replicas (scales on requests in "
+                                     "flight per replica, aiming at max_num_seqs each)")
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> DeploymentSpec:
+        autoscaled = self.min_replicas is not None or self.max_replicas is not None
+        if self.num_replicas is not None and autoscaled:
+            raise ValueError(f"deployment {self.name!r}: give either num_replicas or min_replicas/max_replicas "
+                             "(autoscaling), not both")
+        if self.min_replicas is not None and self.max_replicas is None:
+            raise ValueError(f"deployment {self.name!r}: min_replicas needs max_replicas (the autoscaling bound)")
+        if autoscaled and (self.min_replicas or 1) > self.max_replicas:  # type: ignore[operator]
+            raise ValueError(f"deployment {self.name!r}: min_replicas ({self.min_replicas}) is above max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+    # -- which engine runs the model: servelm's own over llama.cpp, or vLLM on GPUs (servelm/engine/vllm.py) --
+    backend: Literal["llamacpp", "vllm"] = Field(
+        "llamacpp", description="the engine: llamacpp (GGUF, servelm's engine) or vllm (a GPU; the config may "
+        "say `engine = \"vllm\"`)",
+    )
+    vllm: VllmSettings | None = Field(None, description="the vLLM engine's settings (backend vllm only)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_names_backend(cls, data: Any) -> Any:
+        """`engine = "vllm"` (a name, not a table of llama.cpp settings) chooses the backend."""
+        if isinstance(data, dict) and isinstance(data.get("engine"), str):
+            data = dict(data)
+            name = data.pop("engine")
+            if data.get("backend", name) != name:
+                raise ValueError(f"engine = {name!r} and backend = {data['backend']!r} disagree")
+            data["backend"] = name
+        return data
+
+    @model_validator(mode="after")
+    def _backend_fits(self) -> DeploymentSpec:
+        if self.backend == "vllm" and self.kind != "chat":
+            raise ValueError(f"deployment {self.name!r}: the vllm engine serves chat models only")
+        if self.vllm is not None and self.backend != "vllm":
+            raise ValueError(f"deployment {self.name!r}: a vllm table needs engine = \"vllm\"")
+        return self
 
 
 class EndpointRoute(BaseModel):

@@ -63,3 +63,9 @@ def test_leaves_import_nothing_of_servelm():
     for leaf in ("servelm.errors", "servelm.config", "servelm.metrics", "servelm.engine.types"):
         path = ROOT.parent / (leaf.replace(".", "/") + ".py")
         assert not [i for i in imports_of(path) if starts(i, "servelm")], leaf
+
+
+def test_only_servelm_ray_imports_ray():
+    """Ray is an optional extra: the core imports it nowhere (__main__ reaches servelm.ray only for --ray)."""
+    bad = [m for m, p in modules() if not starts(m, "servelm.ray") and any(starts(i, "ray") for i in imports_of(p))]
+    assert not bad

@@ -10,6 +10,7 @@ from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
+from servelm.engine.types import SamplingParams
 from servelm.errors import InvalidParameter, ModelNotFound
 
 
@@ -33,6 +34,9 @@ class Deployment:
     created: int = field(default_factory=lambda: int(time.time()))
     embedder: Embedder | None = None  # serves POST /v1/embeddings
     max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)
+    # raises InvalidParameter for sampling parameters its engine cannot take (vLLM: beam search); called while a
+    # request is prepared, so it is a 400 before any stream starts
+    check_params: Callable[[SamplingParams], None] | None = None
 
 
 class Deployments:

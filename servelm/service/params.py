@@ -48,7 +48,7 @@ def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep:
     for t in req.stop_token_ids or ():
         if t >= dep.vocab_size:
             raise InvalidParameter(f"stop_token_ids has {t}, outside the vocabulary (0..{dep.vocab_size - 1}).", "stop_token_ids")
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -71,6 +71,9 @@ def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep:
         prompt_logprobs=ep.prompt_logprobs,
         beam=beam,
     )
+    if dep.check_params is not None:  # what this deployment's engine cannot do (a vLLM one: beam search)
+        dep.check_params(params)
+    return params
 
 
 def _beam(req: GenerationFields, width: int, ep: EndpointParams) -> BeamParams | None:

@@ -1,0 +1,106 @@
+"""The ingress: one Ray Serve deployment that runs servelm's own ASGI app (servelm.http.app.create_app), so
+every route, stream, error, key, limit and metric is the one a single-process server has. Its deployments'
+engines are RemoteEngines: generation runs on the model deployments' replicas.
+
+Prompts are rendered and tokenized here, in the ingress, on a tokenizer-only copy of each model (llama.cpp
+loads the GGUF's vocabulary and metadata without its weights: tens of MB, whatever the model's size). So
+the service layer runs unchanged, a request's 4xx (unknown model, a prompt too long, a bad schema) is
+answered without a replica, grammars for constrained output are compiled once here, and the router sees
+the prompt's token ids, which prefix-affine routing needs. What only a replica knows (its context window,
+sequence slots, fingerprint, embedding width) is asked of one replica at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+
+from servelm.config import DeploymentSpec, resolve_model_source
+from servelm.http.limits import SecurityConfig
+from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaSet
+from servelm.ray.replica import ReplicaInfo
+from servelm.ray.served_by import ReplicaHeader
+from servelm.service.deployments import Deployment, Deployments
+
+log = logging.getLogger("servelm.ray")
+
+
+@dataclass(frozen=True)
+class IngressPlan:
+    """What the ingress needs, sent to it by value (the keys in `security` are SHA-256 digests only)."""
+
+    specs: list[dict]  # DeploymentSpec, as JSON-ready dicts
+    aliases: dict[str, str] = field(default_factory=dict)
+    endpoints: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    log_level: str = "info"
+
+
+class Ingress:
+    async def __init__(self, plan: IngressPlan, handles: dict[str, Any]) -> None:
+        logging.basicConfig(level=plan.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._plan = plan
+        self._sets: list[ReplicaSet] = []
+        self._runners: list[Any] = []  # tokenizer-only llama.cpp models, closed at shutdown
+        deployments = []
+        for raw in plan.specs:
+            spec = DeploymentSpec.model_validate(raw)
+            handle = handles[spec.name]
+            replicas = ReplicaSet(spec.name, handle, spec.engine.max_num_seqs)
+            info: ReplicaInfo = await handle.describe.remote()  # waits for the first replica to be up
+            deployment = await asyncio.to_thread(self._deployment, spec, replicas, info)
+            deployment.max_waiting = spec.limits.max_waiting
+            deployments.append(deployment)
+            self._sets.append(replicas)
+        self._deployments = Deployments(deployments, aliases=plan.aliases, endpoints=plan.endpoints)
+        log.info("ingress ready for %s", ", ".join(repr(d.name) for d in deployments))
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from servelm.http.app import create_app
+
+        app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security)
+        return ReplicaHeader(app)
+
+    def _start(self) -> None:
+        for s in self._sets:
+            s.start()
+
+    def _stop(self) -> None:
+        for s in self._sets:
+            s.stop()
+        for r in self._runners:
+            r.close()
+        self._runners = []
+
+    def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo) -> Deployment:
+        from servelm.compose import build_deployment
+        from servelm.runners.llamacpp import LlamaCppRunner
+
+        path = resolve_model_source(spec.model, spec.kind)
+        runner = LlamaCppRunner(path, num_slots=spec.engine.max_num_seqs, kv_cells=spec.engine.kv_cells,
+                                vocab_only=True)
+        self._runners.append(runner)
+
+        def tokenize_input(text: str) -> list[int]:  # an embedding input: the model's own special tokens, none parsed
+            return runner.tokenize(text, add_special=True, parse_special=False)
+
+        embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input) if info.embedding else None
+        if spec.kind == "embedding":
+            assert embedder is not None and info.embedding is not None  # an embedding replica always has one
+            return Deployment(name=spec.name, engine=None, template=None, tokenize=tokenize_input,
+                              context_window=info.context_window, vocab_size=info.embedding.vocab_size,
+                              max_choices=0, fingerprint=info.fingerprint, embedder=embedder)
+        template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
+        deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas))
+        deployment.context_window = info.context_window  # the replicas' (their KV cache bounds it)
+        deployment.max_choices = info.max_choices
+        deployment.fingerprint = info.fingerprint
+        deployment.embedder = embedder
+        return deployment
+
+
+IngressDeployment = serve.ingress()(Ingress)

@@ -1,0 +1,179 @@
+"""The ingress's side of a model deployment: an Engine and an Embedder whose work runs on the deployment's
+replicas, reached through a Ray Serve DeploymentHandle (its router picks the replica: servelm/ray/router.py).
+
+The service and http layers see an ordinary Engine (generate / abort / stats, plus alive and admit as
+LocalEngine has them), so every route, stream, error, limit and metric works as in a single process.
+
+Faults: when the replica serving a request dies (ray.kill, a crash, its node lost), Ray Serve replaces it.
+A request that had not received any output yet is sent again (to another replica: Ray Serve's router drops
+the dead one at once); one that had is answered 503 `replica_unavailable` (a stream ends with that error
+event), since a partial answer cannot be resumed elsewhere. Nothing else is affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+
+from servelm.engine.embedding import EmbeddingStats
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
+from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
+from servelm.ray.replica import EmbeddingInfo, ReplicaStats
+from servelm.ray.served_by import note_replica
+
+log = logging.getLogger("servelm.ray")
+
+ATTEMPTS = 3  # tries of a request no output of which has been seen, each on a live replica
+STATS_PERIOD_S = 1.0  # how often the ingress asks every replica for its counts (/health, /metrics, admit)
+_LOST = (RayActorError, ReplicaUnavailableError)
+
+
+class ReplicaSet:
+    """A deployment's replicas as the ingress sees them: the handle, and their counts, polled in the background
+    (stats() must answer at once: /health and /metrics read it on the event loop)."""
+
+    def __init__(self, name: str, handle: Any, slots_per_replica: int) -> None:
+        self.name = name
+        self.handle = handle
+        self.slots_per_replica = slots_per_replica
+        self.latest: list[ReplicaStats] = []
+        self.polled = False
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                answers = await self.handle.broadcast("stats").results_async(timeout_s=5, return_exceptions=True)
+                self.latest = [a for a in answers if isinstance(a, ReplicaStats)]
+                self.polled = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the controller restarting, a replica starting
+                log.debug("stats of %r: %s", self.name, exc)
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    @property
+    def alive(self) -> bool:
+        """At least one replica answered the latest poll (before the first poll: still starting, so yes)."""
+        return bool(self.latest) or not self.polled
+
+
+def _sum(items: list[Any], kind: type) -> Any:
+    """Every replica's counts added up, field by field (all zero without replicas)."""
+    return kind(**{f.name: sum(getattr(i, f.name) for i in items) for f in fields(kind)})
+
+
+class RemoteEngine:
+    """Engine over a deployment's replicas (Ray Serve streams GenerationOutput lists from ModelReplica.generate)."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+        self._stream = replicas.handle.options(stream=True, method_name="generate")
+        self._streams: dict[str, Any] = {}  # request id → its response stream, for abort()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        seen = False
+        for attempt in range(1, ATTEMPTS + 1):
+            stream = self._stream.remote(request)
+            self._streams[request.request_id] = stream
+            try:
+                async for item in stream:
+                    if isinstance(item, str):
+                        note_replica(item)
+                        continue
+                    for out in item:
+                        seen = True
+                        yield out
+                return
+            except _LOST as exc:
+                if seen:
+                    raise ServiceUnavailable(
+                        f"The replica of `{self.replicas.name}` serving this request stopped before it finished; "
+                        "the answer is incomplete. Retry the request.", code="replica_unavailable") from None
+                log.warning("request %s lost its replica before any output (%s); try %d of %d",
+                            request.request_id, type(exc).__name__, attempt, ATTEMPTS)
+            except RayTaskError as exc:  # the replica raised: the engine's own error (an ApiError: its status)
+                raise _cause(exc) from None
+            except BackPressureError:
+                raise QueueFull(len(self._streams)) from None
+            finally:
+                stream.cancel()  # a closed generator (the client went away): the replica aborts the request
+                self._streams.pop(request.request_id, None)
+        raise ServiceUnavailable(f"No replica of `{self.replicas.name}` could serve the request ({ATTEMPTS} tries); "
+                                 "retry later.", code="replica_unavailable")
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
+
+    def stats(self) -> EngineStats:
+        return _sum([s.engine for s in self.replicas.latest if s.engine is not None], EngineStats)
+
+    @property
+    def alive(self) -> bool:
+        return self.replicas.alive
+
+    def admit(self, max_waiting: int | None) -> None:
+        """429 queue_full when `max_waiting` requests of this ingress already wait beyond what the replicas'
+        sequence slots take (0 or None: no bound)."""
+        if max_waiting:
+            slots = max(1, len(self.replicas.latest)) * self.replicas.slots_per_replica
+            waiting = len(self._streams) - slots
+            if waiting >= max_waiting:
+                raise QueueFull(waiting)
+
+
+class RemoteEmbedder:
+    """Embedder over a deployment's replicas; inputs are tokenized in the ingress (by `tokenize`)."""
+
+    def __init__(self, replicas: ReplicaSet, info: EmbeddingInfo, tokenize: Any) -> None:
+        self.replicas = replicas
+        self.dim = info.dim
+        self.vocab_size = info.vocab_size
+        self.context_window = info.context_window
+        self.tokenize = tokenize
+        self._embed = replicas.handle.options(method_name="embed")
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return await self._embed.remote(inputs)
+            except _LOST as exc:
+                log.warning("an embedding request lost its replica (%s); try %d of %d", type(exc).__name__,
+                            attempt, ATTEMPTS)
+            except RayTaskError as exc:
+                raise _cause(exc) from None
+        raise ServiceUnavailable(f"No replica of `{self.replicas.name}` could compute the embeddings; retry later.",
+                                 code="replica_unavailable")
+
+    def stats(self) -> EmbeddingStats:
+        return _sum([s.embedder for s in self.replicas.latest if s.embedder is not None], EmbeddingStats)
+
+    @property
+    def alive(self) -> bool:
+        return self.replicas.alive
+
+
+def _cause(exc: RayTaskError) -> BaseException:
+    """The exception a replica raised, as the ingress should raise it (an ApiError keeps its status)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ApiError):
+        return cause
+    return ServerError(f"The model replica failed: {cause if cause is not None else exc}")

@@ -1,0 +1,154 @@
+"""RemoteEngine and the replica header without a cluster: a stand-in handle whose streams lose their replica
+where a test says, and a tiny ASGI app."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams
+from servelm.errors import QueueFull, ServiceUnavailable
+from servelm.ray.served_by import REPLICA_HEADER, SERVED_BY, ReplicaHeader, ServedBy
+
+pytestmark = pytest.mark.ray
+REQUEST = GenerationRequest("req-1", (1, 2, 3), SamplingParams(max_tokens=2))
+
+
+def out(text: str, last: bool = False) -> GenerationOutput:
+    return GenerationOutput("req-1", 0, text, [7], finish_reason=FinishReason.LENGTH if last else None)
+
+
+class FakeStream:
+    """A replica's stream: its id, then output lists; `die_after` items in, the replica is gone."""
+
+    def __init__(self, replica: str, items: list, die_after: int | None) -> None:
+        self.items = [replica, *items]
+        self.die_after = die_after
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator:
+        from ray.exceptions import ActorDiedError
+
+        for n, item in enumerate(self.items):
+            if self.die_after is not None and n >= self.die_after:
+                raise ActorDiedError()
+            yield item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeHandle:
+    """Hands out the scripted streams in order, one per call."""
+
+    def __init__(self, streams: list[FakeStream]) -> None:
+        self.streams = streams
+        self.calls = 0
+
+    def options(self, **_: Any) -> FakeHandle:
+        return self
+
+    def remote(self, _request: Any) -> FakeStream:
+        self.calls += 1
+        return self.streams[self.calls - 1]
+
+
+def engine(*streams: FakeStream):
+    from servelm.ray.remote import RemoteEngine, ReplicaSet
+
+    return RemoteEngine(ReplicaSet("model", FakeHandle(list(streams)), slots_per_replica=2))
+
+
+async def collect(eng) -> tuple[list[str], list[str]]:
+    served = ServedBy()
+    SERVED_BY.set(served)
+    texts = [o.text async for o in eng.generate(REQUEST)]
+    return texts, served.replicas
+
+
+async def test_a_request_lost_before_any_output_is_sent_again() -> None:
+    first = FakeStream("a", [[out("x")]], die_after=1)  # the id came, then the replica died
+    second = FakeStream("b", [[out("he")], [out("llo", last=True)]], die_after=None)
+    texts, replicas = await collect(engine(first, second))
+    assert texts == ["he", "llo"] and replicas == ["a", "b"]
+    assert first.cancelled and second.cancelled  # each stream closed (a no-op for one that ended)
+
+
+async def test_a_request_lost_after_output_is_a_503() -> None:
+    eng = engine(FakeStream("a", [[out("x")], [out("y")]], die_after=2))
+    with pytest.raises(ServiceUnavailable) as caught:
+        await collect(eng)
+    assert caught.value.status == 503 and caught.value.code == "replica_unavailable"
+
+
+async def test_every_try_lost_is_a_503() -> None:
+    eng = engine(*(FakeStream(r, [[out("x")]], die_after=0) for r in "abc"))
+    with pytest.raises(ServiceUnavailable):
+        await collect(eng)
+
+
+async def test_the_replicas_own_error_keeps_its_status() -> None:
+    from ray.exceptions import RayTaskError
+
+    class Failing(FakeStream):
+        async def _run(self) -> AsyncIterator:
+            yield "a"
+            raise RayTaskError("generate", "traceback", QueueFull(3))
+
+    with pytest.raises(QueueFull):
+        await collect(engine(Failing("a", [], None)))
+
+
+def test_stats_add_up_and_admit_counts_slots() -> None:
+    from servelm.ray.replica import ReplicaStats
+
+    eng = engine()
+    one = EngineStats(1, 2, 10, 5, 100, 1, 2)
+    eng.replicas.latest = [ReplicaStats("a", one, None), ReplicaStats("b", one, None)]
+    assert (eng.stats().running, eng.stats().waiting, eng.stats().total_slots) == (2, 4, 4)
+    eng._streams = {str(i): None for i in range(6)}  # 6 in flight, 4 slots: 2 wait
+    eng.admit(3)
+    with pytest.raises(QueueFull):
+        eng.admit(2)
+
+
+async def run_app(app) -> list[dict]:
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    await ReplicaHeader(app)({"type": "http", "path": "/"}, receive, send)
+    return sent
+
+
+async def test_a_stream_waits_for_its_replica_before_its_headers() -> None:
+    from servelm.ray.served_by import note_replica
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"role", "more_body": True})
+        note_replica("r1")
+        await send({"type": "http.response.body", "body": b"token", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    sent = await run_app(app)
+    assert [m["type"] for m in sent] == ["http.response.start"] + ["http.response.body"] * 3
+    assert (REPLICA_HEADER.encode(), b"r1") in sent[0]["headers"]
+
+
+async def test_an_answer_without_a_replica_goes_out_unchanged() -> None:
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"a", b"b")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    sent = await run_app(app)
+    assert sent[0]["headers"] == [(b"a", b"b")] and sent[1]["body"] == b"{}"

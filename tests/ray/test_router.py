@@ -1,0 +1,115 @@
+"""The PrefixAffinityRouter's policy without a cluster: replicas are stand-ins with a queue length each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+@dataclass
+class FakeReplica:
+    """What the router reads of Ray Serve's RunningReplica."""
+
+    replica_id: object
+    queue_len: int = 0
+    max_ongoing_requests: int = 16
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.queue_len
+
+
+def make_router(**state):
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from servelm.ray.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter(DeploymentID("model", "app"), DeploymentHandleSource.UNKNOWN,
+                                  use_replica_queue_len_cache=True)
+    router.initialize_state(block_tokens=4, **state)
+    return router
+
+
+def replicas(*loads: int) -> list[FakeReplica]:
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    return [FakeReplica(ReplicaID(f"r{i}", DeploymentID("model", "app")), n) for i, n in enumerate(loads)]
+
+
+def pending(prompt: list[int], method: str = "generate"):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from servelm.engine.types import GenerationRequest, SamplingParams
+
+    request = GenerationRequest("req", tuple(prompt), SamplingParams(max_tokens=4))
+    return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata("id", "internal", call_method=method))
+
+
+def with_loads(router, rs: list[FakeReplica]) -> None:
+    for r in rs:
+        router.replica_queue_len_cache.update(r.replica_id, r.queue_len)
+
+
+async def routed(router, rs: list[FakeReplica], prompt: list[int]) -> list[list[str]]:
+    with_loads(router, rs)
+    ranks = await router.choose_replicas(rs, pending(prompt))
+    return [sorted(r.replica_id.unique_id for r in rank) for rank in ranks]
+
+
+CONVERSATION = list(range(100, 164))  # 16 blocks of 4
+
+
+async def test_a_new_prompt_goes_to_every_replica_so_the_least_loaded_wins() -> None:
+    router = make_router()
+    assert await routed(router, replicas(0, 3), CONVERSATION) == [["r0", "r1"]]
+
+
+async def test_a_known_prefix_goes_to_its_replica_first() -> None:
+    router = make_router()
+    rs = replicas(2, 0)
+    router.on_request_routed(pending(CONVERSATION[:40]), rs[0].replica_id, None)
+    assert await routed(router, rs, CONVERSATION) == [["r0"], ["r0", "r1"]]
+
+
+async def test_an_overloaded_holder_is_passed_over() -> None:
+    router = make_router(imbalance=4)
+    rs = replicas(9, 0)
+    router.on_request_routed(pending(CONVERSATION), rs[0].replica_id, None)
+    assert await routed(router, rs, CONVERSATION) == [["r0", "r1"]]
+
+
+async def test_a_short_shared_preamble_only_breaks_ties() -> None:
+    router = make_router(imbalance=4)
+    rs = replicas(1, 0)
+    router.on_request_routed(pending(CONVERSATION[:4]), rs[0].replica_id, None)  # 4 of 64 tokens in common
+    assert await routed(router, rs, CONVERSATION) == [["r0", "r1"]]
+    assert await routed(router, replicas(0, 0), CONVERSATION) == [["r0"], ["r0", "r1"]]
+
+
+async def test_other_methods_are_not_affine() -> None:
+    router = make_router()
+    rs = replicas(0, 0)
+    router.on_request_routed(pending(CONVERSATION), rs[0].replica_id, None)
+    with_loads(router, rs)
+    ranks = await router.choose_replicas(rs, pending(CONVERSATION, method="embed"))
+    assert [len(rank) for rank in ranks] == [2]
+
+
+async def test_a_dead_replica_is_forgotten() -> None:
+    router = make_router()
+    rs = replicas(0, 0)
+    router.on_request_routed(pending(CONVERSATION), rs[0].replica_id, None)
+    router.on_replica_actor_died(rs[0].replica_id)
+    assert await routed(router, rs[1:], CONVERSATION) == [["r1"]]
+    assert router._state().match(router._state().keys(CONVERSATION)) == []
+
+
+async def test_stale_loads_are_probed() -> None:
+    router = make_router(imbalance=4)
+    rs = replicas(9, 0)
+    router.on_request_routed(pending(CONVERSATION), rs[0].replica_id, None)
+    ranks = await router.choose_replicas(rs, pending(CONVERSATION))  # no cached counts: asked of the replicas
+    assert [len(rank) for rank in ranks] == [2]
