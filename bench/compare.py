@@ -36,7 +36,7 @@ from bench.loadgen import EmbeddingSpec, LevelResult, RequestSpec, build_prompt,
 
 RESULTS = servers.REPO / "bench" / "results"
 BASELINE = "llama-server"
-ALL_SERVERS = ("llama-server", "servelm", "llama-cpp-python")
+ALL_SERVERS = ("llama-server", "servelm", "llama-cpp-python", "servelm-ray")
 # SmolLM2's end tokens: <|endoftext|> and <|im_end|>. Banned so every request yields max_tokens.
 SMOLLM2_EOS = (0, 2)
 # Other work using this many cores or more (of the machine's) makes a measurement unfair: llama.cpp's
@@ -209,6 +209,11 @@ def build_spec(name: str, args: argparse.Namespace, model: Path, ctx: int, kind:
     if name == "servelm":
         return servers.servelm_spec(port, args.parallel, model, ctx, args.threads, args.servelm_arg,
                                     embedding_model=embedding_model if kind == EMBEDDING else None)
+    if name == "servelm-ray":
+        if kind == EMBEDDING:
+            raise SystemExit("servelm-ray runs the chat workloads only here")
+        return servers.servelm_ray_spec(port, args.parallel, model, ctx, args.threads, args.servelm_arg,
+                                        RESULTS / "ray-config")
     if name == "llama-cpp-python":
         if kind == EMBEDDING:
             raise SystemExit("llama-cpp-python runs no embedding workload here")

@@ -158,6 +158,22 @@ def servelm_spec(port: int, parallel: int, model: Path, ctx: int, threads: int,
                       model=MODEL_ID if embedding_model is None else EMBEDDING_MODEL_ID)
 
 
+def servelm_ray_spec(port: int, parallel: int, model: Path, ctx: int, threads: int, extra: list[str],
+                     config_dir: Path, replicas: int = 2) -> ServerSpec:
+    """`servelm serve --ray` on a local Ray instance: the chat model as `replicas` Ray Serve replicas that split
+    the threads, slots and KV cells of the single servelm process between them (the same cores in all)."""
+    share = max(1, replicas)
+    engine = {"threads": max(1, threads // share), "max_num_seqs": max(1, parallel // share),
+              "kv_cells": max(256, ctx // share)}
+    config = config_dir / "servelm-ray.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(
+        f'[[deployments]]\nname = "{MODEL_ID}"\nmodel = "{model}"\nembedding_window = 0\nnum_replicas = {replicas}\n'
+        "[deployments.engine]\n" + "".join(f"{k} = {v}\n" for k, v in engine.items()))
+    argv = [str(servelm_exe()), "serve", "--ray", "--host", "127.0.0.1", "--port", str(port), "--config", str(config)]
+    return ServerSpec("servelm-ray", argv + extra, port)
+
+
 def llama_cpp_python_spec(model: Path, port: int, ctx: int, threads: int, extra: list[str]) -> ServerSpec:
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(ctx), "--n_threads", str(threads),
