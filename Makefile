@@ -1,4 +1,4 @@
-.PHONY: install run test test-unit test-e2e bench clean
+.PHONY: install run test test-unit test-e2e test-ray-e2e bench clean
 
 install:
 	@bash scripts/install.sh
@@ -11,6 +11,10 @@ test: install
 
 test-unit: install
 	.venv/bin/python -m pytest -q -m "not e2e"
+
+# the end-to-end contract suite through `servelm serve --ray` (two replicas on a local two-node Ray cluster)
+test-ray-e2e: install
+	SERVELM_E2E_RAY=1 .venv/bin/python -m pytest -q tests/e2e
 
 bench: install
 	.venv/bin/python -m bench.compare

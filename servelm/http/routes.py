@@ -50,6 +50,9 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future | async
     try:
         done, _ = await asyncio.wait({work, watcher}, timeout=remaining(request.scope),
                                      return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server cancelled this request (Ray Serve does on a disconnect)
+        work.cancel()
+        raise
     finally:
         watcher.cancel()
     if work in done:

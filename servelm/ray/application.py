@@ -103,28 +103,49 @@ def serve_on_ray(app: Any, *, host: str, port: int, address: str | None = None) 
     """Run the application on Ray until SIGINT or SIGTERM: on the cluster at `address` (else RAY_ADDRESS; else
     a local Ray instance started here), HTTP on host:port through Ray Serve's proxy on the head node."""
     import ray
-    from ray import serve
 
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:  # a local instance inherits this process's environment: Ray Serve's faster data plane,
         os.environ.setdefault(THROUGHPUT_OPTIMIZED, "1")
         # and no 30 s hold at shutdown for a load balancer to let go of the ingress: there is none in front of it
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "0")
-    ray.init(address=address, ignore_reinit_error=True)
+    # "local": a new instance. None would join the latest cluster started on this machine (`ray start`, a test's
+    # Cluster), which the serve.shutdown() below would then stop as if it were ours
+    ray.init(address=address or "local", ignore_reinit_error=True)
     try:
-        serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
-        try:
-            serve.run(app, name=APP_NAME, route_prefix="/")
-        except RuntimeError as exc:  # Ray says which deployment failed; its status says why
-            raise RuntimeError(f"{exc} {_why_deployments_failed()}".strip()) from None
-        log.info("serving on Ray Serve at http://%s:%s (Ray cluster: %s)", host, port, address or "local")
-        _wait_for_signal()
+        with _StopSignals() as signals:  # from here: /health may answer before serve.run returns
+            try:
+                _start(app, host, port)
+                log.info("serving on Ray Serve at http://%s:%s (Ray cluster: %s)", host, port, address or "local")
+                signals.wait()
+            except _Stopped:
+                log.info("a signal came while the application was starting")
         log.info("stopping the servelm application")
-        serve.delete(APP_NAME)
-        if address is None:  # our own local instance: leave nothing behind
-            serve.shutdown()
+        _delete(own_instance=address is None)
     finally:
         ray.shutdown()
+
+
+def _start(app: Any, host: str, port: int) -> None:
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/")
+    except RuntimeError as exc:  # Ray says which deployment failed; its status says why
+        raise RuntimeError(f"{exc} {_why_deployments_failed()}".strip()) from None
+
+
+def _delete(own_instance: bool) -> None:
+    """Delete the application (its replicas drain for shutdown_timeout); stop Serve too on our own instance."""
+    from ray import serve
+
+    try:
+        serve.delete(APP_NAME)
+        if own_instance:  # leave nothing behind
+            serve.shutdown()
+    except Exception as exc:  # noqa: BLE001 - stopped before Serve was up: nothing of ours to delete
+        log.warning("could not delete the servelm application: %s", exc)
 
 
 def _why_deployments_failed() -> str:
@@ -143,12 +164,32 @@ def _why_deployments_failed() -> str:
     return "; ".join(reasons)
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(1.0):
+class _Stopped(BaseException):
+    """A signal while the application starts (a BaseException, which Ray's own code does not catch)."""
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM stop the server from the start: while it starts they interrupt the start (the ingress
+    may already answer /health, so the application has to be deleted, not left behind); once it serves, wait()
+    returns. A second signal after that gets the previous handler (Ray's: exit at once)."""
+
+    def __enter__(self) -> _StopSignals:
+        self._stop = threading.Event()
+        self._interrupt = True  # raise _Stopped at the next signal (once: a start is interrupted once)
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _on_signal(self, *_: Any) -> None:
+        self._stop.set()
+        if self._interrupt:
+            self._interrupt = False
+            raise _Stopped
+
+    def wait(self) -> None:
+        self._interrupt = False
+        while not self._stop.wait(1.0):
             pass
-    finally:
-        for sig, handler in previous.items():
+
+    def __exit__(self, *_: Any) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)

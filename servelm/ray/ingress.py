@@ -63,7 +63,7 @@ class Ingress:
         from servelm.http.app import create_app
 
         app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security)
-        return ReplicaHeader(app)
+        return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:
         for s in self._sets:
@@ -101,6 +101,23 @@ class Ingress:
         deployment.fingerprint = info.fingerprint
         deployment.embedder = embedder
         return deployment
+
+
+class FreshStats:
+    """GET /health and /metrics ask every replica for its counts before they answer (pure ASGI), so they say
+    what a single process would say at that moment, not what the once-a-second poll last saw."""
+
+    PATHS = ("/health", "/metrics")
+    TIMEOUT_S = 2.0  # replicas slower than this to answer: the counts last polled are kept
+
+    def __init__(self, app: Any, sets: list[ReplicaSet]) -> None:
+        self.app = app
+        self.sets = sets
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "GET" and scope.get("path") in self.PATHS:
+            await asyncio.gather(*(s.refresh(self.TIMEOUT_S) for s in self.sets))
+        await self.app(scope, receive, send)
 
 
 IngressDeployment = serve.ingress()(Ingress)

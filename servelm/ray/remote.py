@@ -13,20 +13,22 @@ event), since a partial answer cannot be resumed elsewhere. Nothing else is affe
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from typing import Any
 
 import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError, RequestCancelledError
 
 from servelm.engine.embedding import EmbeddingStats
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
 from servelm.ray.replica import EmbeddingInfo, ReplicaStats
-from servelm.ray.served_by import note_replica
+from servelm.ray.served_by import end_call, note_call, note_replica
 
 log = logging.getLogger("servelm.ray")
 
@@ -58,15 +60,20 @@ class ReplicaSet:
 
     async def _poll(self) -> None:
         while True:
-            try:
-                answers = await self.handle.broadcast("stats").results_async(timeout_s=5, return_exceptions=True)
-                self.latest = [a for a in answers if isinstance(a, ReplicaStats)]
-                self.polled = True
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the controller restarting, a replica starting
-                log.debug("stats of %r: %s", self.name, exc)
+            await self.refresh()
             await asyncio.sleep(STATS_PERIOD_S)
+
+    async def refresh(self, timeout_s: float = 5.0) -> None:
+        """Ask every replica for its counts now (the poll does it each second; /health and /metrics on every
+        read, so that they say what a single process would at that moment)."""
+        try:
+            answers = await self.handle.broadcast("stats").results_async(timeout_s=timeout_s, return_exceptions=True)
+            self.latest = [a for a in answers if isinstance(a, ReplicaStats)]
+            self.polled = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the controller restarting, a replica starting
+            log.debug("stats of %r: %s", self.name, exc)
 
     @property
     def alive(self) -> bool:
@@ -74,9 +81,31 @@ class ReplicaSet:
         return bool(self.latest) or not self.polled
 
 
+def own_request(handle: Any, *args: Any) -> Any:
+    """`handle.remote(*args)` as a request of its own. Ray Serve (2.60) gives a call made while the ingress serves
+    an HTTP request that request's internal id, and its router indexes the calls waiting for a replica by that
+    id: two calls of one HTTP request waiting at once (a completions batch of two prompts) and one of them is
+    never routed. The call keeps the request's other context (its x-request-id); as Ray Serve no longer cancels
+    it with the HTTP request, ReplicaHeader does (note_call; the caller says end_call once it is over)."""
+    context = contextvars.copy_context()
+    context.run(_fresh_internal_request_id)
+    call = context.run(handle.remote, *args)
+    note_call(call)
+    return call
+
+
+def _fresh_internal_request_id() -> None:
+    try:
+        from ray.serve.context import _get_serve_request_context, _serve_request_context
+    except ImportError:  # another Ray than the one pinned: leave its context alone
+        return
+    current = _get_serve_request_context()
+    _serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
+
+
 def _sum(items: list[Any], kind: type) -> Any:
     """Every replica's counts added up, field by field (all zero without replicas)."""
-    return kind(**{f.name: sum(getattr(i, f.name) for i in items) for f in fields(kind)})
+    return kind(**{f.name: sum(getattr(i, f.name) for i in items) for f in dataclasses.fields(kind)})
 
 
 class RemoteEngine:
@@ -90,7 +119,7 @@ class RemoteEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         seen = False
         for attempt in range(1, ATTEMPTS + 1):
-            stream = self._stream.remote(request)
+            stream = own_request(self._stream, request)
             self._streams[request.request_id] = stream
             try:
                 async for item in stream:
@@ -112,8 +141,11 @@ class RemoteEngine:
                 raise _cause(exc) from None
             except BackPressureError:
                 raise QueueFull(len(self._streams)) from None
+            except RequestCancelledError:  # by abort() or as its HTTP request ended: cancelled, not failed
+                raise asyncio.CancelledError from None
             finally:
                 stream.cancel()  # a closed generator (the client went away): the replica aborts the request
+                end_call(stream)
                 self._streams.pop(request.request_id, None)
         raise ServiceUnavailable(f"No replica of `{self.replicas.name}` could serve the request ({ATTEMPTS} tries); "
                                  "retry later.", code="replica_unavailable")
@@ -153,13 +185,18 @@ class RemoteEmbedder:
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         for attempt in range(1, ATTEMPTS + 1):
+            call = own_request(self._embed, inputs)
             try:
-                return await self._embed.remote(inputs)
+                return await call
             except _LOST as exc:
                 log.warning("an embedding request lost its replica (%s); try %d of %d", type(exc).__name__,
                             attempt, ATTEMPTS)
             except RayTaskError as exc:
                 raise _cause(exc) from None
+            except RequestCancelledError:
+                raise asyncio.CancelledError from None
+            finally:
+                end_call(call)
         raise ServiceUnavailable(f"No replica of `{self.replicas.name}` could compute the embeddings; retry later.",
                                  code="replica_unavailable")
 

@@ -6,6 +6,14 @@ header is known by then; a stream's headers would leave before the replica is ch
 first), so the start of a response and its first body parts are held until a replica is named or the body
 ends (an error before any replica was asked): the client sees the role chunk together with the first
 token instead of a moment before it.
+
+It also drops the app's own `x-request-id` response header: Ray Serve's HTTP layer adds one to every response
+(the caller's id, or the one it gave the request, which the app read and logged), and two would be sent.
+
+And it ends the request's calls to replicas that are still open when the request ends (RemoteEngine notes
+them): Ray Serve cancels the ingress's request when its client goes away, and an answer or stream being
+computed then (a generation the app runs in a task of its own, a generator left suspended) must not keep
+its replica's sequence running.
 """
 
 from __future__ import annotations
@@ -15,15 +23,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REPLICA_HEADER = "x-servelm-replica"
+REQUEST_ID_HEADER = b"x-request-id"  # Ray Serve sets it
 
 
 @dataclass(eq=False)
 class ServedBy:
+    """What the ingress knows of the request it handles: the replicas that served it, its calls still open."""
+
     replicas: list[str] = field(default_factory=list)
+    calls: dict[int, Any] = field(default_factory=dict)  # id → a Ray Serve response (anything with cancel())
 
     def add(self, replica: str) -> None:
         if replica not in self.replicas:
             self.replicas.append(replica)
+
+    def cancel_calls(self) -> None:
+        calls, self.calls = list(self.calls.values()), {}
+        for call in calls:
+            call.cancel()
 
 
 SERVED_BY: contextvars.ContextVar[ServedBy | None] = contextvars.ContextVar("servelm_served_by", default=None)
@@ -34,6 +51,19 @@ def note_replica(replica: str) -> None:
     served = SERVED_BY.get()
     if served is not None:
         served.add(replica)
+
+
+def note_call(call: Any) -> None:
+    """`call` (a replica's response) belongs to the request being handled: cancelled if the request ends first."""
+    served = SERVED_BY.get()
+    if served is not None:
+        served.calls[id(call)] = call
+
+
+def end_call(call: Any) -> None:
+    served = SERVED_BY.get()
+    if served is not None:
+        served.calls.pop(id(call), None)
 
 
 class ReplicaHeader:
@@ -48,24 +78,32 @@ class ReplicaHeader:
         SERVED_BY.set(served)  # this request's context (and the tasks it starts) see it
         held: list[dict] | None = []
 
-        async def send_when_known(message: dict) -> None:
+        async def flush() -> None:
             nonlocal held
+            messages, held = held or [], None
+            for m in messages:
+                await send(_with_headers(m, served) if m["type"] == "http.response.start" else m)
+
+        async def send_when_known(message: dict) -> None:
             if held is None:
                 await send(message)
                 return
             held.append(message)
             ended = message["type"] == "http.response.body" and not message.get("more_body", False)
-            if not served.replicas and not ended:
-                return
-            start, rest = held[0], held[1:]
-            held = None
-            if served.replicas and start["type"] == "http.response.start":
-                value = ",".join(served.replicas).encode()
-                start = {**start, "headers": [*start.get("headers", []), (REPLICA_HEADER.encode(), value)]}
-            for m in (start, *rest):
-                await send(m)
+            if served.replicas or ended:
+                await flush()
 
-        await self.app(scope, receive, send_when_known)
+        try:
+            await self.app(scope, receive, send_when_known)
+        finally:
+            served.cancel_calls()  # none, unless the request ended before its answer (its client went away)
         if held:  # the app returned without ending its body: send what it wrote
-            for m in held:
-                await send(m)
+            await flush()
+
+
+def _with_headers(start: dict, served: ServedBy) -> dict:
+    """The response's start, its x-request-id left to Ray Serve, with the replicas that served it."""
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+    if served.replicas:
+        headers.append((REPLICA_HEADER.encode(), ",".join(served.replicas).encode()))
+    return {**start, "headers": headers}

@@ -1,4 +1,5 @@
-"""One real server for the whole e2e session, and the clients that talk to it."""
+"""One real server for the whole e2e session, and the clients that talk to it. With SERVELM_E2E_RAY=1 every
+server is `servelm serve --ray` on a local two-node Ray cluster (tests/e2e/ray_mode.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from . import ray_mode
 from .helpers import MODEL, RunningServer, wait_idle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,43 +35,67 @@ def _stop(proc: subprocess.Popen) -> None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=ray_mode.STOP_TIMEOUT_S if ray_mode.ENABLED else 20)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
 
 
 def start_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> RunningServer:
-    """Start `servelm serve` on a free port with the default settings plus `flags`; wait for /health."""
+    """Start `servelm serve` on a free port with the default settings plus `flags`; wait for /health. Under
+    SERVELM_E2E_RAY=1: `servelm serve --ray` with the same deployments replicated, on a Ray cluster of its own
+    (tests/e2e/ray_mode.py), ready once every replica of the default model counts in /health."""
     log_path = tmp_path_factory.mktemp("servelm") / "server.log"
     port = _free_port()
     # The tests assume the default settings; a developer's SERVELM_* variables must not change them.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVELM_")}
     env["PYTHONUNBUFFERED"] = "1"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
-        )
+    args, slots, cluster = list(flags), None, None
+    if ray_mode.ENABLED:
+        args, slots, cpus = ray_mode.write_config(flags, log_path.with_name("servelm-ray.yaml"))
+        cluster = ray_mode.start_cluster(cpus)
+        args += ["--ray-address", cluster.address]
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "servelm", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
+            )
+    except BaseException:
+        if cluster is not None:
+            cluster.shutdown()
+        raise
     srv = RunningServer(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    if cluster is not None:
+        ray_mode.adopt(srv, cluster)
+    _wait_ready(srv, slots)
+    return srv
+
+
+def _wait_ready(srv: RunningServer, slots: int | None) -> None:
+    """Until /health lists the default model (with `slots` sequence slots, if given); else fail the test."""
+    timeout = ray_mode.STARTUP_TIMEOUT_S if ray_mode.ENABLED else STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with code {proc.returncode} while starting:\n{srv.log_tail()}")
+        if srv.process.poll() is not None:
+            stop_server(srv)
+            pytest.fail(f"the server exited with code {srv.process.returncode} while starting:\n{srv.log_tail()}")
         try:
             r = httpx.get(f"{srv.base_url}/health", timeout=2)
-            if r.status_code == 200 and MODEL in r.json().get("deployments", {}):
-                return srv
+            model = r.json().get("deployments", {}).get(MODEL) if r.status_code == 200 else None
+            if model is not None and (slots is None or model.get("total_slots") == slots):
+                return
         except (httpx.TransportError, ValueError):
             pass
         if time.monotonic() > deadline:
-            _stop(proc)
-            pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT_S:.0f} s:\n{srv.log_tail()}")
+            stop_server(srv)
+            pytest.fail(f"the server did not answer /health within {timeout:.0f} s:\n{srv.log_tail()}")
         time.sleep(0.2)
 
 
 def stop_server(srv: RunningServer) -> None:
     _stop(srv.process)
+    ray_mode.release(srv)  # its Ray cluster, under SERVELM_E2E_RAY=1
 
 
 @contextmanager
@@ -80,6 +106,13 @@ def own_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterato
         yield srv
     finally:
         stop_server(srv)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_clusters() -> Iterator[None]:
+    """Under SERVELM_E2E_RAY=1: no Ray cluster outlives the session (nor a server left running on one)."""
+    yield
+    ray_mode.shutdown_all(_stop)
 
 
 @pytest.fixture(scope="session")

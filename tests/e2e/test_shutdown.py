@@ -13,8 +13,13 @@ import pytest
 
 from .conftest import start_server
 from .helpers import MODEL, NO_EOS, STORY
+from .ray_mode import through_ray_skip
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, through_ray_skip(
+    "shutdown there is Ray Serve's, not uvicorn's: its proxy keeps accepting connections while the application "
+    "drains (404 once it is deleted), a stream cut at the deadline ends with a replica_unavailable error event "
+    "and [DONE], and the log lines read here (uvicorn's, the access log) are written by the ingress to Ray's log "
+    "files; the exit status 0 and a stream that finishes within the timeout do hold")]
 FLAGS = ("--no-embedding-model", "--chat-embedding-window", "0", "--max-num-seqs", "2", "--kv-cells", "4096")
 
 

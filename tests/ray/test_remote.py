@@ -152,3 +152,83 @@ async def test_an_answer_without_a_replica_goes_out_unchanged() -> None:
 
     sent = await run_app(app)
     assert sent[0]["headers"] == [(b"a", b"b")] and sent[1]["body"] == b"{}"
+
+
+async def test_the_apps_request_id_header_is_left_to_ray_serve() -> None:
+    """Ray Serve's HTTP layer adds x-request-id to every response: the app's own would make two."""
+    from servelm.ray.served_by import note_replica
+
+    async def app(scope, receive, send) -> None:
+        note_replica("r1")
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", b"id-1"), (b"a", b"b")]})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+
+    sent = await run_app(app)
+    assert sent[0]["headers"] == [(b"a", b"b"), (REPLICA_HEADER.encode(), b"r1")]
+
+
+def test_a_call_is_a_request_of_its_own_within_the_http_request() -> None:
+    """Ray Serve's router indexes waiting calls by the internal request id: two calls of one HTTP request must
+    not share it (a completions batch of two prompts), and they keep the HTTP request's id."""
+    import contextvars
+
+    from ray.serve.context import _get_serve_request_context, _set_request_context
+
+    from servelm.ray.remote import own_request
+
+    class Seen:
+        def remote(self, *_: Any):
+            return _get_serve_request_context()
+
+    def in_request() -> tuple:
+        _set_request_context(request_id="http-1", _internal_request_id="internal-1")
+        return own_request(Seen()), own_request(Seen()), _get_serve_request_context()
+
+    first, second, after = contextvars.Context().run(in_request)
+    assert first.request_id == second.request_id == "http-1"
+    assert len({first._internal_request_id, second._internal_request_id, "internal-1"}) == 3
+    assert after._internal_request_id == "internal-1"  # the HTTP request's own context is unchanged
+
+
+async def test_health_and_metrics_ask_the_replicas_first() -> None:
+    from servelm.ray.ingress import FreshStats
+
+    class Replicas:
+        refreshed = 0
+
+        async def refresh(self, timeout_s: float) -> None:
+            self.refreshed += 1
+
+    async def app(scope, receive, send) -> None:
+        pass
+
+    replicas = Replicas()
+    fresh = FreshStats(app, [replicas])  # type: ignore[list-item]
+    for method, path in (("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+        await fresh({"type": "http", "method": method, "path": path}, None, None)
+    assert replicas.refreshed == 2
+
+
+async def test_calls_still_open_when_the_request_ends_are_cancelled() -> None:
+    """Ray Serve cancels the ingress's request when its client goes away: its generations must stop with it."""
+    import asyncio
+
+    from servelm.ray.served_by import end_call, note_call
+
+    class Call:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    still_open, over = Call(), Call()
+
+    async def app(scope, receive, send) -> None:
+        note_call(still_open)
+        note_call(over)
+        end_call(over)
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await run_app(app)
+    assert still_open.cancelled and not over.cancelled

@@ -64,6 +64,14 @@ def test_stream_ends_with_done(ray_server: RayServer) -> None:
     assert frames[-1] == "data: [DONE]"
 
 
+def test_a_batch_of_prompts_runs_its_generations_at_once(ray_server: RayServer) -> None:
+    """One HTTP request, two generate calls in flight together (Ray Serve routes them as requests of their own)."""
+    reply = client(ray_server).completions.create(model=MODEL, prompt=["Once upon a time", "The best fruit is"],
+                                                  max_tokens=4, temperature=0, extra_body=NO_EOS)
+    assert [c.index for c in reply.choices] == [0, 1] and all(c.finish_reason == "length" for c in reply.choices)
+    assert reply.usage.completion_tokens == 8
+
+
 def test_unknown_model_is_404_in_the_envelope(ray_server: RayServer) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client(ray_server).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
