@@ -36,8 +36,13 @@ class CacheEntry:
 
 
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int], limit: int) -> int:
-    n = 0
+    """Leading tokens a and b share, at most `limit`. Compares blocks of 64 as slices (in C) and walks only
+    the block where they part: a 650-token system prompt is 11 slice compares, not 650 Python steps."""
+    a, b = tuple(a), tuple(b)
     limit = min(limit, len(a), len(b))
+    n = 0
+    while n + 64 <= limit and a[n : n + 64] == b[n : n + 64]:
+        n += 64
     while n < limit and a[n] == b[n]:
         n += 1
     return n

@@ -199,10 +199,11 @@ class Scheduler:
                     plan.chunks.append(self._chunk(seq, take))
                     budget -= take
                     free_cells -= take
+        readers = self._prompt_readers()
         for group in list(self.waiting):
             if budget <= 0:
                 break
-            if self._waits_for_prefix(group):
+            if readers and self._waits_for_prefix(group, readers):
                 continue  # a running request is reading the prompt this one begins with: reuse it, soon
             need = self._admission_cells(group)
             if need > free_cells and need <= free_cells + self.kv_cells_cached:
@@ -285,20 +286,22 @@ class Scheduler:
     def _reads_cache(self, group: SequenceGroup) -> bool:
         return self.cache is not None and group.params.seed is None and group.params.prompt_logprobs is None
 
-    def _waits_for_prefix(self, group: SequenceGroup) -> bool:
-        """Whether a running request still reading its prompt shares at least DEFER_PREFIX more leading tokens
-        with this group's prompt than the cache holds: once that prompt is read and kept, this group reads only
-        the rest (four requests arriving together with one long system prompt read it once, not four times)."""
+    def _prompt_readers(self) -> list[tuple[int, ...]]:
+        """Prompts that running requests are still reading and will keep in the cache (none: nothing to wait for)."""
+        if self.cache is None:
+            return []
+        return [g.prompt_token_ids for g in self.running
+                if g.seqs[0].num_computed < g.prompt_len and self._reads_cache(g)]
+
+    def _waits_for_prefix(self, group: SequenceGroup, readers: list[tuple[int, ...]]) -> bool:
+        """Whether a prompt still being read shares at least DEFER_PREFIX more leading tokens with this group's
+        prompt than the cache holds: once that prompt is read and kept, this group reads only the rest (four
+        requests arriving together with one long system prompt read it once, not four times)."""
         if not self._reads_cache(group) or group.forked or group.seqs[0].num_computed:
             return False
         prompt = group.prompt_token_ids
-        held = self.cache.peek(prompt, len(prompt) - 1)  # type: ignore[union-attr]
-        for other in self.running:
-            first = other.seqs[0]
-            if first.num_computed < other.prompt_len and self._reads_cache(other):
-                if common_prefix(other.prompt_token_ids, prompt, len(prompt) - 1) >= held + DEFER_PREFIX:
-                    return True
-        return False
+        shared = max(common_prefix(r, prompt, len(prompt) - 1) for r in readers)
+        return shared >= DEFER_PREFIX and shared >= self.cache.peek(prompt, shared) + DEFER_PREFIX  # type: ignore[union-attr]
 
     def _remember(self, seq: Sequence, length: int) -> None:
         """Keep the sequence's first `length` cells (its prompt, or its whole turn) in the prefix cache."""

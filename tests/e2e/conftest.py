@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from . import ray_mode
-from .helpers import MODEL, RunningServer, wait_idle
+from .helpers import MODEL, RunningServer, client_for, wait_idle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 60.0
@@ -140,7 +140,7 @@ def _server_alive_and_idle(server: RunningServer) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def client(base_url: str) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    c = client_for(base_url)
     yield c
     c.close()
 

@@ -17,6 +17,11 @@ from openai.types.completion_usage import CompletionUsage
 
 MODEL = "smollm2-135m-instruct"
 
+
+def client_for(root_url: str, api_key: str = "none", path: str = "/v1") -> openai.OpenAI:
+    """The official client for a server under test: no retries (a failure must show), a generous timeout."""
+    return openai.OpenAI(base_url=root_url + path, api_key=api_key, max_retries=0, timeout=120)
+
 # SmolLM2's end-of-generation tokens: <|endoftext|> (0) and <|im_end|> (2). Banning them makes a request
 # run to its token limit.
 NO_EOS = {"0": -100, "2": -100}

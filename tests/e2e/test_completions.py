@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from .conftest import own_server
-from .helpers import MODEL, NO_EOS
+from .helpers import MODEL, NO_EOS, client_for
 
 pytestmark = pytest.mark.e2e
 
@@ -199,7 +199,7 @@ def test_best_of_returns_n_choices(client: openai.OpenAI, stream: bool) -> None:
 @pytest.fixture(scope="module")
 def small_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     with own_server(tmp_path_factory, "--context-window", "128", "--kv-cells", "512") as srv:
-        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield client_for(srv.base_url)
 
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 20  # about 200 tokens

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from .conftest import own_server
-from .helpers import MODEL, RunningServer, user
+from .helpers import MODEL, RunningServer, client_for, user
 
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +56,7 @@ def multi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def mclient(multi: RunningServer) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=f"{multi.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    c = client_for(multi.base_url)
     yield c
     c.close()
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from azure.ai.inference import ChatCompletionsClient
 from azure.ai.inference.models import ImageContentItem, ImageUrl, TextContentItem, UserMessage
 from azure.core.credentials import AzureKeyCredential
 from azure.core.exceptions import HttpResponseError
 
-from .helpers import MODEL
+from .helpers import MODEL, client_for
 
 pytestmark = pytest.mark.e2e
 
@@ -68,8 +67,8 @@ def test_azure_model_info(azure: ChatCompletionsClient) -> None:
 
 
 def test_ovms_v3_through_openai(base_url: str) -> None:
-    v3 = openai.OpenAI(base_url=f"{base_url}/v3", api_key="none", max_retries=0, timeout=120)
-    v1 = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    v3 = client_for(base_url, path="/v3")
+    v1 = client_for(base_url)
     assert [m.id for m in v3.models.list().data] == [m.id for m in v1.models.list().data]
     msgs = [{"role": "user", "content": ASK}]
     # OVMS's default temperature is 0: greedy, the same text as an explicit temperature 0 on /v1

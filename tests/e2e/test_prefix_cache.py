@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from .conftest import own_server
-from .helpers import MODEL
+from .helpers import MODEL, client_for
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,7 @@ OTHER_SYSTEMS = [{"role": "system", "content": f"You are assistant number {k}, a
 @pytest.fixture(scope="module")
 def cached_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     with own_server(tmp_path_factory, "--prefix-cache") as srv:
-        yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        yield client_for(srv.base_url)
 
 
 def ask(client: openai.OpenAI, messages, **kw):

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from .conftest import start_server, stop_server
-from .helpers import MODEL, user
+from .helpers import MODEL, client_for, user
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +16,7 @@ def test_keys_and_requests_per_minute(tmp_path_factory: pytest.TempPathFactory) 
                        "--rate-limit-rpm", "2", "--no-embedding-model", "--chat-embedding-window", "0")
     try:
         def client(key: str) -> openai.OpenAI:
-            return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+            return client_for(srv.base_url, key)
 
         with pytest.raises(openai.AuthenticationError) as e:
             client("sk-wrong").chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)

@@ -24,6 +24,7 @@ from .conftest import own_server
 from .helpers import (
     MODEL,
     RunningServer,
+    client_for,
     achat,
     assert_valid_json,
     gather_watching_running,
@@ -416,7 +417,7 @@ def native_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
 
 @pytest.fixture(scope="module")
 def native(native_server: RunningServer) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(base_url=f"{native_server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    c = client_for(native_server.base_url)
     yield c
     c.close()
 
