@@ -121,7 +121,7 @@ class LocalEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         self.admit()
-        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params)
+        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope)
         params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
@@ -196,7 +196,7 @@ class LocalEngine:
                 continue
             try:
                 self._step()
-            except Exception as exc:  # a bug or a broken model must not kill the engine thread
+            except Exception as exc:  # the forward pass itself (every request's), or a bug outside any one request
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineError(f"the engine failed: {exc}"))
 
@@ -214,7 +214,7 @@ class LocalEngine:
         plan = self.scheduler.schedule()
         outputs: dict[str, list[GenerationOutput]] = {}
         for seq in plan.out_of_cells:
-            self._finish_output(seq, FinishReason.LENGTH, None, outputs)
+            self._contain(seq.group, outputs, self._finish_output, seq, FinishReason.LENGTH, None, outputs)
         if not plan.has_work:
             self._send(outputs)
             self._wake.wait(0.005)  # waiting requests that do not fit yet; let the inbox bring news
@@ -231,16 +231,47 @@ class LocalEngine:
         self.steps += 1
         self.forward_seconds += time.perf_counter() - forward
         rows = self._rows(plan)
-        self._prompt_logprobs(plan, logits, rows)
-        samplers, processed, tokens, beams = self._sample(plan, logits, rows)
+        self._prompt_logprobs(plan, logits, rows, outputs)
+        samplers, processed, tokens, beams = self._sample(plan, logits, rows, outputs)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
-        entries = self._token_logprobs(samplers, processed, tokens)
+        entries = self._token_logprobs(samplers, processed, tokens, outputs)
         for seq, token, entry in zip(samplers, tokens, entries):
-            self._advance(seq, int(token), entry, outputs)
+            if seq.status is not SeqStatus.FINISHED:
+                self._contain(seq.group, outputs, self._advance, seq, int(token), entry, outputs)
         for group, group_rows in beams.items():
-            self._beam_step(group, group_rows, outputs)
+            self._contain(group, outputs, self._beam_step, group, group_rows, outputs)
         self._send(outputs)
         self.step_seconds += time.perf_counter() - start
+
+    # -- containment: one request's failure is its own --------------------------------------------
+    def _contain(self, group: SequenceGroup, outputs: dict, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) for one request; if it raises, that request alone fails (its sequences freed, its client
+        told) and the step goes on for every other. Returns fn's result, or None after a failure."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # a bug or a pathological input in one request must not fail its neighbours
+            log.exception("request %s failed in the engine; the others go on", group.request_id)
+            self._fail(group, exc, outputs)
+            return None
+
+    def _fail(self, group: SequenceGroup, exc: BaseException, outputs: dict) -> None:
+        self.scheduler.abort(group.request_id)
+        if not isinstance(exc, EngineError):
+            exc = EngineError(f"the engine failed on this request: {type(exc).__name__}: {exc}")
+        outputs[group.request_id] = exc  # replaces what the request had this step: only the error goes out
+
+    def _each(self, seqs: list[Sequence], outputs: dict, fn: Callable[[list[int]], list[Any]]) -> list[Any]:
+        """fn(indices) → one result per index, for every row at once; should that raise, row by row, so that only
+        the requests whose own rows raise fail (their results None)."""
+        try:
+            return fn(list(range(len(seqs))))
+        except Exception:
+            log.warning("a batched sampling step raised; isolating the request at fault", exc_info=True)
+        out = []
+        for i, seq in enumerate(seqs):
+            one = self._contain(seq.group, outputs, fn, [i])
+            out.append(None if one is None else one[0])
+        return out
 
     @staticmethod
     def _rows(plan: StepPlan) -> list[int]:
@@ -257,10 +288,11 @@ class LocalEngine:
                 out.append(-1)
         return out
 
-    def _sample(self, plan: StepPlan, logits: np.ndarray, rows: list[int]) -> tuple[
+    def _sample(self, plan: StepPlan, logits: np.ndarray, rows: list[int], outputs: dict) -> tuple[
         list[Sequence], np.ndarray, list[int], dict[SequenceGroup, np.ndarray]
     ]:
-        """Process every sampler's row; draw for the plain ones; hand beam-search rows back by group."""
+        """Process every sampler's row; draw for the plain ones; hand beam-search rows back by group. A request
+        whose row cannot be processed or drawn from fails alone."""
         picks: list[int] = []
         samplers: list[Sequence] = []
         for chunk, r in zip(plan.chunks, rows):
@@ -270,11 +302,24 @@ class LocalEngine:
         if not samplers:
             return [], logits[:0], [], {}
         picked = logits[np.asarray(picks)]  # a copy we may modify
-        states = [s.state.sampler for s in samplers]
-        process_rows(picked, states, self._eog, self._grammar_masks(samplers))
-        plain = [i for i, s in enumerate(samplers) if s.state.beam is None]
+        alone = False  # set once processing every row at once has raised: rows are then redone one by one
+
+        def process(idx: list[int]) -> list[bool]:
+            nonlocal alone
+            view = picked
+            if alone:
+                picked[idx[0]] = logits[picks[idx[0]]]  # the batched attempt may have half-processed it
+                view = picked[idx[0] : idx[0] + 1]
+            alone = True
+            chosen = [samplers[i] for i in idx]
+            process_rows(view, [s.state.sampler for s in chosen], self._eog, self._grammar_masks(chosen))
+            return [True] * len(idx)
+
+        self._each(samplers, outputs, process)
+        live = [i for i, s in enumerate(samplers) if s.status is not SeqStatus.FINISHED]
         beams: dict[SequenceGroup, np.ndarray] = {}
-        for i, s in enumerate(samplers):
+        for i in live:
+            s = samplers[i]
             search = s.state.beam
             if search is not None:
                 # beams recomputed after a preemption may finish reading in different steps: a beam step
@@ -282,40 +327,49 @@ class LocalEngine:
                 search.rows[s.index] = picked[i].copy()
                 if len(search.rows) == search.width:
                     beams[s.group] = np.stack([search.rows.pop(j) for j in range(search.width)])
+        plain = [i for i in live if samplers[i].state.beam is None]
         if len(plain) < len(samplers):
             picked, samplers = picked[plain], [samplers[i] for i in plain]
-            states = [states[i] for i in plain]
-        tokens = pick_rows(picked, states).tolist() if samplers else []
-        return samplers, picked, tokens, beams
+        if not samplers:
+            return [], picked, [], beams
+        drawn = self._each(samplers, outputs, lambda idx: pick_rows(
+            picked[idx], [samplers[i].state.sampler for i in idx]).tolist())
+        ok = [i for i, t in enumerate(drawn) if t is not None]
+        if len(ok) < len(samplers):
+            picked, samplers, drawn = picked[ok], [samplers[i] for i in ok], [drawn[i] for i in ok]
+        return samplers, picked, drawn, beams
 
-    @staticmethod
-    def _token_logprobs(samplers: list[Sequence], rows: np.ndarray, tokens: list[int]) -> list[TokenLogprob | None]:
+    def _token_logprobs(self, samplers: list[Sequence], rows: np.ndarray, tokens: list[int],
+                        outputs: dict) -> list[TokenLogprob | None]:
         """Logprob entries for the rows that report them or rank best_of samples, from the processed rows."""
         want = [i for i, s in enumerate(samplers) if s.group.params.wants_cumulative]
         out: list[TokenLogprob | None] = [None] * len(samplers)
         if want:
-            ks = [samplers[i].group.params.logprobs for i in want]
-            for i, e in zip(want, token_logprobs(rows[want], [tokens[i] for i in want], ks)):
+            seqs = [samplers[i] for i in want]
+            entries = self._each(seqs, outputs, lambda idx: token_logprobs(
+                rows[[want[j] for j in idx]], [tokens[want[j]] for j in idx], [seqs[j].group.params.logprobs for j in idx]))
+            for i, e in zip(want, entries):
                 out[i] = e
         return out
 
-    def _prompt_logprobs(self, plan: StepPlan, logits: np.ndarray, rows: list[int]) -> None:
+    def _prompt_logprobs(self, plan: StepPlan, logits: np.ndarray, rows: list[int], outputs: dict) -> None:
         """Chunks that read a prompt for its logprobs: each row scores the prompt's next token (raw model)."""
         for chunk, last in zip(plan.chunks, rows):
-            if not chunk.all_logits:
-                continue
-            st: _SeqState = chunk.seq.state
-            if st.prompt_logprobs is None:
-                continue
-            prompt = chunk.seq.group.prompt_token_ids
-            k = chunk.seq.group.params.prompt_logprobs or 0
-            first = last - len(chunk.tokens) + 1
-            positions = [chunk.start + j + 1 for j in range(len(chunk.tokens)) if chunk.start + j + 1 < len(prompt)]
-            if not positions:
-                continue
-            logp = log_softmax(logits[first : first + len(positions)])
-            for j, pos in enumerate(positions):
-                st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)
+            if chunk.all_logits and chunk.seq.state.prompt_logprobs is not None:
+                self._contain(chunk.seq.group, outputs, self._score_prompt, chunk, logits, last)
+
+    @staticmethod
+    def _score_prompt(chunk: Any, logits: np.ndarray, last: int) -> None:
+        st: _SeqState = chunk.seq.state
+        prompt = chunk.seq.group.prompt_token_ids
+        k = chunk.seq.group.params.prompt_logprobs or 0
+        first = last - len(chunk.tokens) + 1
+        positions = [chunk.start + j + 1 for j in range(len(chunk.tokens)) if chunk.start + j + 1 < len(prompt)]
+        if not positions:
+            return
+        logp = log_softmax(logits[first : first + len(positions)])
+        for j, pos in enumerate(positions):
+            st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)  # type: ignore[index]
 
     def _grammar_masks(self, samplers: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
         """The allowed tokens of every constrained row in this step, computed in one call."""
@@ -405,6 +459,8 @@ class LocalEngine:
         self._deliver(seq.group, out, outputs)
 
     def _deliver(self, group: SequenceGroup, out: GenerationOutput, outputs: dict[str, list[GenerationOutput]]) -> None:
+        if isinstance(outputs.get(group.request_id), BaseException):  # it failed this step: only the error goes
+            return
         first: _SeqState = group.seqs[0].state
         if first.prompt_logprobs is not None:  # the request's first output carries the prompt's logprobs
             prompt = group.prompt_token_ids
