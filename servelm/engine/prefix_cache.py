@@ -26,6 +26,7 @@ MIN_PREFIX_REUSE = 4  # fewer shared tokens than this are not worth a copy
 class CacheEntry:
     tokens: tuple[int, ...]
     slot: int  # the spare llama.cpp sequence id that holds the cells
+    scope: str = ""  # only requests of the same scope (API key, cache_salt) read it
     parent: CacheEntry | None = None  # the entry whose leading cells this one shares
     shared: int = 0  # leading cells shared with the parent (counted there)
     used: int = 0  # the cache's clock when it was last made or read
@@ -65,14 +66,16 @@ class PrefixCache:
         self._clock += 1
         return self._clock
 
-    def peek(self, tokens: tuple[int, ...] | list[int], limit: int) -> int:
-        """How many leading tokens of `tokens` (at most `limit`) the cache could give; touches nothing."""
-        return max((common_prefix(e.tokens, tokens, limit) for e in self.entries), default=0)
+    def peek(self, tokens: tuple[int, ...] | list[int], limit: int, scope: str = "") -> int:
+        """How many leading tokens of `tokens` (at most `limit`) the scope's entries could give; touches nothing."""
+        return max((common_prefix(e.tokens, tokens, limit) for e in self.entries if e.scope == scope), default=0)
 
-    def lookup(self, tokens: list[int], limit: int) -> tuple[CacheEntry | None, int]:
-        """The entry sharing the longest prefix with `tokens` (at most `limit` tokens), and that length."""
+    def lookup(self, tokens: list[int], limit: int, scope: str = "") -> tuple[CacheEntry | None, int]:
+        """The scope's entry sharing the longest prefix with `tokens` (at most `limit` tokens), and that length."""
         best, best_n = None, 0
         for entry in self.entries:
+            if entry.scope != scope:
+                continue
             n = common_prefix(entry.tokens, tokens, limit)
             if n > best_n:
                 best, best_n = entry, n
@@ -82,19 +85,20 @@ class PrefixCache:
         return best, best_n
 
     def insert(self, tokens: tuple[int, ...], src_slot: int, source: CacheEntry | None, borrowed: int,
-               ops: list) -> CacheEntry | None:
+               ops: list, scope: str = "") -> CacheEntry | None:
         """Keep the first len(tokens) cells of sequence `src_slot` (of which `borrowed` came from `source`)
         as an entry. Entries it makes redundant (its own prefixes) go; so does the least recently used one
         when no id is free or the budget would be exceeded. Returns the entry, or None if it cannot fit."""
         if not tokens or len(tokens) > self.budget:
             return None
-        for entry in self.entries:
+        mine = [e for e in self.entries if e.scope == scope]
+        for entry in mine:
             if entry.tokens[: len(tokens)] == tokens:
                 entry.used = self._tick()  # already held (or a longer run that begins with it)
                 return None
-        new = CacheEntry(tokens, -1, source if borrowed else None, borrowed, self._tick())
+        new = CacheEntry(tokens, -1, scope, source if borrowed else None, borrowed, self._tick())
         self.entries.append(new)  # before evicting, so that its parent link is mended with the others'
-        for entry in [e for e in self.entries if e is not new and tokens[: len(e.tokens)] == e.tokens]:
+        for entry in [e for e in mine if tokens[: len(e.tokens)] == e.tokens]:
             self.evict(entry, ops)  # the new entry answers every lookup this one could
         while not self.free_slots or self.cells > self.budget:
             others = [e for e in self.entries if e is not new]

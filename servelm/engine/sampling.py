@@ -42,8 +42,7 @@ class SamplerState:
 
     @classmethod
     def create(cls, params: SamplingParams, index: int, vocab_size: int, prompt: tuple[int, ...]) -> SamplerState:
-        entropy = params.seed if params.seed is not None else np.random.SeedSequence().entropy
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(entropy), index])))
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed_entropy(params.seed), index])))
         state = cls(params, rng, vocab_size)
         if params.repetition_penalty != 1.0:
             state.prompt_mask = np.zeros(vocab_size, dtype=bool)
@@ -75,6 +74,14 @@ class SamplerState:
             row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             row -= counts * np.float32(p.frequency_penalty) + (counts > 0) * np.float32(p.presence_penalty)
+
+
+def seed_entropy(seed: int | None) -> int:
+    """A request's seed as the non-negative entropy NumPy takes: any 64-bit integer, a negative one as its two's
+    complement (so -1 and 2**64 - 1 draw alike); no seed, fresh entropy."""
+    if seed is None:
+        return int(np.random.SeedSequence().entropy)
+    return seed & (2**64 - 1)
 
 
 def sample_rows(

@@ -275,7 +275,7 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> None:
         if not self._reads_cache(seq.group) or seq.num_computed:
             return
-        entry, n = self.cache.lookup(seq.token_ids, len(seq.token_ids) - 1)  # the last one is read for its logits
+        entry, n = self.cache.lookup(seq.token_ids, len(seq.token_ids) - 1, seq.group.scope)  # the last is read for its logits
         if entry is None:
             return
         self._ops.append(("cp", entry.slot, seq.slot, n))
@@ -286,29 +286,31 @@ class Scheduler:
     def _reads_cache(self, group: SequenceGroup) -> bool:
         return self.cache is not None and group.params.seed is None and group.params.prompt_logprobs is None
 
-    def _prompt_readers(self) -> list[tuple[int, ...]]:
-        """Prompts that running requests are still reading and will keep in the cache (none: nothing to wait for)."""
+    def _prompt_readers(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Prompts (with their scope) that running requests are still reading and will keep in the cache."""
         if self.cache is None:
             return []
-        return [g.prompt_token_ids for g in self.running
+        return [(g.scope, g.prompt_token_ids) for g in self.running
                 if g.seqs[0].num_computed < g.prompt_len and self._reads_cache(g)]
 
-    def _waits_for_prefix(self, group: SequenceGroup, readers: list[tuple[int, ...]]) -> bool:
+    def _waits_for_prefix(self, group: SequenceGroup, readers: list[tuple[str, tuple[int, ...]]]) -> bool:
         """Whether a prompt still being read shares at least DEFER_PREFIX more leading tokens with this group's
         prompt than the cache holds: once that prompt is read and kept, this group reads only the rest (four
         requests arriving together with one long system prompt read it once, not four times)."""
         if not self._reads_cache(group) or group.forked or group.seqs[0].num_computed:
             return False
         prompt = group.prompt_token_ids
-        shared = max(common_prefix(r, prompt, len(prompt) - 1) for r in readers)
-        return shared >= DEFER_PREFIX and shared >= self.cache.peek(prompt, shared) + DEFER_PREFIX  # type: ignore[union-attr]
+        # only readers of the same scope: waiting on another key's prompt would tell this key that it exists
+        shared = max((common_prefix(r, prompt, len(prompt) - 1) for scope, r in readers if scope == group.scope),
+                     default=0)
+        return shared >= DEFER_PREFIX and shared >= self.cache.peek(prompt, shared, group.scope) + DEFER_PREFIX  # type: ignore[union-attr]
 
     def _remember(self, seq: Sequence, length: int) -> None:
         """Keep the sequence's first `length` cells (its prompt, or its whole turn) in the prefix cache."""
         if self.cache is None or seq.slot is None:
             return
         tokens = tuple(seq.token_ids[:length])
-        entry = self.cache.insert(tokens, seq.slot, seq.source, seq.cached, self._ops)
+        entry = self.cache.insert(tokens, seq.slot, seq.source, seq.cached, self._ops, seq.group.scope)
         self._settle_evictions()
         if entry is not None:
             seq.cached, seq.source = length, entry  # those cells are now counted once, as the cache's

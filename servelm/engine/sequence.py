@@ -71,6 +71,7 @@ class SequenceGroup:
     prefix_cells: int = 0  # prompt cells shared by the forked members, counted once
     forked: bool = False
     cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache
+    scope: str = ""  # the prefix-cache scope it reads and writes (GenerationRequest.cache_scope)
 
     def __post_init__(self) -> None:
         if not self.seqs:

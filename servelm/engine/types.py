@@ -89,6 +89,9 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     constraint: Constraint | None = None
+    # Prefix-cache scope: a request reads only cache entries written under the same scope (service/params.py:
+    # cache_scope derives it from the API key and cache_salt). "" is an open server's one scope.
+    cache_scope: str = ""
 
 
 class FinishReason(str, enum.Enum):

@@ -22,6 +22,7 @@ from servelm.protocol.dialects import DjlRequest
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService, PreparedCompletion
 from servelm.service.deployments import Deployments
+from servelm.service.params import RequestContext
 from servelm.service.dialects import (
     NativeService,
     azure_chat_body,
@@ -116,8 +117,8 @@ class _DefaultMaxTokens:
         self.service, self.default = service, default
         self.deployments = service.deployments
 
-    def prepare(self, req: CompletionRequest) -> PreparedCompletion:
-        return self.service.prepare(req, default_max_tokens=self.default)
+    def prepare(self, req: CompletionRequest, ctx: RequestContext) -> PreparedCompletion:
+        return self.service.prepare(req, ctx, default_max_tokens=self.default)
 
     def complete(self, p: PreparedCompletion) -> Any:
         return self.service.complete(p)

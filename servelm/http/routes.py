@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ModelNotFound
-from servelm.http.auth import can_use, check_access
+from servelm.http.auth import can_use, check_access, current_key
 from servelm.http.errors import validation_error
 from servelm.http.limits import admit, remaining, timed_out
 from servelm.http.sse import sse_frames
@@ -23,6 +23,7 @@ from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
 from servelm.service.deployments import Deployment, Deployments
 from servelm.service.embeddings import EmbeddingService
+from servelm.service.params import RequestContext
 
 M = TypeVar("M", bound=BaseModel)
 DEPLOYMENT_HEADER = "x-servelm-deployment"
@@ -66,7 +67,7 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future | async
 async def generate(request: Request, req: BaseModel, service: ChatService | CompletionService) -> Response:
     """A text-generating request: prepared off the event loop, then streamed or answered whole."""
     check_access(request.scope, service.deployments, getattr(req, "model", None))  # a key's deployments: else 404
-    prepared = await asyncio.to_thread(service.prepare, req)  # type: ignore[arg-type]
+    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope))  # type: ignore[arg-type]
     gens = prepared.generations
     # the deployment's queue (429 queue_full) and the key's tokens per minute (429 tokens)
     admission = admit(request.scope, prepared.deployment.engine, sum(len(g.prompt_token_ids) for g in gens),
@@ -82,6 +83,12 @@ async def generate(request: Request, req: BaseModel, service: ChatService | Comp
         return Response(status_code=499)
     admission.settle(getattr(result, "usage", None))
     return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment))
+
+
+def request_context(scope: dict) -> RequestContext:
+    """Who sent the request, as the services see it: the API key's digest (nothing of the key itself)."""
+    key = current_key(scope)
+    return RequestContext(owner=key.digest.hex() if key is not None else "")
 
 
 def all_alive(deployments: Deployments) -> bool:

@@ -8,12 +8,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# OpenAI takes any 64-bit integer as a seed; a negative one is read as its two's complement (engine/sampling.py)
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# Beam search divides a score by length ** length_penalty: beyond ±10 that overflows or divides by zero
+LENGTH_PENALTY_LIMIT = 10.0
 
 
 class WireModel(BaseModel):
-    """A request body: strict types (no "1" for 1, no true for 1.0) and no unknown fields."""
+    """A request body: strict types (no "1" for 1, no true for 1.0), no unknown fields, and finite numbers
+    (JSON has no NaN or Infinity, but lenient encoders write them and would reach the engine's arithmetic)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(WireModel):
@@ -30,7 +35,7 @@ class GenerationFields(WireModel):
     top_p: Probability | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Probability | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
@@ -39,8 +44,8 @@ class GenerationFields(WireModel):
     best_of: Annotated[int, Field(ge=1, le=128)] | None = None
     # beam search (OpenVINO Model Server, vLLM)
     use_beam_search: bool | None = None
-    length_penalty: float | None = None
-    diversity_penalty: Annotated[float, Field(ge=0.0)] | None = None
+    length_penalty: Annotated[float, Field(ge=-LENGTH_PENALTY_LIMIT, le=LENGTH_PENALTY_LIMIT)] | None = None
+    diversity_penalty: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
     num_beam_groups: Annotated[int, Field(ge=1)] | None = None
     early_stopping: bool | None = None
     # stopping
@@ -55,6 +60,8 @@ class GenerationFields(WireModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: prefix-cache entries are shared only between requests of the same key and the same salt
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class ResponseModel(BaseModel):

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, RootModel
 
-from servelm.protocol.common import Probability, ResponseModel, WireModel
+from servelm.protocol.common import Penalty, Probability, ResponseModel, Seed, WireModel
 
 
 class DjlParameters(WireModel):
@@ -21,9 +21,9 @@ class DjlParameters(WireModel):
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    seed: int | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    seed: Seed | None = None
     stop: list[str] | None = None
     stop_sequences: list[str] | None = None  # TGI's name for `stop`
     ignore_eos: bool | None = None

@@ -21,10 +21,12 @@ from collections.abc import Iterable, Sequence
 HOLDERS_PER_BLOCK = 4  # replicas remembered per prefix (a shared system prompt may live on several)
 
 
-def block_keys(tokens: Sequence[int], block_tokens: int) -> list[int]:
-    """One key per whole block of the prompt, each covering everything before it (a partial tail has none)."""
+def block_keys(tokens: Sequence[int], block_tokens: int, scope: str = "") -> list[int]:
+    """One key per whole block of the prompt, each covering everything before it (a partial tail has none). The
+    chain starts from the request's prefix-cache scope, so the same prompt under two API keys (or salts) shares
+    no key: routing never follows another key's prefix (the replica's own cache would not share it either)."""
     keys: list[int] = []
-    key = 0
+    key = hash(scope) if scope else 0
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         key = hash((key, tuple(tokens[start:start + block_tokens])))
         keys.append(key)
@@ -42,8 +44,8 @@ class PrefixTable:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def keys(self, tokens: Sequence[int]) -> list[int]:
-        return block_keys(tokens, self.block_tokens)
+    def keys(self, tokens: Sequence[int], scope: str = "") -> list[int]:
+        return block_keys(tokens, self.block_tokens, scope)
 
     def match(self, keys: Sequence[int]) -> list[tuple[str, int]]:
         """(replica, tokens matched) for every replica holding a leading run of `keys`, deepest first (ties:

@@ -57,7 +57,7 @@ class PrefixAffinityRouter(RequestRouter):
         if request is None or len(shuffled) < 2:
             return [shuffled]
         table = self._state()
-        matches = table.match(table.keys(request.prompt_token_ids))
+        matches = table.match(table.keys(request.prompt_token_ids, request.cache_scope))
         if not matches:
             return [shuffled]
         loads = await self._loads(shuffled)
@@ -90,7 +90,7 @@ class PrefixAffinityRouter(RequestRouter):
         request = generation_request(pending_request)
         if request is not None:
             table = self._state()
-            table.insert(table.keys(request.prompt_token_ids), replica_id.unique_id)
+            table.insert(table.keys(request.prompt_token_ids, request.cache_scope), replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

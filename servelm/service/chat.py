@@ -30,7 +30,7 @@ from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.deployments import Deployment, Deployments
 from servelm.service.logprobs import chat_logprobs
-from servelm.service.params import EndpointParams, sampling_params
+from servelm.service.params import EndpointParams, RequestContext, cache_scope, sampling_params
 from servelm.service.structured import ToolPlan, plan_output, template_messages
 
 
@@ -56,7 +56,7 @@ class ChatService:
         self.deployments = deployments
 
     # -- validation and conversion ----------------------------------------------------------------
-    def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
+    def prepare(self, req: ChatCompletionRequest, ctx: RequestContext = RequestContext()) -> PreparedChat:
         dep = self.deployments.generator(req.model)
         _reject_unsupported(req)
         output = plan_output(req, dep)
@@ -76,7 +76,8 @@ class ChatService:
             constrained=output.constraint is not None,
         )
         params = sampling_params(req, dep, len(prompt), ep)
-        generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint)
+        generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
+                                       cache_scope(ctx.owner, req.cache_salt))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools)
 

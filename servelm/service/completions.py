@@ -18,7 +18,7 @@ from servelm.protocol.completions import Completion, CompletionChoice, Completio
 from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.deployments import Deployment, Deployments
 from servelm.service.logprobs import legacy_logprobs
-from servelm.service.params import EndpointParams, sampling_params
+from servelm.service.params import EndpointParams, RequestContext, cache_scope, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 T = TypeVar("T")
@@ -68,7 +68,8 @@ class CompletionService:
         self.deployments = deployments
 
     # -- validation and conversion ----------------------------------------------------------------
-    def prepare(self, req: CompletionRequest, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedCompletion:
+    def prepare(self, req: CompletionRequest, ctx: RequestContext = RequestContext(),
+                default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedCompletion:
         """default_max_tokens: used when the request gives none (None: up to the context window, as OVMS does)."""
         dep = self.deployments.generator(req.model)  # 404 unknown, 400 embedding-only
         _reject_unsupported(req, dep)
@@ -86,7 +87,8 @@ class CompletionService:
             )
             params = sampling_params(req, dep, len(ids), ep)
             echo = _echo_text(prompt, parts, dep) if req.echo else ""
-            jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params), echo))
+            scope = cache_scope(ctx.owner, req.cache_salt)
+            jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope), echo))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedCompletion(dep, request_id, tuple(jobs), dep.name, int(time.time()), bool(req.stream),
                                   include_usage, bool(req.echo), req.logprobs)

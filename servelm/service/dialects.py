@@ -23,6 +23,7 @@ from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequ
 from servelm.service.choices import Collector, SeqResult
 from servelm.service.completions import CompletionService, PreparedCompletion, gather_all
 from servelm.service.deployments import Deployment, Deployments
+from servelm.service.params import RequestContext
 
 
 # -- model routing --------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class NativeService:
         self.completions = completions
         self.deployments = completions.deployments
 
-    def prepare(self, req: DjlRequest) -> PreparedNative:
+    def prepare(self, req: DjlRequest, ctx: RequestContext = RequestContext()) -> PreparedNative:
         p = req.parameters
         inputs = [req.inputs] if isinstance(req.inputs, str) else list(req.inputs)
         if req.stream and not isinstance(req.inputs, str):
@@ -196,7 +197,7 @@ class NativeService:
         creq = CompletionRequest(model=req.model or default_model(self.deployments), prompt=req.inputs, stream=req.stream,
                                  logprobs=0 if details or req.stream else None,
                                  **{k: v for k, v in fields.items() if v is not None})
-        return PreparedNative(self.completions.prepare(creq), inputs, not isinstance(req.inputs, str), details,
+        return PreparedNative(self.completions.prepare(creq, ctx), inputs, not isinstance(req.inputs, str), details,
                               bool(p and p.return_full_text))
 
     async def complete(self, p: PreparedNative) -> DjlOutputs | DjlOutput:

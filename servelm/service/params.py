@@ -6,12 +6,28 @@ wants, the name of its prompt parameter, and its own max_tokens field, and the r
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from servelm.engine.types import BeamParams, SamplingParams
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.common import GenerationFields
 from servelm.service.deployments import Deployment
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What the HTTP layer knows of a request that the services need: who sent it."""
+
+    owner: str = ""  # the API key's digest (hex); "" on an open server
+
+
+def cache_scope(owner: str, salt: str | None) -> str:
+    """The prefix-cache scope of a request: its key, subdivided by its cache_salt. Requests of one key (and one
+    salt) share cached prompts; no key reads another's. An open server without salts has one scope, ""."""
+    if not owner and salt is None:
+        return ""
+    return hashlib.sha256(f"{owner}\x00{salt or ''}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,35 @@ def test_a_request_does_not_wait_for_a_prefix_too_short_to_matter():
     b = ask(s, "b", [*range(100, 130), *range(200, 240)], max_tokens=4)
     plan = run_step(s)
     assert {c.seq.group for c in plan.chunks} == {a, b}, "30 shared tokens are not worth a wait"
+
+
+def test_entries_are_read_only_within_the_scope_that_wrote_them():
+    """Another key's request with the same prompt reads nothing (not even a length it could time); the same
+    scope reads the entry; the same prompt under two scopes is kept twice."""
+    s = Scheduler(num_slots=3, kv_cells=1000, max_step_tokens=64, prefix_cache=True)
+    a = SequenceGroup("a", tuple(range(1, 21)), SamplingParams(max_tokens=1), scope="key-a")
+    s.add(a)
+    run_step(s)
+    other = SequenceGroup("b", tuple(range(1, 25)), SamplingParams(max_tokens=1), scope="key-b")
+    same = SequenceGroup("a2", tuple(range(1, 25)), SamplingParams(max_tokens=1), scope="key-a")
+    s.add(other)
+    s.add(same)
+    run_step(s)
+    assert other.cached_tokens == 0 and same.cached_tokens == 20
+    assert sorted(e.scope for e in s.cache.entries) == ["key-a", "key-b"]
+
+
+def test_a_request_waits_only_for_a_prompt_of_its_own_scope():
+    """Waiting for a shared prompt still being read would tell a second key that the first key sent it."""
+    s = Scheduler(num_slots=3, kv_cells=2000, max_step_tokens=64, prefix_cache=True)
+    long_prompt = tuple(range(1, 101))
+    s.add(SequenceGroup("a", long_prompt, SamplingParams(max_tokens=1), scope="key-a"))
+    run_step(s)  # "a" has read 64 of its 100 tokens; the next step reads the rest and has room for more
+    stranger = SequenceGroup("b", long_prompt, SamplingParams(max_tokens=1), scope="key-b")
+    colleague = SequenceGroup("a2", long_prompt, SamplingParams(max_tokens=1), scope="key-a")
+    s.add(stranger)
+    s.add(colleague)
+    plan = s.schedule()
+    started = {c.seq.group.request_id for c in plan.chunks}
+    assert "b" in started, "another scope's request is not held back"
+    assert "a2" not in started, "the same scope waits to reuse what is being read"

@@ -40,3 +40,39 @@ def test_completions_report_cached_tokens(fake_server_factory):
     assert first.usage.prompt_tokens_details is None or first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
     assert second.choices[0].text == first.choices[0].text
+
+
+def test_one_key_never_reads_anothers_cached_prompt(fake_server_factory):
+    """With API keys, cached prompts are per key: the second key's identical request reports no cached tokens
+    (cached_tokens and the time to first token would otherwise reveal the first key's prompt), and each key
+    still reuses its own. cache_salt divides one key's requests further."""
+    from servelm.http.auth import key_spec
+    from servelm.http.limits import SecurityConfig
+
+    server = fake_server_factory(prefix_cache=True, security=SecurityConfig(keys=[key_spec("sk-a"), key_spec("sk-b")]))
+
+    def cached(key: str, **extra) -> int:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=key, max_retries=0)
+        r = client.chat.completions.create(model="fake-model", messages=[SYSTEM, {"role": "user", "content": "hi"}],
+                                           max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("sk-a") == 0
+    assert cached("sk-b") == 0, "the other key's prompt is not readable"
+    assert cached("sk-a") > 0 and cached("sk-b") > 0, "each key reuses its own"
+    assert cached("sk-a", cache_salt="tenant-1") == 0, "a salt starts a scope of its own"
+    assert cached("sk-a", cache_salt="tenant-1") > 0
+    assert cached("sk-b", cache_salt="tenant-1") == 0, "the same salt under another key is another scope"
+
+
+def test_an_open_server_has_one_scope_and_salts_divide_it(fake_server_factory):
+    server = fake_server_factory(prefix_cache=True)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+    def cached(**extra) -> int:
+        r = client.chat.completions.create(model="fake-model", messages=[SYSTEM, {"role": "user", "content": "yo"}],
+                                           max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0 and cached() > 0
+    assert cached(cache_salt="s") == 0 and cached(cache_salt="s") > 0

@@ -76,3 +76,12 @@ def test_holders_per_block_are_bounded() -> None:
     for r in "abcdef":
         t.insert(t.keys(prompt), r)
     assert [r for r, _ in t.match(t.keys(prompt))] == ["f", "e", "d", "c"]
+
+
+def test_the_same_prompt_under_two_scopes_shares_no_block():
+    from servelm.ray.prefix_table import block_keys
+
+    tokens = list(range(64))
+    a, b = block_keys(tokens, 16, "scope-a"), block_keys(tokens, 16, "scope-b")
+    assert len(a) == len(b) == 4 and not set(a) & set(b)
+    assert block_keys(tokens, 16, "scope-a") == a and block_keys(tokens, 16) != a
