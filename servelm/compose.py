@@ -31,15 +31,17 @@ def build_deployment(
     prefix_cache_cells: int | None = None,
     chat_template: str | None = None,
     engine: object | None = None,
+    grammar_limits: object | None = None,
 ) -> tuple[Deployment, object]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
     from servelm.chat.template import ChatTemplate
     from servelm.chat.tools import detect_style
-    from servelm.constrain.grammars import Grammars
+    from servelm.constrain.grammars import GrammarLimits, Grammars
     from servelm.engine.local import LocalEngine
 
-    grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text)
+    grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
+                        limits=grammar_limits if isinstance(grammar_limits, GrammarLimits) else GrammarLimits())
     engine = engine or LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache,
                          prefix_cache_cells=prefix_cache_cells, grammars=grammars)
     bos = runner.bos_token
@@ -88,6 +90,14 @@ def build_embedding_deployment(name: str, model, fingerprint_source: str = "") -
         embedder=embedder,
     )
     return deployment, embedder
+
+
+def grammar_limits(e: Any) -> Any:
+    """A deployment's EngineSettings → the GrammarLimits of its grammars."""
+    from servelm.constrain.grammars import GrammarLimits, MiB
+
+    return GrammarLimits(max_bytes=e.grammar_max_mib * MiB, cache_bytes=e.grammar_cache_mib * MiB,
+                         max_compile_seconds=e.grammar_compile_ms / 1000)
 
 
 def _fingerprint(source: str) -> str:
@@ -172,6 +182,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers:
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
         prefix_cache=e.prefix_cache, prefix_cache_cells=e.prefix_cache_cells, chat_template=template,
+        grammar_limits=grammar_limits(e),
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)

@@ -63,6 +63,12 @@ class EngineSettings(BaseSettings):
     prefix_cache_cells: int | None = Field(None, ge=0, description="most KV cells the cache may keep (default: half "
                                            "of --kv-cells); running requests take them back whenever they need room")
     context_window: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the model's)")
+    grammar_max_mib: int = Field(64, ge=1, description="heap one compiled grammar (a schema, pattern, choice list, "
+                                 "grammar or tool set) may hold; a larger one is a 400 grammar_too_large")
+    grammar_cache_mib: int = Field(512, ge=1, description="heap the cache of compiled grammars may hold (least "
+                                   "recently used out first)")
+    grammar_compile_ms: int = Field(5000, ge=1, description="time one grammar may take to compile; a slower one is "
+                                    "a 400 grammar_too_slow")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")
 
 
@@ -110,8 +116,14 @@ class ServerSettings(BaseSettings):
                                 "without keys); 0: no limit")
     rate_limit_tpm: int = Field(0, ge=0, description="tokens per minute per API key: prompt plus max_tokens "
                                 "charged at admission, the unused part given back when the answer's usage is known; 0: no limit")
-    max_waiting: int = Field(256, ge=0, description="requests that may wait for a deployment's engine; beyond "
-                             "it a request is answered 429 (0: no bound)")
+    max_waiting: int = Field(256, ge=0, description="requests that may wait for a deployment's engine (from "
+                             "admission to their first output); beyond it a request is answered 429 queue_full (0: "
+                             "no bound). A batch of legacy-completion prompts counts one a prompt, all or none")
+    max_waiting_per_key: int | None = Field(None, ge=0, description="of those, how many one caller (an API key; a "
+                                            "client address without keys) may hold (default: half of "
+                                            "--max-waiting; 0: no bound; a key's own max_waiting wins)")
+    max_batch_prompts: int = Field(128, ge=1, description="most prompts in one legacy-completions request (a list "
+                                   "of prompts is a batch); more is a 400")
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 

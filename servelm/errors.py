@@ -36,6 +36,14 @@ class ContextLengthExceeded(ClientError):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
+class ConstraintFailed(ClientError):
+    """A grammar that compiled but could not be followed while the answer was made (it grew past the grammar
+    engine's per-step limits): the request fails rather than silently giving unconstrained or empty output."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message, param=param, code="grammar_too_complex")
+
+
 class UnprocessableContent(ClientError):
     """Well-formed, but holding something this model or contract cannot take (Azure ML's 422)."""
 
@@ -94,9 +102,9 @@ class RateLimited(ClientError):
 
 
 class QueueFull(RateLimited):
-    def __init__(self, waiting: int, retry_after: float = 1) -> None:
-        super().__init__(f"The deployment's queue is full ({waiting} requests waiting); retry later.",
-                         retry_after, kind="server_overloaded", code="queue_full")
+    def __init__(self, waiting: int, what: str | None = None, retry_after: float = 1) -> None:
+        what = what or f"The deployment's queue is full ({waiting} requests waiting)"
+        super().__init__(f"{what}; retry later.", retry_after, kind="server_overloaded", code="queue_full")
 
 
 class RequestTimeout(ServerError):

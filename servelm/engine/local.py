@@ -27,7 +27,8 @@ from servelm.engine.scheduler import Scheduler, StepPlan
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
                                   TokenLogprob)
-from servelm.errors import QueueFull
+from servelm.constrain.grammars import plain_error
+from servelm.errors import ApiError, ConstraintFailed
 from servelm.runners.base import KVCacheFull, ModelRunner
 
 log = logging.getLogger("servelm.engine")
@@ -49,6 +50,7 @@ class _SeqState:
     logprobs: list[TokenLogprob] | None = None  # theirs, when asked for
     cumulative: float = 0.0
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, while the prompt is read
+    grammar_param: str | None = None  # the request parameter the matcher's grammar came from
 
 
 @dataclass(eq=False)
@@ -66,10 +68,8 @@ class LocalEngine:
         prefix_cache: bool = False,
         prefix_cache_cells: int | None = None,
         grammars: Grammars | None = None,
-        max_waiting: int | None = None,
     ) -> None:
         self.runner = runner
-        self.max_waiting = max_waiting  # requests that may wait for a slot (None or 0: no bound); see admit()
         self.grammars = grammars
         self._masks = MaskComputer(runner.vocab_size) if grammars is not None else None
         self.scheduler = Scheduler(
@@ -110,17 +110,7 @@ class LocalEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the asyncio side -------------------------------------------------------------------------
-    def admit(self, limit: int | None = None) -> None:
-        """Raise QueueFull (429) when `limit` (else self.max_waiting; 0: no bound) requests already wait for
-        a slot. Read without a lock while the engine thread runs: off by a request or two at worst."""
-        limit = limit if limit is not None else self.max_waiting
-        if limit:
-            waiting = len(self._clients) - len(self.scheduler.running)
-            if waiting >= limit:
-                raise QueueFull(waiting)
-
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        self.admit()
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope)
         params = request.params
         if request.constraint is not None and self.grammars is None:
@@ -134,7 +124,8 @@ class LocalEngine:
             detok = self._detokenizer(params)
             free_unless = request.constraint.free_unless if request.constraint is not None else ()
             seq.state = _SeqState(sampler, detok, matcher, free_unless, beam=search,
-                                  logprobs=[] if params.logprobs is not None else None)
+                                  logprobs=[] if params.logprobs is not None else None,
+                                  grammar_param=request.constraint.param if request.constraint is not None else None)
         if params.prompt_logprobs is not None:
             group.seqs[0].state.prompt_logprobs = {}
         client = _Client(asyncio.get_running_loop(), asyncio.Queue())
@@ -256,7 +247,7 @@ class LocalEngine:
 
     def _fail(self, group: SequenceGroup, exc: BaseException, outputs: dict) -> None:
         self.scheduler.abort(group.request_id)
-        if not isinstance(exc, EngineError):
+        if not isinstance(exc, (EngineError, ApiError)):
             exc = EngineError(f"the engine failed on this request: {type(exc).__name__}: {exc}")
         outputs[group.request_id] = exc  # replaces what the request had this step: only the error goes out
 
@@ -376,7 +367,11 @@ class LocalEngine:
         constrained = [i for i, s in enumerate(samplers) if s.state.matcher is not None]
         if not constrained or self._masks is None:
             return None
-        return np.asarray(constrained), self._masks.allowed([samplers[i].state.matcher for i in constrained])
+        allowed = self._masks.allowed([samplers[i].state.matcher for i in constrained])
+        for i in constrained:
+            if samplers[i].state.matcher.is_error():  # past llguidance's per-step limits: its request fails
+                raise _constraint_failed(samplers[i])
+        return np.asarray(constrained), allowed
 
     def _advance(self, seq: Sequence, token: int, entry: TokenLogprob | None,
                  outputs: dict[str, list[GenerationOutput]]) -> None:
@@ -390,8 +385,7 @@ class LocalEngine:
             if st.logprobs is not None:
                 st.logprobs.append(entry)
         if st.matcher is not None and not st.matcher.consume_token(token):
-            log.error("grammar rejected sampled token %d: %s", token, st.matcher.get_error())
-            return self._finish_output(seq, FinishReason.STOP, None, outputs)
+            raise _constraint_failed(seq)
         if token in self._eog_set and (not params.ignore_eos or st.matcher is not None and st.matcher.is_stopped()):
             return self._finish_output(seq, FinishReason.STOP, None, outputs, ended_by_token=True)
         if token in params.stop_token_ids:
@@ -514,3 +508,9 @@ class LocalEngine:
         for group in groups:
             self.scheduler.abort(group.request_id)
         self._send({g.request_id: exc for g in groups})
+
+
+def _constraint_failed(seq: Sequence) -> ConstraintFailed:
+    st: _SeqState = seq.state
+    return ConstraintFailed(f"The output constraint could not be followed after {seq.num_generated} tokens: "
+                            f"{plain_error(st.matcher.get_error())}.", st.grammar_param)

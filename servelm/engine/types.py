@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,13 @@ class Constraint:
     # is text that cannot begin any of them, the grammar allows every continuation, so the engine stops
     # computing its masks.
     free_unless: tuple[str, ...] = ()
+    param: str | None = None  # the request parameter it came from, named if it fails while the answer is made
+    # The compiled, checked grammar (an llguidance matcher to copy), so that the engine never compiles on its
+    # own thread. Process-local: not pickled (a Ray replica compiles from `grammar` once, then caches it).
+    proto: Any = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Constraint, (self.grammar, self.key, self.kind, self.free_unless, self.param))
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,7 @@ class Ingress:
         self._runners = []
 
     def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo) -> Deployment:
-        from servelm.compose import build_deployment
+        from servelm.compose import build_deployment, grammar_limits
         from servelm.runners.llamacpp import LlamaCppRunner
 
         path = resolve_model_source(spec.model, spec.kind)
@@ -95,7 +95,8 @@ class Ingress:
                               context_window=info.context_window, vocab_size=info.embedding.vocab_size,
                               max_choices=0, fingerprint=info.fingerprint, embedder=embedder)
         template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
-        deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas))
+        deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
+                                         grammar_limits=grammar_limits(spec.engine))
         deployment.context_window = info.context_window  # the replicas' (their KV cache bounds it)
         deployment.max_choices = info.max_choices
         deployment.fingerprint = info.fingerprint

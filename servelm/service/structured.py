@@ -78,7 +78,8 @@ def plan_output(req: ChatCompletionRequest, dep: Deployment) -> OutputPlan:
     try:
         constraint = grammars.lark(lark, "tools")
     except GrammarError as exc:
-        raise InvalidParameter(f"The tools could not be compiled into a grammar: {exc}", "tools") from None
+        raise InvalidParameter(f"The tools could not be compiled into a grammar: {exc}", "tools", exc.code) from None
+    constraint = replace(constraint, param="tools")
     if choice == "auto" and content_expr is None:
         constraint = replace(constraint, free_unless=fmt.starts)
     plan = ToolPlan(fmt, tuple(functions), choice)
@@ -135,18 +136,21 @@ def _compile_content(content: _Content, grammars: Grammars | None) -> Constraint
         raise InvalidParameter("This deployment has no grammar support for constrained output.", content.param)
     try:
         if content.kind == "json_object":
-            return grammars.json_object()
-        if content.kind == "json_schema":
-            return grammars.json_schema(_schema(content.value))
-        if content.kind == "regex":
-            return grammars.regex(content.value)
-        if content.kind == "choice":
-            return grammars.choice(content.value)
-        return grammars.grammar(content.value)
+            constraint = grammars.json_object()
+        elif content.kind == "json_schema":
+            constraint = grammars.json_schema(_schema(content.value))
+        elif content.kind == "regex":
+            constraint = grammars.regex(content.value)
+        elif content.kind == "choice":
+            constraint = grammars.choice(content.value)
+        else:
+            constraint = grammars.grammar(content.value)
     except GrammarError as exc:
         what = {"json_schema": "JSON schema", "regex": "regular expression", "choice": "choice list",
-                "grammar": "grammar"}[content.kind]
-        raise InvalidParameter(f"The {what} could not be compiled: {exc}", content.param, "invalid_grammar") from None
+                "grammar": "grammar", "json_object": "JSON object grammar"}[content.kind]
+        verb = "could not be compiled" if exc.code == "invalid_grammar" else "was refused"
+        raise InvalidParameter(f"The {what} {verb}: {exc}", content.param, exc.code) from None
+    return replace(constraint, param=content.param)
 
 
 # -- tools ----------------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ def _functions(req: ChatCompletionRequest, grammars: Grammars | None) -> list[Fu
             except GrammarError as exc:
                 raise InvalidParameter(
                     f"The parameters of tool {fn.name!r} are not a usable JSON schema: {exc}",
-                    f"tools[{i}].function.parameters", "invalid_grammar",
+                    f"tools[{i}].function.parameters", exc.code,
                 ) from None
         spec = FunctionSpec(fn.name, fn.description) if params is None else FunctionSpec(fn.name, fn.description, params)
         functions.append(spec)

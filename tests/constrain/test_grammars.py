@@ -1,10 +1,12 @@
+import pickle
+
 import numpy as np
 import pytest
 
-from servelm.constrain.grammars import GrammarError
+from servelm.constrain.grammars import GrammarError, GrammarLimits, Grammars, MiB, plain_error
 from servelm.constrain.masks import MaskComputer
 
-from .bytevocab import EOS, accepts, grammars, tokens
+from .bytevocab import EOS, TABLE, accepts, grammars, tokens
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +59,77 @@ def test_uncompilable_constraints_raise(g, build):
     assert str(info.value)
 
 
-def test_compiled_grammars_are_cached_by_text_and_evicted_lru():
-    g = grammars()
-    g._cache_size = 2
+def test_compiled_grammars_are_cached_by_text_and_evicted_lru_within_a_byte_budget():
+    probe = grammars()
+    probe.regex("a+")
+    one = probe.cached_bytes()
+    g = Grammars(TABLE, [EOS], lambda data: [b + 1 for b in data], limits=GrammarLimits(cache_bytes=int(2.5 * one)))
     a1 = g.regex("a+")
     assert g.regex("a+").key == a1.key and g.cached() == 1
     g.regex("b+")
     g.regex("c+")  # evicts a+
-    assert g.cached() == 2 and a1.key not in g._cache
-    m = g.matcher(a1)  # compiled again from the constraint itself
+    assert g.cached() == 2 and a1.key not in g._cache and g.cached_bytes() <= 2.5 * one
+    m = g.matcher(pickle.loads(pickle.dumps(a1)))  # crossed a process: compiled again from its text
     assert m.consume_token(tokens("a")[0]) and m.is_accepting()
+
+
+def test_a_constraint_carries_its_compiled_grammar_but_pickles_without_it():
+    g = grammars()
+    c = g.regex("x+")
+    assert c.proto is not None
+    back = pickle.loads(pickle.dumps(c))
+    assert back.proto is None and (back.grammar, back.key, back.kind) == (c.grammar, c.key, c.kind) and back == c
+
+
+def test_the_cache_holds_no_more_bytes_than_its_budget():
+    g = Grammars(TABLE, [EOS], lambda data: [b + 1 for b in data], limits=GrammarLimits(cache_bytes=4 * MiB))
+    for i in range(60):
+        g.choice([f"option-{i}-{j}" for j in range(300)])
+        assert g.cached_bytes() <= 4 * MiB
+    assert 1 < g.cached() < 60
+
+
+def test_one_grammar_over_the_memory_limit_is_refused_saying_so():
+    g = Grammars(TABLE, [EOS], lambda data: [b + 1 for b in data], limits=GrammarLimits(max_bytes=MiB // 4))
+    with pytest.raises(GrammarError) as info:
+        g.choice([f"choice number {j}" for j in range(4000)])
+    assert info.value.code == "grammar_too_large" and "MiB" in str(info.value)
+    assert g.cached() == 0
+
+
+def test_one_grammar_over_the_time_limit_is_refused_saying_so():
+    g = Grammars(TABLE, [EOS], lambda data: [b + 1 for b in data], limits=GrammarLimits(max_compile_seconds=0.0))
+    with pytest.raises(GrammarError) as info:
+        g.choice([f"choice number {j}" for j in range(2000)])
+    assert info.value.code == "grammar_too_slow" and "compile" in str(info.value)
+
+
+def test_a_grammar_too_complex_to_follow_is_refused_before_any_answer():
+    """20,000 alternatives in one rule compile, but llguidance cannot take a step in them (2,000 items a row):
+    the engine would end such an answer empty. The probe finds it first."""
+    g = grammars()
+    with pytest.raises(GrammarError) as info:
+        g.lark("start: " + " | ".join(f'"w{i}"' for i in range(20000)))
+    assert info.value.code == "grammar_too_complex"
+    assert "\n" not in str(info.value) and "<state>" not in str(info.value)
+
+
+def test_many_choices_work_as_one_terminal():
+    g = grammars()
+    options = [f"w{i}" for i in range(5000)]
+    c = g.choice(options)
+    assert accepts(g, c, "w4321") and not accepts(g, c, "w5000")
+
+
+def test_llguidance_failures_read_as_plain_sentences():
+    assert plain_error("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n 0: x") \
+        == "the grammar is larger than the grammar engine can hold (assertion failed: grammar.symbols.len() < u16::MAX as usize - 10)"
+    assert plain_error("Parser Error: row too big\n<state>\nTokens: ...") == "Parser Error: row too big"
+    g = grammars()
+    try:  # a list past what llguidance can hold: refused or served, but never a panic and backtrace
+        g.lark("start: " + " | ".join(f"r{i}" for i in range(70000)) + "\n" + "\n".join(f'r{i}: "a{i}"' for i in range(70000)))
+    except GrammarError as exc:
+        assert "panic" not in str(exc) and "backtrace" not in str(exc) and "\n" not in str(exc)
 
 
 def test_masks_allow_exactly_the_grammars_next_bytes(g):

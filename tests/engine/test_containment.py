@@ -134,3 +134,51 @@ async def test_nan_rows_from_one_request_do_not_reach_the_others(engine, monkeyp
     texts = await asyncio.gather(*[run(engine, f"ok{i}") for i in range(3)], run(engine, "nan", frequency_penalty=FAULTY))
     for text, reason in texts[:3]:
         assert reason is FinishReason.LENGTH and len(text) == 12
+
+
+async def test_a_grammar_that_fails_mid_answer_fails_its_request_with_a_client_error():
+    """A grammar past llguidance's per-step limits used to end its answer silently (empty or unconstrained);
+    now its request fails with 400 grammar_too_complex naming the parameter, and the others go on."""
+    from servelm.constrain.grammars import Grammars
+    from servelm.errors import ConstraintFailed
+
+    runner = FakeRunner(num_slots=6, kv_cells=256, max_step_tokens=32, step_delay=0.002)
+    grammars = Grammars(runner.token_table(), list(runner.eog_ids), runner.tokenize_text)
+    engine = LocalEngine(runner, grammars=grammars)
+    engine.start()
+    try:
+        constraint = grammars.regex("[a-z]+")
+        from dataclasses import replace
+        constraint = replace(constraint, param="structured_outputs.regex")
+        failing = grammars.matcher(constraint)
+
+        class Breaks:  # a matcher that errs on its third token, as llguidance does past a limit
+            def __init__(self) -> None:
+                self.n = 0
+
+            def __getattr__(self, name):
+                return getattr(failing, name)
+
+            def consume_token(self, token: int) -> bool:
+                self.n += 1
+                return self.n < 3 and failing.consume_token(token)
+
+            def get_error(self) -> str:
+                return "Parser Error: Current row has 4001 items; max is 2000\n<state>\nTokens: secret"
+
+        original = grammars.matcher
+        grammars.matcher = lambda c: Breaks() if c.param == "structured_outputs.regex" else original(c)
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        bad = GenerationRequest("bad", (3, 4, 5), params, constraint)
+
+        async def drain(req):
+            return [o async for o in engine.generate(req)]
+
+        results = await asyncio.gather(drain(bad), *[run(engine, f"ok{i}") for i in range(3)], return_exceptions=True)
+        err = results[0]
+        assert isinstance(err, ConstraintFailed) and err.status == 400 and err.code == "grammar_too_complex"
+        assert err.param == "structured_outputs.regex" and "secret" not in err.message and "\n" not in err.message
+        for text, reason in results[1:]:
+            assert reason is FinishReason.LENGTH and len(text) == 12
+    finally:
+        engine.stop()
