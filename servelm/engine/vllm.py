@@ -31,7 +31,7 @@ from typing import Any
 from servelm.engine.hf_vocab import HfTokenizer
 from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
                                   TokenLogprob)
-from servelm.errors import InvalidParameter, QueueFull, ServerError
+from servelm.errors import InvalidParameter, ServerError
 
 log = logging.getLogger("servelm.engine.vllm")
 
@@ -210,7 +210,6 @@ class VllmEngine:
         self.context_window = context_window
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
-        self.max_waiting: int | None = None
         self._make_params = make_params  # plain kwargs → vllm.SamplingParams (output_kind DELTA)
         self._seqs: dict[str, int] = {}  # request id → its sequences, while it runs in vLLM
         self._tasks: set[asyncio.Future] = set()  # aborts on their way
@@ -245,7 +244,6 @@ class VllmEngine:
         self._vllm_params(params)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        self.admit()
         check_supported(request.params, request.constraint is not None)
         params = self._vllm_params(request.params)
         translator = OutputTranslator(request)
@@ -294,14 +292,6 @@ class VllmEngine:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("aborting a request in vLLM failed: %s", task.exception())
-
-    def admit(self, limit: int | None = None) -> None:
-        """429 queue_full when `limit` (else max_waiting; 0: no bound) sequences already wait beyond the ones
-        vLLM runs together (max_num_seqs)."""
-        limit = limit if limit is not None else self.max_waiting
-        waiting = self.stats().waiting
-        if limit and waiting >= limit:
-            raise QueueFull(waiting)
 
     def stats(self) -> EngineStats:
         """From servelm's side: vLLM's own KV usage is on its /metrics, not here (the KV figures are 0)."""

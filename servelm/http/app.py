@@ -16,6 +16,7 @@ from servelm.http.middleware import RequestLog
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
 from servelm.service.deployments import Deployments
+from servelm.service.admission import QueuedEngine
 from servelm.service.metered import MeteredEngine
 
 
@@ -36,10 +37,12 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     app.include_router(build_router(deployments))
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
     app.state.metrics = metrics = Metrics(lambda: engine_gauges(deployments))
-    for d in deployments.all():  # time every generation: TTFT, inter-token and end-to-end latency, tokens
-        if d.engine is not None:
-            inner = d.engine.inner if isinstance(d.engine, MeteredEngine) else d.engine
-            d.engine = MeteredEngine(inner, metrics.meter(d.name))
+    for d in deployments.all():  # time every generation (TTFT, inter-token and end-to-end latency, tokens), and
+        if d.engine is not None:  # free its place in the waiting queue at its first output
+            inner = d.engine
+            while isinstance(inner, (MeteredEngine, QueuedEngine)):
+                inner = inner.inner
+            d.engine = MeteredEngine(QueuedEngine(inner, d.queue), metrics.meter(d.name))
     app.include_router(build_metrics_router(metrics))
     limits.install(app, security or SecurityConfig())  # auth 401, rate limits 429, body size 413, deadline
     app.add_middleware(RequestLog, metrics=metrics)  # outermost of ours: it sees every answer, 401/429 included

@@ -6,7 +6,7 @@ Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated li
 (one a line), and from the config file's [[keys]] tables. A line of the file, or a table, may limit the key:
 
     sk-alpha                                   # any deployment, the server's rate limits
-    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000
+    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000 max_waiting=16
     sha256:6b86b273ff34fce19d6b804eff5a3f57...  deployments=smollm2   # the key's digest, not the key
 
     [[keys]]                                   # in the config file
@@ -14,6 +14,7 @@ Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated li
     deployments = ["smollm2"]
     rpm = 60
     tpm = 20000
+    max_waiting = 16                           # places in a deployment's waiting queue (--max-waiting-per-key)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class KeySpec:
     rpm: int | None = None  # requests per minute; None: the server's --rate-limit-rpm; 0: none
     tpm: int | None = None  # tokens per minute; None: the server's --rate-limit-tpm; 0: none
     name: str = ""  # a label for logs
+    max_waiting: int | None = None  # places it may hold in a deployment's queue; None: --max-waiting-per-key
 
     @property
     def label(self) -> str:
@@ -54,7 +56,8 @@ def hash_key(key: str) -> bytes:
 
 
 def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: Iterable[str] | None = None,
-             rpm: int | None = None, tpm: int | None = None, name: str = "") -> KeySpec:
+             rpm: int | None = None, tpm: int | None = None, name: str = "",
+             max_waiting: int | None = None) -> KeySpec:
     """A KeySpec from a key or its digest (hex); a ValueError says what is wrong."""
     if (key is None) == (sha256 is None):
         raise ValueError("a key needs exactly one of `key` and `key_sha256`")
@@ -69,23 +72,24 @@ def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: 
             digest = b""
         if len(digest) != 32:
             raise ValueError("key_sha256 must be 64 hexadecimal digits (a SHA-256 digest)")
-    for limit in (rpm, tpm):
+    for limit in (rpm, tpm, max_waiting):
         if limit is not None and (not isinstance(limit, int) or limit < 0):
-            raise ValueError("rpm and tpm must be whole numbers >= 0")
+            raise ValueError("rpm, tpm and max_waiting must be whole numbers >= 0")
     names = None if deployments is None else frozenset(deployments)
-    return KeySpec(digest, names, rpm, tpm, name)
+    return KeySpec(digest, names, rpm, tpm, name, max_waiting)
 
 
 def key_from_table(table: Mapping[str, Any]) -> KeySpec:
-    """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, name."""
-    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "name"}
+    """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, max_waiting, name."""
+    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "name"}
     if unknown:
         raise ValueError(f"unknown field(s) in a [[keys]] table: {', '.join(sorted(unknown))}")
     deployments = table.get("deployments")
     if isinstance(deployments, str):
         deployments = [deployments]
     return key_spec(table.get("key"), sha256=table.get("key_sha256"), deployments=deployments,
-                    rpm=table.get("rpm"), tpm=table.get("tpm"), name=str(table.get("name", "")))
+                    rpm=table.get("rpm"), tpm=table.get("tpm"), name=str(table.get("name", "")),
+                    max_waiting=table.get("max_waiting"))
 
 
 def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
@@ -99,8 +103,8 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
         try:
             for option in options:
                 name, sep, value = option.partition("=")
-                if not sep or name not in ("deployments", "rpm", "tpm", "name"):
-                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N or name=TEXT, not {option!r}")
+                if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "name"):
+                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N or name=TEXT, not {option!r}")
                 if name == "deployments":
                     fields[name] = [d for d in value.split(",") if d]
                 else:

@@ -17,8 +17,9 @@ from typing import Any
 
 from servelm.errors import PayloadTooLarge, RequestTimeout
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
-from servelm.http.auth import AuthMiddleware, KeySpec
-from servelm.http.ratelimit import Charge, RateLimiter, RateLimitMiddleware, charge_tokens
+from servelm.http.auth import AuthMiddleware, KeySpec, current_key
+from servelm.http.ratelimit import Charge, RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
+from servelm.service.admission import Ticket, WaitingQueue
 
 SCOPE_LIMITS = "servelm.limits"
 
@@ -31,7 +32,9 @@ class SecurityConfig:
     max_body_bytes: int = 8 * 1024 * 1024  # 0: no limit
     rate_limit_rpm: int = 0
     rate_limit_tpm: int = 0
-    max_waiting: int = 256  # for each deployment whose engine sets none; 0: no bound
+    max_waiting: int = 256  # for each deployment that sets none; 0: no bound
+    max_waiting_per_key: int | None = None  # of those, one caller's (None: half of max_waiting; 0: no bound)
+    max_batch_prompts: int = 128  # prompts in one legacy-completions request
     request_timeout: float = 0  # seconds; 0: no deadline
 
     @classmethod
@@ -39,6 +42,7 @@ class SecurityConfig:
         """From ServerSettings and the keys load_keys(settings, …) read."""
         return cls(keys=tuple(keys), max_body_bytes=settings.max_body_bytes, rate_limit_rpm=settings.rate_limit_rpm,
                    rate_limit_tpm=settings.rate_limit_tpm, max_waiting=settings.max_waiting,
+                   max_waiting_per_key=settings.max_waiting_per_key, max_batch_prompts=settings.max_batch_prompts,
                    request_timeout=settings.request_timeout)
 
 
@@ -49,6 +53,8 @@ class RequestLimits:
     max_waiting: int
     timeout: float
     deadline: float | None  # time.monotonic() by which it must have finished
+    max_waiting_per_key: int | None = None
+    max_batch_prompts: int = 128
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -74,8 +80,9 @@ class LimitsMiddleware:
             await self.app(scope, receive, send)
             return
         timeout = self.config.request_timeout
-        scope[SCOPE_LIMITS] = RequestLimits(self.config.max_waiting, timeout,
-                                            time.monotonic() + timeout if timeout else None)
+        c = self.config
+        scope[SCOPE_LIMITS] = RequestLimits(c.max_waiting, timeout, time.monotonic() + timeout if timeout else None,
+                                            c.max_waiting_per_key, c.max_batch_prompts)
         limit = self.config.max_body_bytes
         if not limit:
             await self.app(scope, receive, send)
@@ -115,9 +122,11 @@ def timed_out(scope: Scope) -> RequestTimeout:
 
 @dataclass(eq=False)
 class Admission:
-    """A generating request let in: its token charge (settled from usage) and its deadline."""
+    """A generating request let in: its places in the waiting queue, its token charge (settled from usage), and
+    its deadline."""
 
     scope: Scope
+    ticket: Ticket | None = None
     charge: Charge | None = None
 
     def settle(self, usage: Any) -> None:
@@ -125,33 +134,44 @@ class Admission:
         if self.charge is not None and usage is not None:
             self.charge.settle(int(getattr(usage, "completion_tokens", 0) or 0))
 
+    def release(self) -> None:
+        """The request is over: whatever places it still holds in the queue are free."""
+        if self.ticket is not None:
+            self.ticket.release()
+
     async def stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """The chunks, stopped by the deadline (RequestTimeout: the SSE writer turns it into an error event;
         closing the chunks aborts the request in the engine); usage, when a chunk has it, settles the charge."""
-        async with aclosing(chunks) as it:  # type: ignore[type-var]
-            while True:
-                left = remaining(self.scope)
-                try:
-                    chunk = await (anext(it) if left is None else asyncio.wait_for(anext(it), left))
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise timed_out(self.scope) from None
-                usage = getattr(chunk, "usage", None)
-                if usage is not None:
-                    self.settle(usage)
-                yield chunk
+        try:
+            async with aclosing(chunks) as it:  # type: ignore[type-var]
+                while True:
+                    left = remaining(self.scope)
+                    try:
+                        chunk = await (anext(it) if left is None else asyncio.wait_for(anext(it), left))
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        raise timed_out(self.scope) from None
+                    usage = getattr(chunk, "usage", None)
+                    if usage is not None:
+                        self.settle(usage)
+                    yield chunk
+        finally:
+            self.release()
 
 
-def admit(scope: Scope, engine: Any, prompt_tokens: int, max_tokens: int, sequences: int,
+def admit(scope: Scope, queue: WaitingQueue, request_ids: Sequence[str], prompt_tokens: int, max_tokens: int,
           max_waiting: int | None = None) -> Admission:
-    """Let a generating request in, or raise: 429 queue_full when its deployment's queue is full (max_waiting,
-    the deployment's own, else the server's --max-waiting; 0: no bound), 429 tokens when its key's tokens per
-    minute are spent."""
-    limits = limits_of(scope)
-    if max_waiting is None and limits is not None:
-        max_waiting = limits.max_waiting
-    check = getattr(engine, "admit", None)
-    if check is not None:
-        check(max_waiting)
-    return Admission(scope, charge_tokens(scope, prompt_tokens, max_tokens * sequences))
+    """Let a generating request in, or raise: 429 queue_full when its deployment's queue, or its caller's share
+    of it, has no room for every generation it runs (max_waiting: the deployment's own, else the server's; 0: no
+    bound), 429 tokens when its key's tokens per minute are spent. The places are taken at once (no await
+    between the check and the count)."""
+    limits = limits_of(scope) or RequestLimits(0, 0, None)
+    total = limits.max_waiting if max_waiting is None else max_waiting
+    key = current_key(scope)
+    per_caller = key.max_waiting if key is not None and key.max_waiting is not None else limits.max_waiting_per_key
+    if per_caller is None:
+        per_caller = (total + 1) // 2
+    charge = charge_tokens(scope, prompt_tokens, max_tokens)  # 429 tokens: nothing reserved yet
+    ticket = queue.reserve(caller_of(scope), request_ids, total, per_caller)
+    return Admission(scope, ticket, charge)

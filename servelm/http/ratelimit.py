@@ -98,13 +98,10 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         key = current_key(scope)
+        caller, rpm, tpm = caller_of(scope), self.limiter.rpm, self.limiter.tpm
         if key is not None:
-            caller = "key:" + key.digest.hex()
-            rpm = self.limiter.rpm if key.rpm is None else key.rpm
-            tpm = self.limiter.tpm if key.tpm is None else key.tpm
-        else:
-            client = scope.get("client")
-            caller, rpm, tpm = f"addr:{client[0] if client else '?'}", self.limiter.rpm, self.limiter.tpm
+            rpm = rpm if key.rpm is None else key.rpm
+            tpm = tpm if key.tpm is None else key.tpm
         requests = self.limiter.bucket(caller, "requests", rpm)
         if requests is not None:
             wait = requests.take(1)
@@ -117,6 +114,15 @@ class RateLimitMiddleware:
         if tokens is not None:
             scope[SCOPE_TOKENS] = tokens
         await self.app(scope, receive, send)
+
+
+def caller_of(scope: Scope) -> str:
+    """Who a request counts against: its API key (by digest), or its client's address on a server without keys."""
+    key = current_key(scope)
+    if key is not None:
+        return "key:" + key.digest.hex()
+    client = scope.get("client")
+    return f"addr:{client[0] if client else '?'}"
 
 
 @dataclass(eq=False)

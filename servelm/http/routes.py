@@ -13,7 +13,8 @@ from pydantic import BaseModel, ValidationError
 from servelm.errors import ModelNotFound
 from servelm.http.auth import can_use, check_access, current_key
 from servelm.http.errors import validation_error
-from servelm.http.limits import admit, remaining, timed_out
+from servelm.http.ratelimit import charge_tokens
+from servelm.http.limits import admit, limits_of, remaining, timed_out
 from servelm.http.sse import sse_frames
 from servelm.protocol.chat import ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
@@ -69,16 +70,20 @@ async def generate(request: Request, req: BaseModel, service: ChatService | Comp
     check_access(request.scope, service.deployments, getattr(req, "model", None))  # a key's deployments: else 404
     prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope))  # type: ignore[arg-type]
     gens = prepared.generations
-    # the deployment's queue (429 queue_full) and the key's tokens per minute (429 tokens)
-    admission = admit(request.scope, prepared.deployment.engine, sum(len(g.prompt_token_ids) for g in gens),
-                      sum(g.params.max_tokens * g.params.num_seqs for g in gens), 1, prepared.deployment.max_waiting)
+    # the deployment's queue and the caller's share of it (429 queue_full), the key's tokens per minute (429 tokens)
+    dep = prepared.deployment
+    admission = admit(request.scope, dep.queue, [g.request_id for g in gens], sum(len(g.prompt_token_ids) for g in gens),
+                      sum(g.params.max_tokens * g.params.num_seqs for g in gens), dep.max_waiting)
     if prepared.stream:
         return StreamingResponse(
             sse_frames(admission.stream(service.stream(prepared))),  # type: ignore[arg-type]
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(prepared.deployment)},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(dep)},
         )
-    result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))  # type: ignore[arg-type]
+    try:
+        result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))  # type: ignore[arg-type]
+    finally:
+        admission.release()
     if result is None:
         return Response(status_code=499)
     admission.settle(getattr(result, "usage", None))
@@ -88,7 +93,9 @@ async def generate(request: Request, req: BaseModel, service: ChatService | Comp
 def request_context(scope: dict) -> RequestContext:
     """Who sent the request, as the services see it: the API key's digest (nothing of the key itself)."""
     key = current_key(scope)
-    return RequestContext(owner=key.digest.hex() if key is not None else "")
+    limits = limits_of(scope)
+    return RequestContext(owner=key.digest.hex() if key is not None else "",
+                          max_batch_prompts=limits.max_batch_prompts if limits is not None else 128)
 
 
 def all_alive(deployments: Deployments) -> bool:
@@ -143,7 +150,7 @@ def build_router(deployments: Deployments) -> APIRouter:
         req = await parse_body(request, EmbeddingRequest)
         check_access(request.scope, deployments, req.model)
         prepared = await asyncio.to_thread(embeddings.prepare, req)  # tokenizing many texts takes a while
-        admit(request.scope, None, sum(len(i) for i in prepared.inputs), 0, 1)  # the key's tokens per minute
+        charge_tokens(request.scope, sum(len(i) for i in prepared.inputs), 0)  # the key's tokens per minute
         result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared)))
         if result is None:
             return Response(status_code=499)

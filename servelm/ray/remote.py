@@ -162,15 +162,6 @@ class RemoteEngine:
     def alive(self) -> bool:
         return self.replicas.alive
 
-    def admit(self, max_waiting: int | None) -> None:
-        """429 queue_full when `max_waiting` requests of this ingress already wait beyond what the replicas'
-        sequence slots take (0 or None: no bound)."""
-        if max_waiting:
-            slots = max(1, len(self.replicas.latest)) * self.replicas.slots_per_replica
-            waiting = len(self._streams) - slots
-            if waiting >= max_waiting:
-                raise QueueFull(waiting)
-
 
 class RemoteEmbedder:
     """Embedder over a deployment's replicas; inputs are tokenized in the ingress (by `tokenize`)."""

@@ -75,7 +75,11 @@ class CompletionService:
         _reject_unsupported(req, dep)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = []
-        for i, prompt in enumerate(_prompts(req.prompt)):
+        prompts = _prompts(req.prompt)
+        if len(prompts) > ctx.max_batch_prompts:
+            raise InvalidParameter(f"prompt holds {len(prompts)} prompts; this server takes at most "
+                                   f"{ctx.max_batch_prompts} in one request.", "prompt", "too_many_prompts")
+        for i, prompt in enumerate(prompts):
             parts = _parts(prompt, req, dep)
             max_tokens = _fit(parts, req, dep.context_window, default_max_tokens)
             ids = parts.ids

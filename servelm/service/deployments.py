@@ -11,6 +11,7 @@ from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
 from servelm.engine.types import SamplingParams
+from servelm.service.admission import WaitingQueue
 from servelm.errors import InvalidParameter, ModelNotFound
 
 
@@ -34,6 +35,7 @@ class Deployment:
     created: int = field(default_factory=lambda: int(time.time()))
     embedder: Embedder | None = None  # serves POST /v1/embeddings
     max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)
+    queue: WaitingQueue = field(default_factory=WaitingQueue)  # what waits for it now (http/limits.admit)
     # raises InvalidParameter for sampling parameters its engine cannot take (vLLM: beam search); called while a
     # request is prepared, so it is a 400 before any stream starts
     check_params: Callable[[SamplingParams], None] | None = None

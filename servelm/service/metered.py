@@ -62,8 +62,3 @@ class MeteredEngine:
     @property
     def alive(self) -> bool:  # /health and /ping ask
         return getattr(self.inner, "alive", True)
-
-    def admit(self, max_waiting: int | None) -> None:  # the waiting-queue bound (http/limits.admit)
-        check = getattr(self.inner, "admit", None)
-        if check is not None:
-            check(max_waiting)

@@ -20,6 +20,7 @@ class RequestContext:
     """What the HTTP layer knows of a request that the services need: who sent it."""
 
     owner: str = ""  # the API key's digest (hex); "" on an open server
+    max_batch_prompts: int = 128  # prompts one legacy-completions request may carry
 
 
 def cache_scope(owner: str, salt: str | None) -> str:

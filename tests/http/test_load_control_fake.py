@@ -125,3 +125,72 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event(fake_server_factory
     assert json.loads(events[-2])["error"]["code"] == "request_timeout"
     assert len(events) > 3  # some tokens came first
     assert wait_idle(server) and server.runner.cells_in_use() == 0
+
+
+def test_a_batch_counts_as_its_size_and_is_refused_whole(fake_server_factory):
+    """A batch of legacy-completion prompts takes one place per prompt: one that does not fit is refused as a
+    whole (before, a 10,000-prompt batch counted as one request and locked everyone else out)."""
+    server = fake_server_factory(num_slots=1, step_delay=0.01,
+                                 security=SecurityConfig(max_waiting=4, max_waiting_per_key=0))
+    url = server.base_url + "/v1/completions"
+    body = {"model": "fake-model", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(url, json={**body, "prompt": ["ab"] * 5}, timeout=20)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    assert wait_idle(server) and server.runner.steps == [], "nothing of the refused batch ran"
+    r = httpx.post(url, json={**body, "prompt": ["ab"] * 4}, timeout=20)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+def test_a_batch_larger_than_the_cap_is_a_400(fake_server_factory):
+    server = fake_server_factory(security=SecurityConfig(max_batch_prompts=3))
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={"model": "fake-model", "prompt": ["a"] * 4, "max_tokens": 1}, timeout=20)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and err["code"] == "too_many_prompts"
+    assert "at most 3" in err["message"]
+
+
+def test_simultaneous_streams_reserve_their_places_at_admission(fake_server_factory):
+    """300 simultaneous streams with --max-waiting 16 were all admitted, since a stream was counted only once it
+    started. Now the place is taken in the same step as the check."""
+    server = fake_server_factory(num_slots=1, step_delay=0.01,
+                                 security=SecurityConfig(max_waiting=3, max_waiting_per_key=0))
+    body = {**SLOW, "max_tokens": 20, "stream": True}
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+            r.read()
+            with lock:
+                statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(statuses) == 24 and set(statuses) <= {200, 429}
+    admitted = statuses.count(200)
+    # at most 3 waiting at any moment, plus the one running and those that finished meanwhile (each ~0.2 s)
+    assert 4 <= admitted < 24 and statuses.count(429) > 0, statuses
+    assert wait_idle(server)
+
+
+def test_one_key_cannot_fill_the_queue_for_all(fake_server_factory):
+    keys = [key_spec("sk-busy"), key_spec("sk-other"), key_spec("sk-small", max_waiting=1)]
+    server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, kv_cells=1000,
+                                 security=SecurityConfig(keys=keys, max_waiting=6))
+    busy = {"Authorization": "Bearer sk-busy"}
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(post(server, {**SLOW, "max_tokens": 30}, **busy).status_code))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.15)  # one runs, three wait: the key's share (half of 6) is used
+    r = post(server, **busy)
+    assert r.status_code == 429 and "one caller may hold 3" in r.json()["error"]["message"]
+    assert post(server, Authorization="Bearer sk-other").status_code == 200, "another key still gets in"
+    for t in threads:
+        t.join(30)
+    assert results == [200] * 4 and wait_idle(server)
