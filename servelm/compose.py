@@ -32,9 +32,11 @@ def build_deployment(
     chat_template: str | None = None,
     engine: object | None = None,
     grammar_limits: object | None = None,
+    special_tokens_in_content: bool = False,
 ) -> tuple[Deployment, object]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
+    from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import ChatTemplate
     from servelm.chat.tools import detect_style
     from servelm.constrain.grammars import GrammarLimits, Grammars
@@ -70,6 +72,10 @@ def build_deployment(
         tokenize_bare=lambda text, special: runner.tokenize(text, add_special=False, parse_special=special),
         fim_tokens=getattr(runner, "fim_tokens", None),
     )
+    controls = getattr(runner, "control_tokens", None)
+    if controls is not None and not special_tokens_in_content:
+        deployment.markers = ControlMarkers([ControlToken(*c) for c in controls()])
+        deployment.bos_id = runner.bos_id
     return deployment, engine
 
 
@@ -109,6 +115,7 @@ def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
     specs = [DeploymentSpec(
         name=settings.model_id, model=str(settings.resolved_model_path()), kind="chat",
         chat_template=settings.chat_template, embedding_window=settings.chat_embedding_window, engine=settings.engine,
+        special_tokens_in_content=settings.special_tokens_in_content,
     )]
     path = settings.resolved_embedding_model_path()
     if path is not None:
@@ -182,7 +189,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers:
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
         prefix_cache=e.prefix_cache, prefix_cache_cells=e.prefix_cache_cells, chat_template=template,
-        grammar_limits=grammar_limits(e),
+        grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)

@@ -95,6 +95,11 @@ class ServerSettings(BaseSettings):
         "empty value serves none)",
     )
     embedding_model_id: str = Field(DEFAULT_EMBEDDING_MODEL_ID, description="the embedding model's id")
+    special_tokens_in_content: bool = Field(
+        False, description="read control-token text in chat messages (`<|im_start|>`, …) as those control tokens, as "
+        "before: off by default, since it lets a user forge a system turn; only the chat template's own markers are "
+        "control tokens. Legacy completions read a text prompt's special tokens either way",
+    )
     chat_embedding_window: int = Field(
         256, ge=0, description="the chat model also answers /v1/embeddings (mean pooling, in a second llama.cpp "
         "context on its weights): most tokens of one input there (each costs the vocabulary's width in logits "
@@ -127,12 +132,22 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "cors_allow_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
+    header_timeout: float = Field(10.0, ge=0, description="seconds a request's headers may take to arrive (a "
+                                  "client sending them a byte at a time is cut off); 0: no limit")
+    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    max_connections: int = Field(1024, ge=0, description="open connections; past it a new one closes the one that "
+                                 "has spent longest on its headers, or is answered 503 when every one is busy with a "
+                                 "request (0: no limit)")
+    cors_allow_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="web origins (https://app.example) whose pages may call this server from "
+        "a browser (CORS); repeatable, or comma-separated in SERVELM_CORS_ALLOW_ORIGINS; none by default",
+    )
     shutdown_timeout: float = Field(
         10.0, ge=0, description="seconds a SIGTERM or Ctrl-C gives requests in flight to finish (no new connections "
         "are accepted meanwhile); those still running then are cancelled and the models are unloaded",
@@ -206,6 +221,8 @@ class DeploymentSpec(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     chat_template: Path | None = None
     embedding_window: int = Field(256, ge=0, description="a chat model's /v1/embeddings window (0: none)")
+    special_tokens_in_content: bool = Field(False, description="read control-token text in chat messages as those "
+                                            "tokens (the old behaviour; lets a user forge a system turn)")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: DeploymentLimits = Field(default_factory=DeploymentLimits)
     # -- replicas under `servelm serve --ray` (servelm/ray/); one process serves one engine per deployment --

@@ -88,6 +88,15 @@ class PayloadTooLarge(ClientError):
                          code="request_too_large")
 
 
+class UnsupportedMediaType(ClientError):
+    status = 415
+
+    def __init__(self, got: str | None) -> None:
+        what = f"`{got}`" if got else "no Content-Type"
+        super().__init__(f"This endpoint takes a JSON body with `Content-Type: application/json`; the request had "
+                         f"{what}.", code="unsupported_media_type")
+
+
 class RateLimited(ClientError):
     """429 with Retry-After (whole seconds). kind is OpenAI's error type: "requests" or "tokens"."""
 

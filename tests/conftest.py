@@ -9,19 +9,20 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 
 from servelm.compose import build_deployment
 from servelm.engine.local import LocalEngine
 from servelm.http.app import create_app
+from servelm.http.server import make_server
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments
 
 
 @contextmanager
-def serving(app) -> Iterator[str]:
-    """Run an ASGI app under uvicorn on a free port of 127.0.0.1 for the block; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+def serving(app, **server_kw) -> Iterator[str]:
+    """Run an ASGI app on a free port of 127.0.0.1 for the block, as `servelm serve` runs it (servelm's uvicorn
+    server: header deadline, connection cap, draining shutdown; `server_kw` sets those); yields its base URL."""
+    server = make_server(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", **server_kw)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

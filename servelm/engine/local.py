@@ -28,14 +28,17 @@ from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
                                   TokenLogprob)
 from servelm.constrain.grammars import plain_error
-from servelm.errors import ApiError, ConstraintFailed
+from servelm.errors import ApiError, ConstraintFailed, ServerError
 from servelm.runners.base import KVCacheFull, ModelRunner
 
 log = logging.getLogger("servelm.engine")
 
 
-class EngineError(RuntimeError):
-    """The engine could not finish a request for a reason of its own (not the client's)."""
+class EngineError(ServerError, RuntimeError):
+    """The engine could not finish a request for a reason of its own (not the client's): a 500 in the envelope."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_error")
 
 
 @dataclass(eq=False)
@@ -247,7 +250,7 @@ class LocalEngine:
 
     def _fail(self, group: SequenceGroup, exc: BaseException, outputs: dict) -> None:
         self.scheduler.abort(group.request_id)
-        if not isinstance(exc, (EngineError, ApiError)):
+        if not isinstance(exc, ApiError):
             exc = EngineError(f"the engine failed on this request: {type(exc).__name__}: {exc}")
         outputs[group.request_id] = exc  # replaces what the request had this step: only the error goes out
 

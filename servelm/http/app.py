@@ -7,7 +7,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from servelm.http import errors
+from servelm import __version__
+from servelm.http import errors, openapi
+from servelm.http.auth import OPENAPI_PATH
+from servelm.http.asgi import ErrorBoundary
 from servelm.http.dialects import build_dialect_router
 from servelm.http import limits
 from servelm.http.limits import SecurityConfig
@@ -32,7 +35,9 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
             if on_stop is not None:
                 on_stop()
 
-    app = FastAPI(title="servelm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="servelm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=OPENAPI_PATH)
+    openapi.install(app)
     errors.install(app)
     app.include_router(build_router(deployments))
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
@@ -44,6 +49,9 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                 inner = inner.inner
             d.engine = MeteredEngine(QueuedEngine(inner, d.queue), metrics.meter(d.name))
     app.include_router(build_metrics_router(metrics))
-    limits.install(app, security or SecurityConfig())  # auth 401, rate limits 429, body size 413, deadline
-    app.add_middleware(RequestLog, metrics=metrics)  # outermost of ours: it sees every answer, 401/429 included
+    app.add_middleware(ErrorBoundary)  # innermost: a bug is a 500 in the envelope, and the connection stays usable
+    app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
+    limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body size 413, deadline
+    app.add_middleware(RequestLog, metrics=metrics)  # it sees every answer, 401/429 included
+    limits.install_cors(app, security or SecurityConfig())  # outermost: preflights need no key
     return app

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 from servelm.errors import ModelNotFound, Unauthorized
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # probes and scrapers need no key
+OPENAPI_PATH = "/openapi.json"
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", OPENAPI_PATH})  # probes, scrapers and the API's description
 SCOPE_KEY = "servelm.key"  # the request's KeySpec, set in the ASGI scope by AuthMiddleware
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import azure_error_parts, validation_error
 from servelm.http.routes import all_alive, generate
-from servelm.protocol.chat import ChatCompletionRequest
-from servelm.protocol.completions import CompletionRequest
+from servelm.http.openapi import doc
+from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
+from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService, PreparedCompletion
@@ -25,6 +26,7 @@ from servelm.service.deployments import Deployments
 from servelm.service.params import RequestContext
 from servelm.service.dialects import (
     NativeService,
+    EXTRA_PARAMETER_MODES,
     azure_chat_body,
     check_api_version,
     invocation_kind,
@@ -41,6 +43,7 @@ EXTRA_PARAMETERS_HEADER = "extra-parameters"
 DROPPED_PARAMETERS_HEADER = "x-servelm-dropped-parameters"  # the extra parameters dropped (no header, or ignore)
 SAGEMAKER_TARGET_HEADER = "x-amzn-sagemaker-target-model"
 JSONLINES = "application/jsonlines"
+API_VERSION = {"name": "api-version", "required": True, "schema": {"type": "string", "example": "2024-05-01-preview"}}
 
 
 def build_dialect_router(deployments: Deployments) -> APIRouter:
@@ -51,7 +54,10 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
     ovms_completions = _DefaultMaxTokens(completions, None)
 
     # -- Azure ML ---------------------------------------------------------------------------------
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=doc(
+        request=ChatCompletionRequest, response=ChatCompletion, streams="text/event-stream", query=[API_VERSION],
+        headers=[{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
+                 {"name": AZURE_DEPLOYMENT_HEADER, "schema": {"type": "string"}}]))
     async def azure_chat(request: Request) -> Response:
         data: dict | None = None
         try:
@@ -66,7 +72,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
             response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(dropped)
         return response
 
-    @router.get("/info")
+    @router.get("/info", openapi_extra=doc(query=[API_VERSION]))
     async def azure_info(request: Request) -> Response:
         try:
             check_api_version(request.query_params.get("api-version"))
@@ -77,7 +83,9 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
         return JSONResponse({"model_name": name, "model_type": "chat-completion", "model_provider_name": "servelm"})
 
     # -- SageMaker / DJL LMI ----------------------------------------------------------------------
-    @router.post("/invocations")
+    @router.post("/invocations", openapi_extra=doc(
+        request=[ChatCompletionRequest, CompletionRequest, DjlRequest], streams=JSONLINES,
+        headers=[{"name": SAGEMAKER_TARGET_HEADER, "schema": {"type": "string"}}]))
     async def invocations(request: Request) -> Response:
         data = load_object(await request.body())
         target = sagemaker_target(request.headers.get(SAGEMAKER_TARGET_HEADER))
@@ -97,12 +105,14 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
         return JSONResponse({"status": "Healthy" if ok else "Unhealthy"}, status_code=200 if ok else 503)
 
     # -- OpenVINO Model Server --------------------------------------------------------------------
-    @router.post("/v3/chat/completions")
+    @router.post("/v3/chat/completions", openapi_extra=doc(request=ChatCompletionRequest, response=ChatCompletion,
+                                                           streams="text/event-stream"))
     async def ovms_chat(request: Request) -> Response:
         data = ovms_body(load_object(await request.body()))
         return await generate(request, validate(data, ChatCompletionRequest), chat)
 
-    @router.post("/v3/completions")
+    @router.post("/v3/completions", openapi_extra=doc(request=CompletionRequest, response=Completion,
+                                                      streams="text/event-stream"))
     async def ovms_legacy_completions(request: Request) -> Response:
         data = ovms_body(load_object(await request.body()))
         return await generate(request, validate(data, CompletionRequest), ovms_completions)  # type: ignore[arg-type]

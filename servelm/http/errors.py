@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 from typing import Any
 
@@ -14,8 +13,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from servelm.errors import ApiError, InvalidParameter
-
-log = logging.getLogger("servelm.http")
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -37,11 +34,6 @@ def install(app: FastAPI) -> None:
         kind.status = exc.status_code
         kind.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(kind.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(ApiError("The server had an error while processing your request.").body(), status_code=500)
 
 
 def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
@@ -114,7 +106,7 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
 AZURE_PATHS = frozenset({"/chat/completions", "/info"})  # where errors take Azure ML's shape
 # Our 400s that Azure ML answers with 422: content or parameters this model cannot take.
 AZURE_422_CODES = frozenset({"unsupported_content", "unsupported_parameter", "unknown_parameter"})
-_AZURE_CODES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "PayloadTooLarge",
+_AZURE_CODES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "PayloadTooLarge", 415: "UnsupportedMediaType",
                 422: "UnprocessableContent", 429: "TooManyRequests", 500: "InternalServerError",
                 503: "ServiceUnavailable", 504: "GatewayTimeout"}
 

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from servelm.errors import PayloadTooLarge, RequestTimeout
+from servelm.errors import PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 from servelm.http.auth import AuthMiddleware, KeySpec, current_key
 from servelm.http.ratelimit import Charge, RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
 from servelm.service.admission import Ticket, WaitingQueue
 
 SCOPE_LIMITS = "servelm.limits"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class SecurityConfig:
     max_waiting_per_key: int | None = None  # of those, one caller's (None: half of max_waiting; 0: no bound)
     max_batch_prompts: int = 128  # prompts in one legacy-completions request
     request_timeout: float = 0  # seconds; 0: no deadline
+    cors_allow_origins: Sequence[str] = ()  # browser origins allowed to call the API (none: no CORS headers)
 
     @classmethod
     def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = ()) -> SecurityConfig:
@@ -43,7 +45,30 @@ class SecurityConfig:
         return cls(keys=tuple(keys), max_body_bytes=settings.max_body_bytes, rate_limit_rpm=settings.rate_limit_rpm,
                    rate_limit_tpm=settings.rate_limit_tpm, max_waiting=settings.max_waiting,
                    max_waiting_per_key=settings.max_waiting_per_key, max_batch_prompts=settings.max_batch_prompts,
-                   request_timeout=settings.request_timeout)
+                   request_timeout=settings.request_timeout, cors_allow_origins=tuple(settings.cors_allow_origins))
+
+
+class Drain:
+    """The server's shutdown, as requests in flight see it: once the graceful period is nearly over, `cutoff` is set
+    and every stream still running ends with a `server_shutting_down` error event and `data: [DONE]` (a whole
+    answer still being made is a 503), rather than being cut off mid-body by the server's cancellation."""
+
+    def __init__(self) -> None:
+        self.cutoff = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def begin(self, seconds: float) -> None:
+        """Shutdown began; requests in flight have `seconds` left (on the event loop's thread)."""
+        if self._timer is None and not self.cutoff.is_set():
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self.cutoff.set)
+
+    async def wait(self) -> None:
+        await self.cutoff.wait()
+
+    @staticmethod
+    def error() -> ServiceUnavailable:
+        return ServiceUnavailable("The server is shutting down and stopped this request before it finished; retry it "
+                                  "on another server or once this one is back.", code="server_shutting_down")
 
 
 @dataclass(frozen=True)
@@ -55,34 +80,63 @@ class RequestLimits:
     deadline: float | None  # time.monotonic() by which it must have finished
     max_waiting_per_key: int | None = None
     max_batch_prompts: int = 128
+    drain: Drain | None = None
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-def install(app: Any, config: SecurityConfig) -> None:
+def install(app: Any, config: SecurityConfig, drain: Drain | None = None) -> None:
     """Add the pieces as middleware, the last added outermost (Starlette's order): auth runs first."""
-    app.add_middleware(LimitsMiddleware, config=config)
+    app.add_middleware(LimitsMiddleware, config=config, drain=drain)
     app.add_middleware(RateLimitMiddleware, limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm))
     app.add_middleware(AuthMiddleware, keys=config.keys)
 
 
-class LimitsMiddleware:
-    """413 for a body over the limit (by Content-Length before reading, or counted as it streams in); stamps
-    the request's RequestLimits (deadline included) into the scope."""
+def install_cors(app: Any, config: SecurityConfig) -> None:
+    """Browsers on the listed origins may call the API (preflights answered before auth); none listed: no CORS
+    headers at all, so no page elsewhere can read an answer."""
+    if config.cors_allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
 
-    def __init__(self, app: ASGIApp, config: SecurityConfig) -> None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allow_origins),
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                           allow_headers=["authorization", "api-key", "x-api-key", "content-type", "x-request-id",
+                                          "extra-parameters", "azureml-model-deployment", "anthropic-version"],
+                           expose_headers=["x-request-id", "x-servelm-deployment", "retry-after"], max_age=600)
+
+
+JSON_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def is_json(content_type: str | None) -> bool:
+    """application/json (any parameters, such as charset) or a +json type."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class LimitsMiddleware:
+    """415 for a body that is not JSON (a form or text/plain body is what a web page can send across origins
+    without a CORS preflight; requiring JSON closes that door), 413 for a body over the limit (by Content-Length
+    before reading, or counted as it streams in); stamps the request's RequestLimits (deadline included) into the
+    scope."""
+
+    def __init__(self, app: ASGIApp, config: SecurityConfig, drain: Drain | None = None) -> None:
         self.app = app
         self.config = config
+        self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         timeout = self.config.request_timeout
+        if scope.get("method") in JSON_METHODS and not is_json(header(scope, b"content-type")):
+            await send_error(send, UnsupportedMediaType(header(scope, b"content-type")), scope)
+            return
         c = self.config
         scope[SCOPE_LIMITS] = RequestLimits(c.max_waiting, timeout, time.monotonic() + timeout if timeout else None,
-                                            c.max_waiting_per_key, c.max_batch_prompts)
+                                            c.max_waiting_per_key, c.max_batch_prompts, self.drain)
         limit = self.config.max_body_bytes
         if not limit:
             await self.app(scope, receive, send)
@@ -145,19 +199,50 @@ class Admission:
         try:
             async with aclosing(chunks) as it:  # type: ignore[type-var]
                 while True:
-                    left = remaining(self.scope)
                     try:
-                        chunk = await (anext(it) if left is None else asyncio.wait_for(anext(it), left))
+                        chunk = await bounded(self.scope, anext(it))
                     except StopAsyncIteration:
                         return
-                    except TimeoutError:
-                        raise timed_out(self.scope) from None
                     usage = getattr(chunk, "usage", None)
                     if usage is not None:
                         self.settle(usage)
                     yield chunk
         finally:
             self.release()
+
+
+async def bounded(scope: Scope, step: Awaitable[T]) -> T:
+    """Await one step of a request, within its deadline (RequestTimeout, 504) and the server's shutdown (503
+    server_shutting_down); the step is cancelled when either comes first."""
+    limits = limits_of(scope)
+    drain = limits.drain if limits is not None else None
+    left = remaining(scope)
+    if drain is None:
+        try:
+            return await (step if left is None else asyncio.wait_for(step, left))
+        except TimeoutError:
+            raise timed_out(scope) from None
+    if drain.cutoff.is_set():
+        _close(step)
+        raise drain.error()
+    task = asyncio.ensure_future(step)
+    stop = asyncio.ensure_future(drain.wait())
+    try:
+        done, _ = await asyncio.wait({task, stop}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+    finally:
+        stop.cancel()
+        if not task.done():  # cancelled, past the deadline, or cut by the shutdown: the step ends before we go on
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    raise drain.error() if stop in done else timed_out(scope)
+
+
+def _close(step: Awaitable[Any]) -> None:
+    close = getattr(step, "close", None)
+    if close is not None:
+        close()
 
 
 def admit(scope: Scope, queue: WaitingQueue, request_ids: Sequence[str], prompt_tokens: int, max_tokens: int,

@@ -14,12 +14,13 @@ from servelm.errors import ModelNotFound
 from servelm.http.auth import can_use, check_access, current_key
 from servelm.http.errors import validation_error
 from servelm.http.ratelimit import charge_tokens
-from servelm.http.limits import admit, limits_of, remaining, timed_out
+from servelm.http.limits import admit, bounded, limits_of
 from servelm.http.sse import sse_frames
-from servelm.protocol.chat import ChatCompletionRequest
+from servelm.http.openapi import doc
+from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
-from servelm.protocol.embeddings import EmbeddingRequest
-from servelm.protocol.completions import CompletionRequest
+from servelm.protocol.completions import Completion, CompletionRequest
+from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
 from servelm.service.deployments import Deployment, Deployments
@@ -47,21 +48,18 @@ async def _until_disconnect(request: Request) -> None:
 
 async def run_unless_disconnected(request: Request, work: asyncio.Future | asyncio.Task) -> object | None:
     """Await work; if the client goes away first, cancel it (freeing its sequences) and return None; past
-    the request's deadline, cancel it and raise RequestTimeout (504)."""
+    the request's deadline (504), or when the server's shutdown cuts requests off (503), cancel it and raise."""
     watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work, watcher}, timeout=remaining(request.scope),
-                                     return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server cancelled this request (Ray Serve does on a disconnect)
+    try:  # the server may cancel this request too (Ray Serve does on a disconnect)
+        await bounded(request.scope, asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED))
+    except BaseException:
         work.cancel()
         raise
     finally:
         watcher.cancel()
-    if work in done:
+    if work.done():
         return work.result()
     work.cancel()
-    if not done:
-        raise timed_out(request.scope)
     return None
 
 
@@ -122,30 +120,32 @@ def build_router(deployments: Deployments) -> APIRouter:
     completions = CompletionService(deployments)
     embeddings = EmbeddingService(deployments)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=doc(request=ChatCompletionRequest, response=ChatCompletion,
+                                                           streams="text/event-stream"))
     async def chat_completions(request: Request) -> Response:
         # prepared off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
         return await generate(request, await parse_body(request, ChatCompletionRequest), chat)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=doc(request=CompletionRequest, response=Completion,
+                                                      streams="text/event-stream"))
     async def legacy_completions(request: Request) -> Response:
         return await generate(request, await parse_body(request, CompletionRequest), completions)
 
-    @router.get("/v1/models")
-    @router.get("/v3/models")
+    @router.get("/v1/models", openapi_extra=doc(response=ModelList))
+    @router.get("/v3/models", openapi_extra=doc(response=ModelList))
     async def list_models(request: Request) -> JSONResponse:
         cards = [_card(name, d) for name, d in deployments.model_ids() if can_use(request.scope, deployments, name)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
-    @router.get("/v1/models/{model_id:path}")
-    @router.get("/v3/models/{model_id:path}")
+    @router.get("/v1/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
+    @router.get("/v3/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
     async def get_model(model_id: str, request: Request) -> JSONResponse:
         for name, d in deployments.model_ids():
             if name == model_id and can_use(request.scope, deployments, name):
                 return JSONResponse(_card(name, d).model_dump(mode="json"))
         raise ModelNotFound(model_id)
 
-    @router.post("/v1/embeddings")
+    @router.post("/v1/embeddings", openapi_extra=doc(request=EmbeddingRequest, response=EmbeddingResponse))
     async def create_embeddings(request: Request) -> Response:
         req = await parse_body(request, EmbeddingRequest)
         check_access(request.scope, deployments, req.model)

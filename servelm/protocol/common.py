@@ -88,6 +88,19 @@ class ModelCard(ResponseModel):
     root: str | None = None  # the deployment an id names (itself, or an alias's); null for a weighted endpoint
 
 
+class ErrorDetail(ResponseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(ResponseModel):
+    """Every failure's body (Azure ML's paths add `status`, `code`, `message` and `detail` around it)."""
+
+    error: ErrorDetail
+
+
 class ModelList(ResponseModel):
     object: str = "list"
     data: list[ModelCard]

@@ -96,7 +96,8 @@ class Ingress:
                               max_choices=0, fingerprint=info.fingerprint, embedder=embedder)
         template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
         deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
-                                         grammar_limits=grammar_limits(spec.engine))
+                                         grammar_limits=grammar_limits(spec.engine),
+                                         special_tokens_in_content=spec.special_tokens_in_content)
         deployment.context_window = info.context_window  # the replicas' (their KV cache bounds it)
         deployment.max_choices = info.max_choices
         deployment.fingerprint = info.fingerprint

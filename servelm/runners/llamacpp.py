@@ -195,6 +195,23 @@ class LlamaCppRunner:
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return _tokenize(self._vocab, text, add_special, parse_special)
 
+    def control_tokens(self) -> list[tuple[str, int, bool, bool]]:
+        """(text, id, lstrip, rstrip) of every token that parsing special tokens reads from text as itself and
+        plain tokenizing does not: llama.cpp's control and unknown tokens."""
+        out = []
+        for t in range(self.vocab_size):
+            attr = C.llama_vocab_get_attr(self._vocab, t)
+            if attr & (C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN):
+                text = (C.llama_vocab_get_text(self._vocab, t) or b"").decode("utf-8", errors="replace")
+                out.append((text, t, bool(attr & C.LLAMA_TOKEN_ATTR_LSTRIP), bool(attr & C.LLAMA_TOKEN_ATTR_RSTRIP)))
+        return out
+
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS token the tokenizer puts first (None when the model asks for none)."""
+        bos = int(C.llama_vocab_bos(self._vocab))
+        return bos if self.add_bos and bos >= 0 else None
+
     # -- the batch --------------------------------------------------------------------------------
     def _init_batch(self, size: int) -> None:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)

@@ -62,11 +62,7 @@ class ChatService:
         output = plan_output(req, dep)
         messages = template_messages(req, output, dep.tool_style.native)
         extra = {"tools": output.template_tools} if output.template_tools else {}
-        try:
-            text = dep.template.render(messages, add_generation_prompt=True, **extra)
-        except TemplateError as exc:
-            raise InvalidParameter(str(exc), "messages") from None
-        prompt = dep.tokenize(text)
+        prompt = prompt_ids(dep, messages, extra)
         ep = EndpointParams(
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
             max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
@@ -207,6 +203,22 @@ class ToolCallStream:
             else:
                 deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=DeltaFunction(arguments=e.text))]))
         return deltas
+
+
+def prompt_ids(dep: Deployment, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
+    """The chat prompt's token ids: the messages rendered with the deployment's template, its control tokens the
+    template's own (the request's text stays text: chat/markers.py)."""
+    markers = dep.markers
+    if markers is not None:
+        messages, extra = markers.escape(messages), markers.escape(extra)
+    try:
+        text = dep.template.render(messages, add_generation_prompt=True, **extra)  # type: ignore[union-attr]
+    except TemplateError as exc:
+        raise InvalidParameter(str(exc), "messages") from None
+    if markers is None or dep.tokenize_bare is None:
+        return dep.tokenize(text)
+    bare = dep.tokenize_bare
+    return markers.tokenize(text, lambda piece: bare(piece, False), dep.bos_id)
 
 
 def new_call_id() -> str:

@@ -6,6 +6,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from servelm.chat.markers import ControlMarkers
 from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
@@ -32,6 +33,10 @@ class Deployment:
     # text → token ids with nothing added (no BOS); the flag says whether special-token text is parsed
     tokenize_bare: Callable[[str, bool], list[int]] | None = None
     fim_tokens: tuple[int, int, int] | None = None  # fill-in-the-middle (prefix, suffix, middle) token ids
+    # control tokens come from the chat template only (chat/markers.py); None: the rendered prompt is tokenized
+    # with special tokens parsed, message text included (the opt-in `special_tokens_in_content`, or no vocabulary)
+    markers: ControlMarkers | None = None
+    bos_id: int | None = None  # the BOS token a prompt begins with, when the model asks for one
     created: int = field(default_factory=lambda: int(time.time()))
     embedder: Embedder | None = None  # serves POST /v1/embeddings
     max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)

@@ -68,23 +68,35 @@ def test_sigterm_lets_a_stream_finish_then_exits_0(tmp_path_factory):
     assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
 
 
-def test_sigterm_ends_a_stream_at_the_deadline_and_exits_0(tmp_path_factory):
-    deadline = 1.0
+def test_sigterm_ends_a_stream_at_the_deadline_with_an_error_event_and_exits_0(tmp_path_factory):
+    """A stream still running when --shutdown-timeout is nearly up ends with a server_shutting_down error event and
+    [DONE] (it used to be cut mid-body, with neither); a whole answer still being made is answered 503."""
+    deadline = 2.0
     srv = start_server(tmp_path_factory, "--shutdown-timeout", str(deadline), *FLAGS)
     response = _stream(srv.base_url, max_tokens=3000)  # far longer than the deadline
+    whole: list[httpx.Response] = []
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS}
+    import threading
+
+    waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{srv.base_url}/v1/chat/completions", json=body,
+                                                                     timeout=60)))
     try:
         lines = response.iter_lines()
         _first_content(lines)
+        waiter.start()
+        time.sleep(0.5)
         signalled = time.monotonic()
         srv.process.send_signal(signal.SIGTERM)
-        try:
-            rest = [line for line in lines if line]
-        except httpx.TransportError:  # the stream was cut mid-way: the server cancelled it
-            rest = []
+        rest = [line for line in lines if line]
     finally:
         response.close()
+    waiter.join(30)
     assert srv.process.wait(timeout=30) == 0
     assert time.monotonic() - signalled < deadline + 15
-    assert not rest or rest[-1] != "data: [DONE]"  # cut at the deadline, not run to its 3000 tokens
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+    assert whole and whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
     log = srv.log_tail(20000)
-    assert "Cancel 1 running task(s)" in log and "request_id=shutdown-test-1 (CancelledError)" in log
+    assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
+    assert "CancelledError" not in log, "nothing was left for uvicorn to cancel"

@@ -19,7 +19,7 @@ from servelm.config import ConfigFile, DeploymentSpec, load_config_file
 from servelm.engine.hf_vocab import HfTokenizer
 from servelm.engine.types import BeamParams, Constraint, FinishReason, GenerationRequest, SamplingParams
 from servelm.engine.vllm import VllmEngine
-from servelm.errors import InvalidParameter, QueueFull
+from servelm.errors import InvalidParameter
 from servelm.http.app import create_app
 from tests.conftest import serving
 

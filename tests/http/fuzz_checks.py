@@ -1,0 +1,21 @@
+"""schemathesis checks of our own, loaded by the fuzz test through SCHEMATHESIS_HOOKS."""
+
+from __future__ import annotations
+
+import schemathesis
+
+
+@schemathesis.check
+def error_envelope(ctx, response, case):  # noqa: ARG001 - schemathesis passes all three
+    """Every 4xx and 5xx body is the error envelope: {"error": {message, type, param, code}} (Azure's paths add
+    fields around it)."""
+    if response.status_code < 400:
+        return None
+    body = response.json()
+    assert isinstance(body, dict) and isinstance(body.get("error"), dict), f"no error envelope: {response.text[:300]}"
+    error = body["error"]
+    missing = {"message", "type", "param", "code"} - set(error)
+    assert not missing, f"the envelope lacks {sorted(missing)}: {response.text[:300]}"
+    assert isinstance(error["message"], str) and error["message"], "an empty error message"
+    assert "Traceback" not in error["message"] and "panic" not in error["message"], error["message"][:300]
+    return None
