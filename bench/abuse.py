@@ -2,7 +2,8 @@
 what its neighbours see meanwhile. Each run starts `servelm serve` on the default model (127.0.0.1, a free port)
 unless `--url` names a server already running, sends bounded traffic to 127.0.0.1 only, and stops by itself.
 
-    .venv/bin/python -m bench.abuse fuzz --bodies 10000      # generated bodies: 0 5xx, 0 resets, peak RSS
+    .venv/bin/python -m bench.abuse fuzz --bodies 10000 --server-arg=--context-window --server-arg=1024
+                                                             # generated bodies: 0 5xx, 0 resets, peak RSS
     .venv/bin/python -m bench.abuse disconnects --n 100      # streams dropped mid-way: every cell freed
     .venv/bin/python -m bench.abuse soak --streams 32 --seconds 300   # RSS over time under steady load
     .venv/bin/python -m bench.abuse burst --n 300            # 300 at once against --max-waiting 16
@@ -177,31 +178,40 @@ async def fuzz(target: Target, bodies: int, workers: int, seed: int) -> dict[str
 
     jobs = [(c.path, c.body, c.headers) for c in cases(MODEL)] + jobs
     statuses: Counter[int] = Counter()
-    resets: list[str] = []
-    slowest = 0.0
+    resets: list[str] = []  # the connection broke (reset, closed mid-answer): never acceptable
+    timeouts = 0  # the client gave up waiting (a long answer): counted apart, it is not the server failing
+    slow: list[tuple[float, int, str, str]] = []  # the slowest requests: (seconds, status, route, body)
     queue: asyncio.Queue = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)
 
     async def worker() -> None:
-        nonlocal slowest
-        async with httpx.AsyncClient(base_url=target.url, timeout=60) as client:
+        nonlocal timeouts
+        async with httpx.AsyncClient(base_url=target.url, timeout=300) as client:
             while not queue.empty():
                 route, body, headers = queue.get_nowait()
                 start = time.monotonic()
+                status = 0
                 try:
                     async with client.stream("POST", route, content=body, headers=headers) as resp:
                         await resp.aread()
-                        statuses[resp.status_code] += 1
+                        status = resp.status_code
+                        statuses[status] += 1
+                except httpx.TimeoutException:
+                    timeouts += 1
                 except httpx.TransportError as exc:
                     resets.append(f"{route}: {type(exc).__name__}: {exc}")
-                slowest = max(slowest, time.monotonic() - start)
+                slow.append((time.monotonic() - start, status, route, body[:400].decode(errors="replace")))
+                slow.sort(reverse=True)
+                del slow[5:]
 
     start = time.monotonic()
     await asyncio.gather(*[worker() for _ in range(workers)])
     return {"bodies": len(jobs), "seconds": round(time.monotonic() - start, 1), "statuses": dict(sorted(statuses.items())),
             "5xx": sum(n for s, n in statuses.items() if s >= 500), "connection_errors": len(resets),
-            "errors_sample": resets[:5], "slowest_s": round(slowest, 2), "peak_rss_mib": _mib(target.peak_rss_mib()),
+            "client_timeouts": timeouts,
+            "errors_sample": resets[:5], "slowest": [(round(s, 2), st, r, b) for s, st, r, b in slow],
+            "peak_rss_mib": _mib(target.peak_rss_mib()),
             "idle_after_s": wait_idle(target)}
 
 
@@ -377,7 +387,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pid", type=int, default=None, help="with --url: its process, for memory")
     p.add_argument("--server-arg", action="append", default=[], help="a flag for the servelm started here")
     p.add_argument("--bodies", type=int, default=10000)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=int, default=8)
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--n", type=int, default=None, help="disconnects: streams (100); burst: requests (300); "
                    "slowloris: connections (2000)")

@@ -200,6 +200,7 @@ class Scheduler:
                     budget -= take
                     free_cells -= take
         readers = self._prompt_readers()
+        blocked = False  # a group ahead did not fit, and the ones behind may overtake it
         for group in list(self.waiting):
             if budget <= 0:
                 break
@@ -213,6 +214,9 @@ class Scheduler:
                         break
                     free_cells += used - self.kv_cells_used
             if len(group.live) > len(self.free_slots) or need > free_cells:
+                if blocked or self._may_overtake(group, need, free_cells):
+                    blocked = True
+                    continue
                 break
             self.waiting.remove(group)
             self._admit(group)
@@ -253,6 +257,19 @@ class Scheduler:
             for seq in decoding[free:] if free > 0 else decoding:
                 plan.out_of_cells.append(seq)
                 self.finish(seq)
+
+    def _may_overtake(self, head: SequenceGroup, need: int, free_cells: int) -> bool:
+        """Whether groups behind a head that does not fit may go first: only while the head could not fit even if
+        every group admitted after it gave back its cells and slots. They then take nothing the head could use
+        (it waits for an older, larger request to end), and once it could fit without them, nothing overtakes
+        it any more: FCFS holds wherever it costs the head anything."""
+        cells, slots = free_cells + self.kv_cells_cached, len(self.free_slots)
+        for g in self.running:
+            if g.arrival > head.arrival:
+                cells += (g.prefix_cells if g.forked and g.holds_kv() else 0) + sum(
+                    s.own_cells for s in g.seqs if s.holds_slot)
+                slots += sum(1 for s in g.seqs if s.holds_slot)
+        return need > cells or len(head.live) > slots
 
     def _admission_cells(self, group: SequenceGroup) -> int:
         """Cells the group needs to (re)compute what it has, plus one new token for each live sequence."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import quote
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -69,7 +70,8 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
         except ApiError as exc:
             return azure_error_response(exc, data)
         if dropped:
-            response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(dropped)
+            # names are the client's: percent-encoded, so that any name makes a valid (and harmless) header value
+            response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(quote(name, safe="_-.~") for name in dropped)
         return response
 
     @router.get("/info", openapi_extra=doc(query=[API_VERSION]))

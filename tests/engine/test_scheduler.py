@@ -180,3 +180,39 @@ def test_rebeam_keeps_a_first_child_in_place_and_shares_cells_with_further_ones(
     assert plan.ops == [("rm", slots[2]), ("cp", slots[1], slots[2], computed[1])], "remove, then share the parent's cells"
     assert sorted(len(c.tokens) for c in plan.chunks) == [1, 1, 1], "each beam decodes only its new token"
     assert [seq.slot for seq in g.seqs] == slots
+
+
+def test_a_request_that_cannot_fit_does_not_hold_back_smaller_ones_behind_it():
+    """Found fuzzing the real model: two requests without max_tokens (up to the context window) each wanted most of
+    the cache; the newer was preempted back to the head of the queue, and every small request waited behind it for
+    the older one to finish (48 s). Now later requests fill the cells the head cannot use anyway."""
+    s = sched(num_slots=4, kv_cells=100, max_step_tokens=100)
+    s.add(group("giant-a", 50, max_tokens=400))
+    s.add(group("giant-b", 40, max_tokens=400))
+    run_step(s)
+    assert [g.request_id for g in s.running] == ["giant-a", "giant-b"]
+    for _ in range(10):  # both grow until the cache is full: the newer giant goes back to wait
+        run_step(s)
+    assert [g.request_id for g in s.running] == ["giant-a"] and [g.request_id for g in s.waiting] == ["giant-b"]
+    s.add(group("small", 5, max_tokens=3))
+    plan = run_step(s)
+    assert "small" in {c.seq.group.request_id for c in plan.chunks}, "the small one goes ahead of the blocked giant"
+    assert [g.request_id for g in s.waiting] == ["giant-b"]
+
+
+def test_nothing_overtakes_a_head_that_would_fit_without_the_requests_behind_it():
+    s = sched(num_slots=8, kv_cells=100, max_step_tokens=200)
+    s.add(group("a", 45, max_tokens=400))
+    s.add(group("b", 60, max_tokens=400))  # 61 cells: more than a leaves free
+    run_step(s)
+    s.add(group("s", 35, max_tokens=400))  # overtakes b: b could not fit even without it
+    s.add(group("t", 5, max_tokens=400))
+    run_step(s)
+    assert {g.request_id for g in s.running} == {"a", "s", "t"} and [g.request_id for g in s.waiting] == ["b"]
+    s.finish(s.running[0].seqs[0])  # a ends: b would fit, but for s and t, which came after it
+    s.add(group("u", 3, max_tokens=400))
+    run_step(s)
+    assert [g.request_id for g in s.waiting] == ["b", "u"], "u waits: b goes first once s or t ends"
+    s.finish(next(g for g in s.running if g.request_id == "s").seqs[0])
+    run_step(s)
+    assert "b" in {g.request_id for g in s.running}

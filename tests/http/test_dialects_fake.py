@@ -84,6 +84,15 @@ def test_extra_parameters_ignore_drops_them(fake_server):
     assert r.headers["x-servelm-dropped-parameters"] == "min_tokens,foo"
 
 
+def test_dropped_names_that_are_not_plain_ascii_are_escaped_in_the_header(fake_server):
+    """Found by fuzzing the real model: an unknown field named with a character outside Latin-1 made the header
+    unencodable and the request a 500."""
+    r = post(fake_server, AZURE, {"messages": MSG, "max_tokens": 2, "f\u200boo": 1, "bar\r\nx-evil: 1": 2, "é": 3})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-servelm-dropped-parameters"] == "f%E2%80%8Boo,bar%0D%0Ax-evil%3A%201,%C3%A9"
+    assert "x-evil" not in r.headers
+
+
 def test_extra_parameters_pass_through_reaches_the_engine(fake_server):
     # ignore_eos with max_tokens beyond the fake model's end: the answer runs past EOS to max_tokens
     body = {"messages": MSG, "max_tokens": 50, "temperature": 0}
