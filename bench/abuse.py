@@ -401,7 +401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     flags = list(args.server_arg)
-    if args.run == "burst" and not any(f.startswith("--max-waiting") for f in flags):
+    if args.run == "burst" and not any(f == "--max-waiting" or f.startswith("--max-waiting=") for f in flags):
         flags += ["--max-waiting", "16"]
     with Target(args, flags) as target:
         if args.run == "fuzz":
