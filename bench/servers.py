@@ -124,7 +124,7 @@ def llama_server_embedding_spec(binary: Path, model: Path, port: int, threads: i
 # comparison each servelm process serves what its peer process serves: the chat model alone, or the embedding
 # model (beside a chat model, which servelm always loads, kept as small as it goes).
 SERVELM_CHAT_ONLY = (("--no-embedding-model", None), ("--chat-embedding-window", "0"))
-SERVELM_EMBEDDING_CHAT_SIDE = (("--chat-embedding-window", "0"), ("--max-num-seqs", "1"), ("--kv-cells", "256"))
+SERVELM_EMBEDDING_CHAT_SIDE = (("--chat-embedding-window", "0"), ("--max-num-seqs", "1"), ("--context-window", "256"))
 
 
 def servelm_exe() -> Path:
@@ -142,7 +142,9 @@ def servelm_spec(port: int, parallel: int, model: Path, ctx: int, threads: int,
     # Match the peers where servelm has the knob: same file, same threads, same KV size.
     chat = [("--model-path", model), ("--model-id", MODEL_ID), ("--threads", threads)]
     if embedding_model is None:
-        chat += [("--max-num-seqs", parallel), ("--kv-cells", ctx), *SERVELM_CHAT_ONLY]
+        # each slot holds its own stream: the peers' total context shared out per slot
+        chat += [("--max-num-seqs", parallel), ("--context-window", max(256, ctx // max(1, parallel))),
+                 *SERVELM_CHAT_ONLY]
     else:
         chat += [("--embedding-model-path", embedding_model), ("--embedding-model-id", EMBEDDING_MODEL_ID),
                  *SERVELM_EMBEDDING_CHAT_SIDE]
@@ -164,7 +166,7 @@ def servelm_ray_spec(port: int, parallel: int, model: Path, ctx: int, threads: i
     the threads, slots and KV cells of the single servelm process between them (the same cores in all)."""
     share = max(1, replicas)
     engine = {"threads": max(1, threads // share), "max_num_seqs": max(1, parallel // share),
-              "kv_cells": max(256, ctx // share)}
+              "context_window": max(256, ctx // max(1, parallel))}
     config = config_dir / "servelm-ray.toml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(

@@ -26,9 +26,7 @@ def build_deployment(
     name: str,
     runner,
     fingerprint_source: str = "",
-    seeded_step_tokens: int | None = None,
-    prefix_cache: bool = False,
-    prefix_cache_cells: int | None = None,
+    prefix_cache: bool = True,
     chat_template: str | None = None,
     engine: object | None = None,
     grammar_limits: object | None = None,
@@ -44,8 +42,7 @@ def build_deployment(
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits if isinstance(grammar_limits, GrammarLimits) else GrammarLimits())
-    engine = engine or LocalEngine(runner, seeded_step_tokens=seeded_step_tokens, prefix_cache=prefix_cache,
-                         prefix_cache_cells=prefix_cache_cells, grammars=grammars)
+    engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars)
     bos = runner.bos_token
     template_source = chat_template or runner.chat_template
 
@@ -180,15 +177,13 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers:
     e = spec.engine
     log.info("loading %s for %r", path, spec.name)
     runner = LlamaCppRunner(
-        path, num_slots=e.max_num_seqs, kv_cells=e.kv_cells, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
-        spare_seqs=e.prefix_cache_entries if e.prefix_cache else 0,
+        path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
         context_window=e.context_window, threads=e.threads, verbose=verbose,
     )
     runners.append(runner)
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
-        spec.name, runner, f"{path.name}:{path.stat().st_size}", seeded_step_tokens=e.seeded_step_tokens,
-        prefix_cache=e.prefix_cache, prefix_cache_cells=e.prefix_cache_cells, chat_template=template,
+        spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
         grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
     )
     deployment.max_waiting = spec.limits.max_waiting

@@ -40,29 +40,19 @@ def embedded_embedding_model_path() -> Path:
 class EngineSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid")
 
-    max_num_seqs: int = Field(16, ge=1, le=256, description="sequences decoded together (llama.cpp sequence slots)")
-    kv_cells: int = Field(8192, ge=256, description="cells in the unified KV cache shared by every sequence")
-    max_step_tokens: int = Field(256, ge=16, description="tokens in one forward pass: decode tokens plus prompt chunks")
-    seeded_step_tokens: int = Field(
-        63, ge=1,
-        description="most tokens in a step while a request with a seed runs. llama.cpp's CPU matmul switches "
-        "kernels at 64 rows, which moves logits slightly, so under 64 a seed gives the same text whatever else "
-        "shares the batch; unseeded traffic keeps the full --max-step-tokens",
-    )
+    max_num_seqs: int = Field(16, ge=1, le=256, description="sequences decoded together: llama.cpp sequence slots, "
+                              "each with a KV stream of the context window's length")
+    context_window: int = Field(2048, ge=16, description="most tokens one sequence may use, prompt and answer (at most "
+                                "the model's own). Each slot's KV stream holds this many cells, so the KV cache is "
+                                "--max-num-seqs x this (the default model: 23 KB a cell, 754 MB for 16 x 2048)")
+    max_step_tokens: int = Field(256, ge=16, description="tokens in one step: decode tokens plus prompt chunks (a "
+                                 "sequence reads at most 63 a step)")
     prefix_cache: bool = Field(
-        False,
-        description="keep prompts and finished turns in the KV cache and reuse their cells for prompts that begin "
-        "the same way (a shared system prompt is read once; a conversation's next turn reads only what is new); "
-        "reported as usage.prompt_tokens_details.cached_tokens. Off by default: llama.cpp's CPU kernels round "
-        "differently with the number of rows in a pass and the cells in use, so with the cache a greedy or seeded "
-        "answer can differ from the same request without it (llama-server documents the same of its "
-        "cache_prompt); seeded requests never read it",
+        True, description="a slot keeps its cells once its request ends, and a prompt that begins the same way (a "
+        "shared system prompt, a conversation's next turn) starts from them and reads only the rest, reported as "
+        "usage.prompt_tokens_details.cached_tokens; entries are per API key and cache_salt. Exact: an answer is "
+        "the same bitwise with it and without it (docs/exactness.md). --no-prefix-cache: every prompt is read whole",
     )
-    prefix_cache_entries: int = Field(8, ge=1, le=128, description="prefixes the cache keeps (least recently used "
-                                      "first out); each holds a spare llama.cpp sequence id")
-    prefix_cache_cells: int | None = Field(None, ge=0, description="most KV cells the cache may keep (default: half "
-                                           "of --kv-cells); running requests take them back whenever they need room")
-    context_window: int | None = Field(None, ge=16, description="most tokens one sequence may use (default: the model's)")
     grammar_max_mib: int = Field(64, ge=1, description="heap one compiled grammar (a schema, pattern, choice list, "
                                  "grammar or tool set) may hold; a larger one is a 400 grammar_too_large")
     grammar_cache_mib: int = Field(512, ge=1, description="heap the cache of compiled grammars may hold (least "

@@ -35,6 +35,9 @@ class EngineGauges:
     kv_cells_used: int
     kv_cells_cached: int
     kv_cells_total: int
+    kv_cell_bytes: int = 0
+    cache_hits: int = 0
+    cached_tokens: int = 0
     step_seconds: float = 0.0  # counters: the engine thread's time in steps, and of it in the forward pass
     forward_seconds: float = 0.0
 
@@ -52,6 +55,11 @@ class _EngineCollector(Collector):
             "kv_cells_used": GaugeMetricFamily("servelm_kv_cells_used", "KV cache cells held by running requests", labels=["model"]),
             "kv_cells_cached": GaugeMetricFamily("servelm_kv_cells_cached", "KV cache cells held by the prefix cache", labels=["model"]),
             "kv_cells_total": GaugeMetricFamily("servelm_kv_cells_capacity", "KV cache cells in all", labels=["model"]),
+            "kv_bytes": GaugeMetricFamily("servelm_kv_cache_bytes", "the KV cache's size in memory", labels=["model"]),
+            "cache_hits": CounterMetricFamily("servelm_prefix_cache_hits", "requests that started from cached cells",
+                                              labels=["model"]),
+            "cached_tokens": CounterMetricFamily("servelm_prefix_cache_tokens", "prompt tokens read from the prefix "
+                                                 "cache instead of computed", labels=["model"]),
             "step_seconds": CounterMetricFamily("servelm_engine_step_seconds", "engine-thread time in steps with work",
                                                 labels=["model"]),
             "forward_seconds": CounterMetricFamily("servelm_engine_forward_seconds", "of which in the model's forward "
@@ -60,7 +68,7 @@ class _EngineCollector(Collector):
         }
         for g in self._source():
             for key, family in families.items():
-                family.add_metric([g.model], getattr(g, key))
+                family.add_metric([g.model], g.kv_cells_total * g.kv_cell_bytes if key == "kv_bytes" else getattr(g, key))
         yield from families.values()
 
     def describe(self) -> list:

@@ -23,7 +23,7 @@ model = "smollm2-135m-instruct"
 aliases = ["small", "gpt-4o-mini"]
 [deployments.engine]
 max_num_seqs = 2
-kv_cells = 1024
+context_window = 512
 [deployments.limits]
 max_waiting = 5
 
@@ -60,7 +60,7 @@ def test_toml_and_yaml_files_declare_deployments(tmp_path):
     cfg = load_config_file(write(tmp_path, "d.toml", TOML))
     assert [d.name for d in cfg.deployments] == ["a", "b"]
     a = cfg.deployments[0]
-    assert a.aliases == ["small", "gpt-4o-mini"] and a.engine.max_num_seqs == 2 and a.engine.kv_cells == 1024
+    assert a.aliases == ["small", "gpt-4o-mini"] and a.engine.max_num_seqs == 2 and a.engine.context_window == 512
     assert a.limits.max_waiting == 5 and cfg.endpoints[0].routes[0].weight == 3
     cfg = load_config_file(write(tmp_path, "d.yaml", YAML))
     assert [(d.name, d.kind) for d in cfg.deployments] == [("a", "chat"), ("e", "embedding")]

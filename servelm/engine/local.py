@@ -23,13 +23,14 @@ from servelm.constrain.masks import MaskComputer
 from servelm.engine.detokenizer import Detokenizer
 from servelm.engine.beam import BeamSearch
 from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
-from servelm.engine.scheduler import Scheduler, StepPlan
+from servelm.engine.plan import StepPlan
+from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
                                   TokenLogprob)
 from servelm.constrain.grammars import plain_error
 from servelm.errors import ApiError, ConstraintFailed, ServerError
-from servelm.runners.base import KVCacheFull, ModelRunner
+from servelm.runners.base import ModelRunner
 
 log = logging.getLogger("servelm.engine")
 
@@ -67,23 +68,14 @@ class LocalEngine:
         self,
         runner: ModelRunner,
         *,
-        seeded_step_tokens: int | None = None,
-        prefix_cache: bool = False,
-        prefix_cache_cells: int | None = None,
+        prefix_cache: bool = True,
         grammars: Grammars | None = None,
     ) -> None:
         self.runner = runner
         self.grammars = grammars
         self._masks = MaskComputer(runner.vocab_size) if grammars is not None else None
-        self.scheduler = Scheduler(
-            runner.num_slots,
-            runner.kv_cells,
-            runner.max_step_tokens,
-            seeded_step_tokens=seeded_step_tokens,
-            prefix_cache=prefix_cache,
-            prefix_cache_entries=getattr(runner, "spare_seqs", 0),
-            prefix_cache_cells=prefix_cache_cells,
-        )
+        self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
+                                   max_rows=runner.max_rows, prefix_cache=prefix_cache)
         self._eog = np.asarray(runner.eog_ids, dtype=np.int64)
         self._eog_set = frozenset(int(t) for t in self._eog)
         self._inbox: deque[tuple[str, object]] = deque()
@@ -167,11 +159,14 @@ class LocalEngine:
         return EngineStats(
             running=s.num_running_seqs,
             waiting=s.num_waiting,
-            kv_cells_used=s.kv_cells_used - s.kv_cells_cached,
+            kv_cells_used=s.kv_cells_used,
             kv_cells_cached=s.kv_cells_cached,
             kv_cells_total=s.kv_cells,
+            kv_cell_bytes=self.runner.kv_cell_bytes,
             free_slots=len(s.free_slots),
             total_slots=s.num_slots,
+            cache_hits=s.cache_hits,
+            cached_tokens=s.cached_tokens,
             step_seconds=self.step_seconds,
             forward_seconds=self.forward_seconds,
         )
@@ -207,24 +202,15 @@ class LocalEngine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         outputs: dict[str, list[GenerationOutput]] = {}
-        for seq in plan.out_of_cells:
-            self._contain(seq.group, outputs, self._finish_output, seq, FinishReason.LENGTH, None, outputs)
         if not plan.has_work:
-            self._send(outputs)
             self._wake.wait(0.005)  # waiting requests that do not fit yet; let the inbox bring news
             self._wake.clear()
             return
         forward = time.perf_counter()
-        try:
-            logits = self.runner.step(plan)
-        except KVCacheFull:
-            log.warning("KV cache full at decode; preempting the newest request")
-            self.scheduler.preempt_newest()
-            self._send(outputs)
-            return
+        logits = self.runner.step(plan)  # its failure is every request's in the step (_run fails them)
         self.steps += 1
         self.forward_seconds += time.perf_counter() - forward
-        rows = self._rows(plan)
+        rows = plan.rows()
         self._prompt_logprobs(plan, logits, rows, outputs)
         samplers, processed, tokens, beams = self._sample(plan, logits, rows, outputs)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
@@ -265,21 +251,6 @@ class LocalEngine:
         for i, seq in enumerate(seqs):
             one = self._contain(seq.group, outputs, fn, [i])
             out.append(None if one is None else one[0])
-        return out
-
-    @staticmethod
-    def _rows(plan: StepPlan) -> list[int]:
-        """For each chunk, the logits row of its last token (-1 when it has none)."""
-        out, r = [], 0
-        for chunk in plan.chunks:
-            if chunk.all_logits:
-                r += len(chunk.tokens)
-                out.append(r - 1)
-            elif chunk.wants_logits:
-                out.append(r)
-                r += 1
-            else:
-                out.append(-1)
         return out
 
     def _sample(self, plan: StepPlan, logits: np.ndarray, rows: list[int], outputs: dict) -> tuple[

@@ -1,8 +1,8 @@
 """Per-sequence and per-request state that the scheduler and the engine loop share.
 
 A request with n choices is a SequenceGroup of n Sequences. The group's prompt is computed once, by its
-first sequence; the others then share those KV cells (a fork) and sample their first tokens from the
-same logits row, each with its own RNG.
+first sequence; the others then get copies of those KV cells in their own slots (a fork) and sample their
+first tokens from the same logits row, each with its own RNG.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from servelm.engine.types import SamplingParams
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # no slot yet, or preempted and waiting to recompute
+    WAITING = "waiting"  # no slot yet
     FORK_PENDING = "fork_pending"  # holds a slot; waits for the group's prompt to be computed
     RUNNING = "running"  # holds a slot; prefilling or decoding
     FINISHED = "finished"
@@ -31,11 +31,8 @@ class Sequence:
     index: int
     token_ids: list[int]
     status: SeqStatus = SeqStatus.WAITING
-    num_computed: int = 0  # tokens whose KV cells are in the cache
-    shared: int = 0  # leading cells owned by the group's shared prefix, not counted as this sequence's own
-    cached: int = 0  # leading cells borrowed from the scheduler's prefix cache, not counted either
-    source: Any = None  # the prefix-cache entry those cells are counted under
-    slot: int | None = None  # the llama.cpp sequence id while it holds KV
+    num_computed: int = 0  # tokens whose KV cells are in its slot's stream
+    slot: int | None = None  # the llama.cpp sequence id (its own KV stream) while it holds one
     key: int = field(default_factory=lambda: next(_seq_keys))
     state: Any = None  # the engine loop's own per-sequence state (RNG, detokenizer, counts)
 
@@ -53,10 +50,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     @property
-    def own_cells(self) -> int:
-        return self.num_computed - max(self.shared, self.cached)
-
-    @property
     def holds_slot(self) -> bool:
         return self.slot is not None
 
@@ -68,8 +61,7 @@ class SequenceGroup:
     params: SamplingParams
     arrival: int = field(default_factory=lambda: next(_seq_keys))
     seqs: list[Sequence] = field(default_factory=list)
-    prefix_cells: int = 0  # prompt cells shared by the forked members, counted once
-    forked: bool = False
+    forked: bool = False  # the others have copies of the first one's prompt cells
     cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache
     scope: str = ""  # the prefix-cache scope it reads and writes (GenerationRequest.cache_scope)
 

@@ -153,10 +153,13 @@ class EngineStats:
 
     running: int
     waiting: int
-    kv_cells_used: int  # held by requests
-    kv_cells_cached: int  # held by the prefix cache (given back first when requests need room)
-    kv_cells_total: int
+    kv_cells_used: int  # held by running requests
+    kv_cells_cached: int  # held by slots at rest: the prefix cache (a slot's cells go when a request needs it)
+    kv_cells_total: int  # slots x context window
+    kv_cell_bytes: int  # one cell's size: the KV cache takes kv_cells_total x this
     free_slots: int
     total_slots: int
+    cache_hits: int = 0  # requests that started from cached cells, since start
+    cached_tokens: int = 0  # prompt tokens they did not read
     step_seconds: float = 0.0  # engine-thread time in steps that had work, since start
     forward_seconds: float = 0.0  # of which inside the model's forward pass (llama_decode)

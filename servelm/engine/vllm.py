@@ -298,7 +298,7 @@ class VllmEngine:
         seqs = sum(self._seqs.values())
         running = min(seqs, self.max_num_seqs)
         return EngineStats(running=running, waiting=seqs - running, kv_cells_used=0, kv_cells_cached=0,
-                           kv_cells_total=0, free_slots=self.max_num_seqs - running, total_slots=self.max_num_seqs)
+                           kv_cells_total=0, kv_cell_bytes=0, free_slots=self.max_num_seqs - running, total_slots=self.max_num_seqs)
 
     # -- lifecycle (Built.start / stop) ---------------------------------------------------------------
     @property

@@ -81,8 +81,7 @@ class Ingress:
         from servelm.runners.llamacpp import LlamaCppRunner
 
         path = resolve_model_source(spec.model, spec.kind)
-        runner = LlamaCppRunner(path, num_slots=spec.engine.max_num_seqs, kv_cells=spec.engine.kv_cells,
-                                vocab_only=True)
+        runner = LlamaCppRunner(path, num_slots=spec.engine.max_num_seqs, vocab_only=True)
         self._runners.append(runner)
 
         def tokenize_input(text: str) -> list[int]:  # an embedding input: the model's own special tokens, none parsed

@@ -104,8 +104,13 @@ def _fresh_internal_request_id() -> None:
 
 
 def _sum(items: list[Any], kind: type) -> Any:
-    """Every replica's counts added up, field by field (all zero without replicas)."""
-    return kind(**{f.name: sum(getattr(i, f.name) for i in items) for f in dataclasses.fields(kind)})
+    """Every replica's counts added up, field by field (all zero without replicas); a size per unit (a KV cell's
+    bytes) is the replicas' largest, not their sum."""
+    def add(name: str) -> Any:
+        values = [getattr(i, name) for i in items]
+        return max(values, default=0) if name.endswith("_bytes") else sum(values)
+
+    return kind(**{f.name: add(f.name) for f in dataclasses.fields(kind)})
 
 
 class RemoteEngine:

@@ -6,16 +6,17 @@ from typing import Protocol
 
 import numpy as np
 
-from servelm.engine.scheduler import StepPlan
+from servelm.engine.plan import StepPlan
 
 
 class ModelRunner(Protocol):
     vocab_size: int
-    context_window: int  # the most positions one sequence may use
-    kv_cells: int  # cells in the (unified) KV cache shared by every sequence
-    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1
-    spare_seqs: int  # further sequence ids num_slots.. for the prefix cache's entries
-    max_step_tokens: int  # tokens one forward pass may carry
+    context_window: int  # the most positions one sequence may use: each slot's KV stream holds that many
+    kv_cells: int  # num_slots * context_window
+    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, a stream each
+    max_step_tokens: int  # tokens one step may carry
+    max_rows: int  # tokens one sequence may read in one step
+    kv_cell_bytes: int  # one KV cell's size
     eog_ids: np.ndarray  # end-of-generation tokens
     chat_template: str | None
     bos_token: str
@@ -37,10 +38,11 @@ class ModelRunner(Protocol):
         ...
 
     def step(self, plan: StepPlan) -> np.ndarray:
-        """Apply the plan's KV operations in order, then one forward pass over all its chunks.
+        """Apply the plan's KV operations in order, then the forward pass over all its chunks.
 
-        Returns logits, one row (vocab_size wide) for each chunk that wants logits, in chunk order.
-        The array may be a view into the runner's memory, valid until the next step.
+        Returns logits rows (vocab_size wide) in the order StepPlan.rows() gives them: every row of an
+        all-logits chunk, the last row of a chunk with samplers. The array may be a view into the runner's
+        memory, valid until the next step.
         """
         ...
 

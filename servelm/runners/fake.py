@@ -1,8 +1,9 @@
 """FakeRunner: a scripted, deterministic model for fast tests of the engine, scheduler and HTTP layer.
 
-It keeps its own book of KV cells per sequence slot and checks every plan against it (a decode at
-position p needs cells 0..p-1 of that slot; forks copy, frees remove), so a scheduler bug shows up as
-an error here rather than as subtly wrong text.
+It keeps its own book of KV cells per sequence slot (a stream each, as the real runner's) and checks every plan
+against it (a chunk at position p needs exactly cells 0..p-1 of its slot; copies need what they copy; a slot holds
+at most the context window; a sequence reads at most max_rows tokens a step), so a scheduler bug shows up as an
+error here rather than as subtly wrong text.
 
 The "model": token t is followed by t+1 (wrapping from vocab-1 to FIRST_WORD), except that
 END_TOKEN is followed by EOS. Text: token t is the letter chr(ord('a') + t % 26).
@@ -14,7 +15,7 @@ import time
 
 import numpy as np
 
-from servelm.engine.scheduler import StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, StepPlan
 
 EOS = 0
 FIRST_WORD = 1
@@ -31,19 +32,19 @@ class FakeRunner:
         *,
         vocab_size: int = 64,
         num_slots: int = 4,
-        spare_seqs: int = 8,
-        kv_cells: int = 256,
         max_step_tokens: int = 32,
         context_window: int = 128,
+        max_rows: int = 63,
         step_delay: float = 0.0,
         fim_tokens: tuple[int, int, int] | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.num_slots = num_slots
-        self.spare_seqs = spare_seqs
-        self.kv_cells = kv_cells
         self.max_step_tokens = max_step_tokens
         self.context_window = context_window
+        self.kv_cells = num_slots * context_window
+        self.max_rows = max_rows
+        self.kv_cell_bytes = 64
         self.step_delay = step_delay
         self.fim_tokens = fim_tokens  # fill-in-the-middle (prefix, suffix, middle) tokens, if the model has them
         self.eog_ids = np.array([EOS], dtype=np.int64)
@@ -55,8 +56,6 @@ class FakeRunner:
         self.eos_token = "</s>"
         self.description = "fake"
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
-        self.cell_ids: dict[int, list[int]] = {}  # slot → the identity of each of its cells (a copy shares them)
-        self._next_cell = 0
         self.steps: list[StepPlan] = []
         self.max_cells_seen = 0
 
@@ -82,35 +81,37 @@ class FakeRunner:
     # -- the forward pass -------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> np.ndarray:
         for op in plan.ops:
-            if op[0] == "rm":
-                self.cells.pop(op[1], None)
-                self.cell_ids.pop(op[1], None)
-                continue
-            _, src, dst, n = op
-            if len(self.cells.get(src, [])) < n:
-                raise FakeKVError(f"copy of {n} cells from slot {src}, which holds {len(self.cells.get(src, []))}")
-            if self.cells.get(dst):
-                raise FakeKVError(f"copy into slot {dst}, which already holds cells")
-            self.cells[dst] = list(self.cells[src][:n])
-            self.cell_ids[dst] = list(self.cell_ids[src][:n])
+            if isinstance(op, Clear):
+                self.cells.pop(op.slot, None)
+            elif isinstance(op, Keep):
+                held = self.cells.get(op.slot, [])
+                if len(held) < op.n:
+                    raise FakeKVError(f"keep {op.n} cells of slot {op.slot}, which holds {len(held)}")
+                self.cells[op.slot] = held[: op.n]
+            else:
+                assert isinstance(op, Copy)
+                if len(self.cells.get(op.src, [])) < op.n:
+                    raise FakeKVError(f"copy of {op.n} cells from slot {op.src}, which holds "
+                                      f"{len(self.cells.get(op.src, []))}")
+                self.cells[op.dst] = list(self.cells[op.src][: op.n])
         rows = []
-        total = self.cells_in_use()
         for chunk in plan.chunks:
-            slot = chunk.seq.slot
-            held = self.cells.setdefault(slot, [])
+            held = self.cells.setdefault(chunk.slot, [])
             if chunk.start != len(held):
-                raise FakeKVError(f"slot {slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
+                raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
+            if len(chunk.tokens) > self.max_rows:
+                raise FakeKVError(f"a chunk of {len(chunk.tokens)} tokens: more than {self.max_rows} rows of a stream")
+            if chunk.start and chunk.prev_token != held[-1]:
+                raise FakeKVError(f"chunk at {chunk.start} of slot {chunk.slot}: prev_token {chunk.prev_token}, "
+                                  f"cell {held[-1]}")
             held.extend(chunk.tokens)
-            self.cell_ids.setdefault(slot, []).extend(range(self._next_cell, self._next_cell + len(chunk.tokens)))
-            self._next_cell += len(chunk.tokens)
-            total += len(chunk.tokens)
+            if len(held) > self.context_window:
+                raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells, more than its {self.context_window}")
             if chunk.all_logits:
                 rows.extend(self.logits_after(t) for t in chunk.tokens)
             elif chunk.wants_logits:
                 rows.append(self.logits_after(held[-1]))
-        if total > self.kv_cells:
-            raise FakeKVError(f"{total} cells in use, more than the cache's {self.kv_cells}")
-        self.max_cells_seen = max(self.max_cells_seen, total)
+        self.max_cells_seen = max(self.max_cells_seen, self.cells_in_use())
         self.steps.append(plan)
         if self.step_delay:
             time.sleep(self.step_delay)
@@ -129,12 +130,10 @@ class FakeRunner:
         return row
 
     def cells_in_use(self) -> int:
-        """Distinct cells, as a unified cache counts them (a copied cell once, however many hold it)."""
-        return len({cell for ids in self.cell_ids.values() for cell in ids})
+        return sum(len(cells) for cells in self.cells.values())
 
     def close(self) -> None:
         self.cells.clear()
-        self.cell_ids.clear()
 
 
 class FakeEmbedder:

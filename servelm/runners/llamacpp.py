@@ -1,8 +1,21 @@
 """LlamaCppRunner: the only module that touches llama.cpp (through llama-cpp-python's ctypes C API).
 
-One model, one context with `num_slots` sequences over one unified KV cache. Each step is a single
-llama_decode over a batch whose buffers are numpy arrays we own, filled with vector operations; the
-logits come back as a numpy view of llama.cpp's output buffer. Every C pointer is created and freed here.
+One model, one context with `num_slots` sequences, each with a KV stream of its own (a non-unified cache, as
+long as the context window) and flash attention on. Each step is a few llama_decode calls over batches whose
+buffers are numpy arrays we own, filled with vector operations. Every C pointer is created and freed here.
+
+A sequence's logits are bitwise the same whatever shares its steps, however its prompt is chunked, and whether
+its prefix was read or copied from the cache (docs/exactness.md). ggml's CPU flash attention has three kernels: a
+row-at-a-time one, a tiled one for 64 or more query rows of a stream, and a split-KV one for a single row of a
+single stream once 512 cells are in view; they round differently. So every row is computed by the first:
+- a sequence reads at most MAX_ROWS (63) tokens a step (the scheduler keeps to it);
+- the calls are cut so that llama.cpp's own micro-batching (which puts only consecutive sequence ids with equal
+  token counts together) leaves every micro-batch as it is: one-token chunks of consecutive slots go together,
+  and so do longer chunks of consecutive slots and equal length;
+- a call that would be one row of one stream past LONE_ROW_FROM reads that sequence's previous position again
+  beside it (the cell is rewritten with the same values), so it is never a lone row.
+The rest holds by construction: each stream holds one sequence, its cells in position order; matrix products
+are row by row for these weight types; the rest of the graph is row-wise.
 """
 
 from __future__ import annotations
@@ -15,10 +28,15 @@ from pathlib import Path
 import llama_cpp as C
 import numpy as np
 
-from servelm.engine.scheduler import StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, ScheduledChunk, StepPlan
 from servelm.runners.base import KVCacheFull
 
 _LOG_LEVEL_WARN = 3
+MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's tiled kernel (64)
+# A single row of a single stream goes to the split-KV kernel once its view is 512 cells (llama.cpp pads the view
+# to 256: from position 256 on); from here on, such a row gets its previous position beside it.
+LONE_ROW_FROM = 240
+_CELL_PAD = 256  # llama.cpp pads each stream to a multiple of this
 _quiet_logs = None
 log = logging.getLogger("servelm.runners")
 
@@ -65,6 +83,21 @@ def _tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[
     return list(buf[:n])
 
 
+def calls(chunks: list[ScheduledChunk]) -> list[list[int]]:
+    """The chunks (by index) cut into llama_decode calls that llama.cpp's micro-batching leaves whole: runs of
+    consecutive slots whose chunks have the same length (a decode step's one-token chunks, mostly one run)."""
+    out: list[list[int]] = []
+    order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].tokens) > 1, len(chunks[i].tokens), chunks[i].slot))
+    for i in order:
+        last = out[-1][-1] if out else None
+        if last is not None and len(chunks[last].tokens) == len(chunks[i].tokens) \
+                and chunks[last].slot + 1 == chunks[i].slot:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, C.llama_batch]:
     """A llama_batch of `size` tokens whose buffers are numpy arrays we fill with vector operations
     (tokens, positions, one sequence id per token, output flags); returns those arrays and the batch."""
@@ -102,10 +135,8 @@ class LlamaCppRunner:
         model_path: str | Path,
         *,
         num_slots: int = 16,
-        kv_cells: int = 16384,
-        max_step_tokens: int = 512,
-        spare_seqs: int = 8,
-        context_window: int | None = None,
+        context_window: int | None = 2048,
+        max_step_tokens: int = 256,
         threads: int | None = None,
         verbose: bool = False,
         vocab_only: bool = False,  # the tokenizer and metadata only: no weights, no context (servelm/ray's ingress)
@@ -121,18 +152,20 @@ class LlamaCppRunner:
         self._vocab = C.llama_model_get_vocab(self._model)
         self.vocab_size = int(C.llama_vocab_n_tokens(self._vocab))
         train_ctx = int(C.llama_model_n_ctx_train(self._model))
-        self.context_window = min(context_window or train_ctx, train_ctx, kv_cells)
-        self.kv_cells = kv_cells
+        self.context_window = min(context_window or train_ctx, train_ctx) if train_ctx else (context_window or 0)
         self.num_slots = num_slots
-        self.spare_seqs = spare_seqs
-        self.max_step_tokens = max_step_tokens
+        self.kv_cells = num_slots * self.context_window
+        self.max_step_tokens = max(max_step_tokens, num_slots)
+        self.max_rows = MAX_ROWS
 
         cparams = C.llama_context_default_params()
-        cparams.n_ctx = kv_cells
-        cparams.n_batch = max_step_tokens
-        cparams.n_ubatch = max_step_tokens
-        cparams.n_seq_max = num_slots + spare_seqs  # the spare ids hold the prefix cache's entries
-        cparams.kv_unified = True
+        stream = -(-max(self.context_window, 1) // _CELL_PAD) * _CELL_PAD
+        cparams.n_ctx = stream * num_slots
+        cparams.n_batch = self.max_step_tokens
+        cparams.n_ubatch = self.max_step_tokens
+        cparams.n_seq_max = num_slots
+        cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
+        cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED
         n_threads = threads or os.cpu_count() or 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
@@ -143,6 +176,7 @@ class LlamaCppRunner:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self._mem = C.llama_get_memory(self._ctx) if self._ctx else None
 
+        self.kv_cell_bytes = 0 if vocab_only else self._cell_bytes()
         self.eog_ids = np.array([t for t in range(self.vocab_size) if C.llama_vocab_is_eog(self._vocab, t)], dtype=np.int64)
         self._pieces = [self._piece(t) for t in range(self.vocab_size)]
         self.chat_template = self._meta("tokenizer.chat_template")
@@ -152,7 +186,13 @@ class LlamaCppRunner:
         fim = (C.llama_vocab_fim_pre(self._vocab), C.llama_vocab_fim_suf(self._vocab), C.llama_vocab_fim_mid(self._vocab))
         self.fim_tokens = None if -1 in fim else tuple(int(t) for t in fim)  # fill-in-the-middle tokens
         self.description = self._meta("general.name") or Path(model_path).stem
-        self._init_batch(max_step_tokens)
+        self._init_batch(self.max_step_tokens + 1)  # + 1: a lone row's previous position
+
+    def _cell_bytes(self) -> int:
+        """One KV cell's size: keys and values (float16) of every layer (a vocabulary-only model has no layers)."""
+        n_embd, n_head = int(C.llama_model_n_embd(self._model)), max(1, int(C.llama_model_n_head(self._model)))
+        kv_width = int(C.llama_model_n_head_kv(self._model)) * (n_embd // n_head)
+        return int(C.llama_model_n_layer(self._model)) * 2 * kv_width * 2
 
     # -- metadata and text ------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
@@ -215,42 +255,64 @@ class LlamaCppRunner:
     # -- the batch --------------------------------------------------------------------------------
     def _init_batch(self, size: int) -> None:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)
+        self._logits = np.empty((size, self.vocab_size), dtype=np.float32)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         for op in plan.ops:
-            if op[0] == "rm":
-                C.llama_memory_seq_rm(self._mem, op[1], -1, -1)
-            else:
-                C.llama_memory_seq_cp(self._mem, op[1], op[2], 0, op[3])
-        if not plan.chunks:
-            return np.empty((0, self.vocab_size), dtype=np.float32)
-        n = 0
-        rows = 0
-        for chunk in plan.chunks:
-            k = len(chunk.tokens)
-            self._tok[n : n + k] = chunk.tokens
-            self._pos[n : n + k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
-            self._seq[n : n + k] = chunk.seq.slot
+            self._apply(op)
+        rows = plan.rows()
+        total = sum(len(c.tokens) if c.all_logits else 1 for c, r in zip(plan.chunks, rows) if r >= 0)
+        first = [r - (len(c.tokens) - 1 if c.all_logits else 0) for c, r in zip(plan.chunks, rows)]
+        for call in calls(plan.chunks):
+            self._decode(plan.chunks, call, first)
+        return self._logits[:total]
+
+    def _apply(self, op: Clear | Keep | Copy) -> None:
+        if isinstance(op, Clear):
+            C.llama_memory_seq_rm(self._mem, op.slot, -1, -1)
+        elif isinstance(op, Keep):
+            C.llama_memory_seq_rm(self._mem, op.slot, op.n, -1)
+        else:  # a copy between streams copies the whole stream; what lies past n is dropped
+            C.llama_memory_seq_cp(self._mem, op.src, op.dst, -1, -1)
+            C.llama_memory_seq_rm(self._mem, op.dst, op.n, -1)
+
+    def _decode(self, chunks: list[ScheduledChunk], call: list[int], first: list[int]) -> None:
+        """One llama_decode over the chunks `call` names; their logits rows go to self._logits at their places."""
+        lone = len(call) == 1 and len(chunks[call[0]].tokens) == 1 and chunks[call[0]].start >= LONE_ROW_FROM
+        n, places = 0, []  # places: (row in self._logits, rows) per chunk that wants logits, in batch order
+        for i in call:
+            chunk = chunks[i]
+            tokens, start = chunk.tokens, chunk.start
+            if lone and chunk.prev_token is not None:  # its previous position again, beside it
+                C.llama_memory_seq_rm(self._mem, chunk.slot, start - 1, -1)
+                tokens, start = (chunk.prev_token, *tokens), start - 1
+            k = len(tokens)
+            self._tok[n : n + k] = tokens
+            self._pos[n : n + k] = np.arange(start, start + k, dtype=np.int32)
+            self._seq[n : n + k] = chunk.slot
             self._out[n : n + k] = 0
             if chunk.all_logits:
                 self._out[n : n + k] = 1
-                rows += k
+                places.append((first[i], k))
             elif chunk.wants_logits:
                 self._out[n + k - 1] = 1
-                rows += 1
+                places.append((first[i], 1))
             n += k
         if n > len(self._tok):
-            raise ValueError(f"a step of {n} tokens exceeds the batch of {len(self._tok)}")
+            raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")
         self._batch.n_tokens = n
         rc = C.llama_decode(self._ctx, self._batch)
         if rc == 1:
             raise KVCacheFull("llama.cpp found no KV cache slot for the batch")
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
-        if rows == 0:
-            return np.empty((0, self.vocab_size), dtype=np.float32)
-        ptr = C.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size))
+        got = sum(k for _, k in places)
+        if got:
+            out = np.ctypeslib.as_array(C.llama_get_logits(self._ctx), shape=(got, self.vocab_size))
+            r = 0
+            for row, k in places:
+                self._logits[row : row + k] = out[r : r + k]
+                r += k
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)

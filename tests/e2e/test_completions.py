@@ -198,7 +198,7 @@ def test_best_of_returns_n_choices(client: openai.OpenAI, stream: bool) -> None:
 # -- error_behavior, on a server with a 128-token window ------------------------------------------
 @pytest.fixture(scope="module")
 def small_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    with own_server(tmp_path_factory, "--context-window", "128", "--kv-cells", "512") as srv:
+    with own_server(tmp_path_factory, "--context-window", "128") as srv:
         yield client_for(srv.base_url)
 
 

@@ -25,7 +25,7 @@ aliases = ["small"]
 embedding_window = 0
 [deployments.engine]
 max_num_seqs = 4
-kv_cells = 2048
+context_window = 1024
 
 [[deployments]]
 name = "twin"
@@ -33,7 +33,7 @@ model = "smollm2-135m-instruct"
 embedding_window = 0
 [deployments.engine]
 max_num_seqs = 2
-kv_cells = 1024
+context_window = 512
 
 [[deployments]]
 name = "minilm"

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, through_ray_skip(
     "drains (404 once it is deleted), a stream cut at the deadline ends with a replica_unavailable error event "
     "and [DONE], and the log lines read here (uvicorn's, the access log) are written by the ingress to Ray's log "
     "files; the exit status 0 and a stream that finishes within the timeout do hold")]
-FLAGS = ("--no-embedding-model", "--chat-embedding-window", "0", "--max-num-seqs", "2", "--kv-cells", "4096")
+FLAGS = ("--no-embedding-model", "--chat-embedding-window", "0", "--max-num-seqs", "2")
 
 
 @pytest.fixture(autouse=True)
@@ -73,9 +73,9 @@ def test_sigterm_ends_a_stream_at_the_deadline_with_an_error_event_and_exits_0(t
     [DONE] (it used to be cut mid-body, with neither); a whole answer still being made is answered 503."""
     deadline = 2.0
     srv = start_server(tmp_path_factory, "--shutdown-timeout", str(deadline), *FLAGS)
-    response = _stream(srv.base_url, max_tokens=3000)  # far longer than the deadline
+    response = _stream(srv.base_url, max_tokens=1900)  # far longer than the deadline
     whole: list[httpx.Response] = []
-    body = {"model": MODEL, "messages": STORY, "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS}
+    body = {"model": MODEL, "messages": STORY, "max_tokens": 1900, "temperature": 0, "logit_bias": NO_EOS}
     import threading
 
     waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{srv.base_url}/v1/chat/completions", json=body,

@@ -24,7 +24,7 @@ FAULTY = 1.5  # the frequency_penalty that marks the request a test makes fail
 
 @pytest.fixture
 def engine():
-    runner = FakeRunner(num_slots=6, kv_cells=256, max_step_tokens=32, step_delay=0.002)  # room for all at once
+    runner = FakeRunner(num_slots=6, max_step_tokens=32, step_delay=0.002)  # room for all at once
     eng = LocalEngine(runner)
     eng.start()
     yield eng
@@ -142,7 +142,7 @@ async def test_a_grammar_that_fails_mid_answer_fails_its_request_with_a_client_e
     from servelm.constrain.grammars import Grammars
     from servelm.errors import ConstraintFailed
 
-    runner = FakeRunner(num_slots=6, kv_cells=256, max_step_tokens=32, step_delay=0.002)
+    runner = FakeRunner(num_slots=6, max_step_tokens=32, step_delay=0.002)
     grammars = Grammars(runner.token_table(), list(runner.eog_ids), runner.tokenize_text)
     engine = LocalEngine(runner, grammars=grammars)
     engine.start()

@@ -45,9 +45,11 @@ async def run(engine: LocalEngine, prompt, **kw):
 
 
 async def cells_freed(runner, engine) -> bool:
-    """Finished sequences' cells are removed at the engine's next step; wait for it."""
+    """Finished sequences' slots rest at the engine's next step, their streams holding exactly what the prefix
+    cache reports; wait for it."""
     for _ in range(200):
-        if engine.stats().running == 0 and runner.cells_in_use() == 0:
+        s = engine.stats()
+        if s.running == 0 and s.kv_cells_used == 0 and runner.cells_in_use() == s.kv_cells_cached:
             return True
         await asyncio.sleep(0.005)
     return False
@@ -70,7 +72,7 @@ def make_engine():
     engines = []
 
     def make(runner=None):
-        eng = LocalEngine(runner or FakeRunner(num_slots=4, kv_cells=256, max_step_tokens=16))
+        eng = LocalEngine(runner or FakeRunner(num_slots=4, max_step_tokens=16))
         eng.start()
         engines.append(eng)
         return eng
@@ -120,7 +122,7 @@ async def test_prompt_logprobs_score_each_prompt_token_after_the_first(make_engi
 
 
 async def test_best_of_returns_every_sequence_with_its_cumulative_logprob(make_engine):
-    eng = make_engine(ScriptedRunner(TRAP, num_slots=4, kv_cells=256, max_step_tokens=16))
+    eng = make_engine(ScriptedRunner(TRAP, num_slots=4, max_step_tokens=16))
     res = by_index(await run(eng, [1], max_tokens=3, temperature=1.0, seed=7, n=1, best_of=4))
     assert sorted(res) == [0, 1, 2, 3]
     for r in res.values():
@@ -131,7 +133,7 @@ async def test_best_of_returns_every_sequence_with_its_cumulative_logprob(make_e
 
 
 async def test_beam_search_finds_the_likelier_sequence_greedy_misses(make_engine):
-    runner = ScriptedRunner(TRAP, num_slots=4, kv_cells=256, max_step_tokens=16)
+    runner = ScriptedRunner(TRAP, num_slots=4, max_step_tokens=16)
     eng = make_engine(runner)
     greedy = by_index(await run(eng, [1], max_tokens=3))[0]
     assert greedy["tokens"][0] == 10
@@ -146,7 +148,7 @@ async def test_beam_search_finds_the_likelier_sequence_greedy_misses(make_engine
 
 
 async def test_beams_share_kv_cells_instead_of_recomputing(make_engine):
-    runner = FakeRunner(num_slots=4, kv_cells=256, max_step_tokens=16)
+    runner = FakeRunner(num_slots=4, max_step_tokens=16)
     eng = make_engine(runner)
     prompt = [2] * 10
     outs = await run(eng, prompt, max_tokens=6, n=1, best_of=3, beam=BeamParams())
@@ -157,7 +159,7 @@ async def test_beams_share_kv_cells_instead_of_recomputing(make_engine):
 
 
 async def test_beam_search_honours_stop_strings_and_length_penalty(make_engine):
-    eng = make_engine(ScriptedRunner(TRAP, num_slots=4, kv_cells=256, max_step_tokens=16))
+    eng = make_engine(ScriptedRunner(TRAP, num_slots=4, max_step_tokens=16))
     letter = chr(ord("a") + 21 % 26)  # token 21's text
     res = by_index(await run(eng, [1], max_tokens=3, n=1, best_of=2, beam=BeamParams(), stop=(letter,)))
     assert res[0]["text"] == chr(ord("a") + 20 % 26) and res[0]["final"].stop_reason == letter
@@ -167,7 +169,7 @@ async def test_beam_search_honours_stop_strings_and_length_penalty(make_engine):
 
 
 async def test_diverse_beam_groups_take_different_first_tokens(make_engine):
-    eng = make_engine(ScriptedRunner(TRAP, num_slots=4, kv_cells=256, max_step_tokens=16))
+    eng = make_engine(ScriptedRunner(TRAP, num_slots=4, max_step_tokens=16))
     beam = BeamParams(diversity_penalty=5.0, groups=2)
     res = by_index(await run(eng, [1], max_tokens=2, n=2, best_of=2, beam=beam))
     assert {res[0]["tokens"][0], res[1]["tokens"][0]} == {10, 20}
@@ -180,9 +182,9 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(make_engine):
     assert res["text"] == "cdefg" and res["final"].stop_reason == stop
 
 
-async def test_a_preempted_beam_search_resumes_with_the_same_result(make_engine):
+async def test_a_beam_search_beside_another_request_gives_the_same_result(make_engine):
     alone = by_index(await run(make_engine(), [2] * 10, max_tokens=10, n=2, best_of=2, beam=BeamParams()))
-    runner = FakeRunner(num_slots=4, kv_cells=44, max_step_tokens=16)
+    runner = FakeRunner(num_slots=4, max_step_tokens=16)
     eng = LocalEngine(runner)  # started once both requests wait, so they are admitted together
     first = asyncio.ensure_future(run(eng, [41] * 10, max_tokens=24))
     beams = asyncio.ensure_future(run(eng, [2] * 10, max_tokens=10, n=2, best_of=2, beam=BeamParams()))
@@ -194,5 +196,5 @@ async def test_a_preempted_beam_search_resumes_with_the_same_result(make_engine)
     finally:
         eng.stop()
     reads = [c for plan in runner.steps for c in plan.chunks if c.start == 0 and c.tokens[0] == 2]
-    assert len(reads) == 3, "the prompt was read, then both beams were preempted and read again"
+    assert len(reads) == 1, "the prompt was read once, then copied to the other beam"
     assert [crowded[i]["tokens"] for i in (0, 1)] == [alone[i]["tokens"] for i in (0, 1)]

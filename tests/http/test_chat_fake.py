@@ -206,7 +206,7 @@ def test_absent_max_tokens_runs_to_the_context_window(fake_server, client):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_sequence(fake_server_factory):
-    server = fake_server_factory(step_delay=0.02, context_window=400, kv_cells=1000)
+    server = fake_server_factory(step_delay=0.02, context_window=400)
     body = {"model": "fake-model", "messages": MSG, "max_tokens": 300, "stream": True, "logit_bias": {"0": -100}}
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body) as r:
         seen = 0
@@ -227,7 +227,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(fake_server_fac
 
 
 def test_a_non_streamed_client_that_gives_up_frees_its_sequence(fake_server_factory):
-    server = fake_server_factory(step_delay=0.02, context_window=400, kv_cells=1000)
+    server = fake_server_factory(step_delay=0.02, context_window=400)
     body = {"model": "fake-model", "messages": MSG, "max_tokens": 300, "logit_bias": {"0": -100}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=0.5)

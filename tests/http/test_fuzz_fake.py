@@ -25,7 +25,7 @@ MAX_EXAMPLES = 12  # per operation and phase: about 2,000 requests in all
 
 @pytest.fixture(scope="module")
 def server():
-    runner = FakeRunner(num_slots=4, kv_cells=512, context_window=128)
+    runner = FakeRunner(num_slots=4, context_window=128)
     deployment, engine = build_deployment("fake-model", runner)
     app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop)
     with serving(app) as url:

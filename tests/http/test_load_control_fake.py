@@ -84,8 +84,7 @@ def test_tokens_per_minute_charge_prompt_and_max_tokens(fake_server_factory):
 
 
 def test_a_full_queue_answers_429_queue_full(fake_server_factory):
-    server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, kv_cells=1000,
-                                 security=SecurityConfig(max_waiting=1))
+    server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, security=SecurityConfig(max_waiting=1))
     results: list[int] = []
     body = {**SLOW, "max_tokens": 50}  # a second each
     threads = [threading.Thread(target=lambda: results.append(post(server, body).status_code)) for _ in range(2)]
@@ -104,8 +103,7 @@ def test_a_full_queue_answers_429_queue_full(fake_server_factory):
 
 
 def test_a_request_past_its_deadline_is_stopped_with_504(fake_server_factory):
-    server = fake_server_factory(step_delay=0.02, context_window=400, kv_cells=1000,
-                                 security=SecurityConfig(request_timeout=0.5))
+    server = fake_server_factory(step_delay=0.02, context_window=400, security=SecurityConfig(request_timeout=0.5))
     start = time.monotonic()
     r = post(server, SLOW)
     assert r.status_code == 504 and time.monotonic() - start < 3
@@ -115,8 +113,7 @@ def test_a_request_past_its_deadline_is_stopped_with_504(fake_server_factory):
 
 
 def test_a_stream_past_its_deadline_ends_with_an_error_event(fake_server_factory):
-    server = fake_server_factory(step_delay=0.02, context_window=400, kv_cells=1000,
-                                 security=SecurityConfig(request_timeout=0.5))
+    server = fake_server_factory(step_delay=0.02, context_window=400, security=SecurityConfig(request_timeout=0.5))
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**SLOW, "stream": True},
                       timeout=10) as r:
         assert r.status_code == 200
@@ -179,8 +176,7 @@ def test_simultaneous_streams_reserve_their_places_at_admission(fake_server_fact
 
 def test_one_key_cannot_fill_the_queue_for_all(fake_server_factory):
     keys = [key_spec("sk-busy"), key_spec("sk-other"), key_spec("sk-small", max_waiting=1)]
-    server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, kv_cells=1000,
-                                 security=SecurityConfig(keys=keys, max_waiting=6))
+    server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, security=SecurityConfig(keys=keys, max_waiting=6))
     busy = {"Authorization": "Bearer sk-busy"}
     results: list[int] = []
     threads = [threading.Thread(target=lambda: results.append(post(server, {**SLOW, "max_tokens": 30}, **busy).status_code))

@@ -21,7 +21,7 @@ def conversation(client: openai.OpenAI, turns: list[str]) -> list[tuple[str, int
 def test_greedy_answers_do_not_depend_on_the_cache(fake_server_factory):
     runs = {}
     for cache in (False, True):
-        server = fake_server_factory(prefix_cache=cache, num_slots=2, kv_cells=400, context_window=200)
+        server = fake_server_factory(prefix_cache=cache, num_slots=2, context_window=200)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
         turns = ["hello", "more", "again"]
         runs[cache] = conversation(client, turns) + conversation(client, turns)

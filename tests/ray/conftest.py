@@ -27,7 +27,7 @@ MODEL = "smollm2-135m-instruct"
 NODE = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024, "node_ip_address": "127.0.0.1"}
 # Small and single-threaded: each replica holds one core of a 2-core machine. Two sequence slots per replica
 # let a test fill a replica and queue requests behind the running ones.
-ENGINE = {"threads": 1, "kv_cells": 2048, "max_num_seqs": 2, "max_step_tokens": 128, "prefix_cache": True}
+ENGINE = {"threads": 1, "context_window": 1024, "max_num_seqs": 2, "max_step_tokens": 128}
 READY_TIMEOUT_S = 120
 
 

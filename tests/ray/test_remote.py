@@ -108,7 +108,7 @@ def test_stats_add_up() -> None:
     from servelm.ray.replica import ReplicaStats
 
     eng = engine()
-    one = EngineStats(1, 2, 10, 5, 100, 1, 2)
+    one = EngineStats(1, 2, 10, 5, 100, 23040, 1, 2)
     eng.replicas.latest = [ReplicaStats("a", one, None), ReplicaStats("b", one, None)]
     assert (eng.stats().running, eng.stats().waiting, eng.stats().total_slots) == (2, 4, 4)
 

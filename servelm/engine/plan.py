@@ -1,0 +1,83 @@
+"""One step's plan, the only thing a runner needs to know of the engine: which tokens of which slot go into the
+forward pass, and which KV operations run before it.
+
+Each slot is a sequence id with a KV stream of its own (llama.cpp's non-unified cache): a sequence's cells are
+its own, in position order, whatever else runs, which is half of what makes a sequence's logits independent of
+its neighbours (docs/exactness.md). The runner reads the chunks under the rules that give the other half.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """The slot's stream is emptied."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """The slot keeps its first `n` positions; the rest are dropped (a cached prefix reused in place)."""
+
+    slot: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Slot `dst` gets the first `n` positions of slot `src` (a fork, a beam, a prefix another request read)."""
+
+    src: int
+    dst: int
+    n: int
+
+
+KVOp = Clear | Keep | Copy
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Any  # the engine's Sequence (runners read only the fields below)
+    slot: int
+    start: int  # position of the first token
+    tokens: tuple[int, ...]
+    prev_token: int | None = None  # the token at start - 1, which a runner may read again beside a lone row
+    samplers: tuple[Any, ...] = ()  # the engine's sequences that sample from the chunk's last row
+    all_logits: bool = False  # a logits row for every token (prompt logprobs), not only the last
+
+    @property
+    def wants_logits(self) -> bool:
+        return bool(self.samplers) or self.all_logits
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    ops: list[KVOp] = field(default_factory=list)  # in the order they were decided, before the forward pass
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.chunks or self.ops)
+
+    def rows(self) -> list[int]:
+        """For each chunk, the logits row of its last token (-1 when it has none), in the order runners return
+        rows: chunk order, every row of an all-logits chunk, the last row of the others."""
+        out, r = [], 0
+        for chunk in self.chunks:
+            if chunk.all_logits:
+                r += len(chunk.tokens)
+                out.append(r - 1)
+            elif chunk.samplers:
+                out.append(r)
+                r += 1
+            else:
+                out.append(-1)
+        return out
