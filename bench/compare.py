@@ -70,6 +70,7 @@ class Workload:
     server_overrides: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
     model: str = CHAT  # CHAT, or EMBEDDING: the servers are started on the embedding model for it
     embed_inputs: int = 32  # EMBEDDING: sentences per /v1/embeddings request
+    turns: int = 1  # > 1: each request is a conversation of this many turns (RequestSpec.turns)
 
     def runs_on(self, server: str) -> bool:
         return self.servers is None or server in self.servers
@@ -85,7 +86,8 @@ class Workload:
             spec = RequestSpec(max_tokens=self.max_tokens, prompt_tokens=self.prompt_tokens,
                                temperature=self.temperature, ban_token_ids=ban_ids if self.ban_eos else (),
                                system_prompt=self.system_prompt, unique_prompts=self.unique_prompts,
-                               prompt_salt=salt, extra_body=dict(self.extra_body), stream=self.stream)
+                               prompt_salt=salt, extra_body=dict(self.extra_body), stream=self.stream,
+                               turns=self.turns)
         return replace(spec, **self.server_overrides.get(server, {}))
 
 
@@ -145,6 +147,15 @@ WORKLOADS: list[Workload] = [
              max_tokens=32, system_prompt=build_prompt(640, "shared-system-prompt")),
     Workload("long-prompts-4", "4 concurrent clients; ~1,235-token prompts, each new, 32 output tokens, EOS banned",
              concurrency=4, requests=12, prompt_tokens=1200, max_tokens=32),
+    # Issue 14's: the workload a prefix cache exists for. Each turn resends the whole conversation.
+    Workload("multi-turn-4", "4 concurrent users, each in 4-turn conversations (2 each): every turn resends the "
+             "history and adds a ~40-token question; 48 output tokens a turn, EOS banned", concurrency=4,
+             requests=8, prompt_tokens=40, max_tokens=48, turns=4),
+    # The shape of the independent load generator issue 14 quotes: a new ~133-token prompt each request,
+    # temperature 0.7, 64 tokens out, EOS banned.
+    Workload("1-stream-t07", "1-stream at temperature 0.7 (its own new prompts)", concurrency=1, temperature=0.7),
+    Workload("16-streams-t07", "16-streams at temperature 0.7 (its own new prompts)", concurrency=16,
+             temperature=0.7),
     Workload("embed-32", "2 concurrent clients; /v1/embeddings with 32 fresh sentences of 10-20 words each",
              concurrency=2, requests=16, model=EMBEDDING, embed_inputs=32, servers=("llama-server", "servelm")),
 ]
@@ -180,6 +191,7 @@ class ServerRun:
     # per workload (servelm only): the engine loop's time outside llama_decode, as a share of its step time
     loop_overhead: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    rounds: dict[str, list[LevelResult]] = field(default_factory=dict)  # --rounds: each round's figures
 
     @property
     def label(self) -> str:
@@ -200,6 +212,8 @@ def build_spec(name: str, args: argparse.Namespace, model: Path, ctx: int, kind:
     port = servers.free_port()
     if name == "llama-server":
         binary = Path(args.llama_server_bin) if args.llama_server_bin else llama_server.build()
+        if args.defaults and kind == CHAT:
+            return servers.llama_server_defaults_spec(binary, model, port, args.threads, args.llama_server_arg)
         if kind == EMBEDDING:
             assert embedding_model is not None
             return servers.llama_server_embedding_spec(binary, embedding_model, port, args.threads,
@@ -207,6 +221,8 @@ def build_spec(name: str, args: argparse.Namespace, model: Path, ctx: int, kind:
         return servers.llama_server_spec(binary, model, port, args.parallel, ctx, args.threads,
                                          args.llama_server_arg)
     if name == "servelm":
+        if args.defaults and kind == CHAT:
+            return servers.servelm_defaults_spec(port, model, args.threads, args.servelm_arg)
         return servers.servelm_spec(port, args.parallel, model, ctx, args.threads, args.servelm_arg,
                                     embedding_model=embedding_model if kind == EMBEDDING else None)
     if name == "servelm-ray":
@@ -313,6 +329,45 @@ async def run_server(spec: servers.ServerSpec, workloads: list[Workload], args: 
     finally:
         proc.stop()
         run.peak_rss_mib = proc.peak_rss_kib / 1024.0
+
+
+async def run_interleaved(specs: list[servers.ServerSpec], workloads: list[Workload], args: argparse.Namespace,
+                          log_dir: Path, runs: list[ServerRun]) -> None:
+    """--rounds N: every server up at once, each workload run on each in turn, N rounds (fresh prompts each round,
+    the same for every server), so that the machine's drift from minute to minute falls on all of them alike. A
+    server's figures are the median round's (by output tokens/s); `rounds` keeps them all."""
+    procs = [servers.ServerProcess(spec, log_dir / f"{spec.name}.log") for spec in specs]
+    ban = tuple(args.ban_eos)
+    try:
+        for proc, run in zip(procs, runs):
+            print(f"\n== {run.label}: {' '.join(proc.spec.argv)}", flush=True)
+            proc.start()
+            run.log = str(proc.log_path)
+            run.ready_s = await proc.wait_ready(args.startup_timeout)
+            print(f"   ready in {run.ready_s:.1f} s", flush=True)
+            if args.warmup:
+                await run_level(proc.spec.base_url, proc.spec.model, 1, args.warmup,
+                                WORKLOADS[0].request_spec(run.name, ban, attempt=99))
+        for w in workloads:
+            for rnd in range(args.rounds):
+                for proc, run in zip(procs, runs):
+                    if w.runs_on(run.name):
+                        await wait_for_quiet(args.wait_quiet)
+                        print(f"   round {rnd + 1}/{args.rounds} on {run.name}:", flush=True)
+                        await run_workload(proc, w, args, ban, run, rnd + 1, warmup=w.warmup)
+                        run.rounds.setdefault(w.name, []).append(run.levels[w.name])
+            for run in runs:
+                done = run.rounds.get(w.name)
+                if done:
+                    run.levels[w.name] = sorted(done, key=lambda lv: lv.output_tok_s)[len(done) // 2]
+    except RuntimeError as exc:
+        for run in runs:
+            run.error = run.error or str(exc)
+        print(f"   FAILED: {exc}", file=sys.stderr, flush=True)
+    finally:
+        for proc, run in zip(procs, runs):
+            proc.stop()
+            run.peak_rss_mib = proc.peak_rss_kib / 1024.0
 
 
 def _num(v: float | None, digits: int = 1) -> str:
@@ -499,6 +554,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 2 x conc, >= 4)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads for the peer servers")
     p.add_argument("--parallel", type=int, default=16, help="slots / --max-num-seqs")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every server at once and each workload N times on each, alternating, with fresh "
+                   "prompts each round; report the median round (chat workloads only)")
+    p.add_argument("--defaults", action="store_true",
+                   help="each chat server on its own defaults (the model, the port and --threads only: no slots or "
+                   "context size given), as issue 14's targets are measured")
     p.add_argument("--ctx-size", type=int, default=None, help="llama-server -c (default: sized per workload)")
     p.add_argument("--ban-eos", type=int, nargs="*", default=list(SMOLLM2_EOS), metavar="TOKEN_ID")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests per server before the first workload")
@@ -540,6 +601,13 @@ async def _main(args: argparse.Namespace) -> int:
     runs: list[ServerRun] = []
     complete = False
     try:
+        if args.rounds > 1:
+            if any(w.model != CHAT for w in workloads):
+                raise SystemExit("--rounds runs chat workloads only")
+            specs = [build_spec(name, args, model, ctx) for name in names]
+            runs += [ServerRun(spec.name, spec.argv, "") for spec in specs]
+            await run_interleaved(specs, workloads, args, RESULTS / "logs" / stamp, runs)
+            names = []
         for name in names:
             mine = [w for w in workloads if w.runs_on(name)]
             skipped = [w.name for w in workloads if not w.runs_on(name)]

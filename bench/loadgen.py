@@ -102,13 +102,33 @@ class RequestSpec:
     # Non-streamed only: the server's usage.completion_tokens counts one choice though the answer has several
     # (llama-server with n > 1); output tokens are then completion_tokens x the number of choices.
     usage_per_choice: bool = False
+    # A conversation: each "request" is this many turns, one after another, each resending the whole history
+    # (the earlier turns' questions and answers) with a new question of prompt_tokens; every turn counts as one
+    # request in the figures. 1: single requests.
+    turns: int = 1
 
     path = "/chat/completions"
 
-    async def send(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+    async def send(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult | list[RequestResult]:
+        if self.turns > 1:
+            return await self._converse(client, url, body)
         if self.stream:
             return await stream_one(client, url, body)
         return await complete_one(client, url, body, self.usage_per_choice)
+
+    async def _converse(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[RequestResult]:
+        results: list[RequestResult] = []
+        messages = list(body["messages"])
+        for turn in range(self.turns):
+            if turn:
+                seed = f"{self.prompt_salt}-{messages[-1]['content'][:40]}-turn{turn}"
+                messages.append({"role": "user", "content": build_prompt(self.prompt_tokens, seed)})
+            result = await stream_one(client, url, {**body, "messages": messages})
+            results.append(result)
+            if not result.ok:
+                break
+            messages.append({"role": "assistant", "content": result.text})
+        return results
 
     def body(self, model: str, index: int) -> dict[str, Any]:
         messages: list[dict[str, str]] = []
@@ -165,6 +185,7 @@ class RequestResult:
     e2e_s: float = 0.0
     error: str | None = None
     inputs: int = 0  # embedding requests: vectors returned
+    text: str = ""  # a streamed answer's content
 
 
 @dataclass
@@ -224,6 +245,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
     """Send one streamed chat completion and time its content chunks."""
     start = time.perf_counter()
     chunk_times: list[float] = []
+    pieces: list[str] = []
     usage: dict[str, Any] | None = None
     done = False
     try:
@@ -242,8 +264,10 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
                 event = json.loads(data)
                 if "error" in event:
                     raise RuntimeError(f"error event: {json.dumps(event)[:200]}")
-                if _content_of(event):
+                content = _content_of(event)
+                if content:
                     chunk_times.append(time.perf_counter())
+                    pieces.append(content)
                 if event.get("usage"):
                     usage = event["usage"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, OSError) as exc:
@@ -266,6 +290,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
         output_tokens=tokens,
         prompt_tokens=prompt_tokens,
         e2e_s=end - start,
+        text="".join(pieces),
     )
 
 
@@ -373,7 +398,7 @@ async def run_level(
     endpoint = url.rstrip("/") + spec.path
     async with _client(concurrency, timeout_s, api_key) as client:
         for i in range(warmup):
-            await spec.send(client, endpoint, spec.body(model, -1 - i))
+            await spec.send(client, endpoint, spec.body(model, -1 - i))  # type: ignore[union-attr]
         next_index = 0
         results: list[RequestResult] = []
 
@@ -382,7 +407,8 @@ async def run_level(
             while next_index < total:
                 index = next_index
                 next_index += 1
-                results.append(await spec.send(client, endpoint, spec.body(model, index)))
+                got = await spec.send(client, endpoint, spec.body(model, index))
+                results.extend(got if isinstance(got, list) else [got])
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -106,6 +106,15 @@ def llama_server_spec(binary: Path, model: Path, port: int, parallel: int, ctx: 
     return ServerSpec("llama-server", argv + extra, port)
 
 
+def llama_server_defaults_spec(binary: Path, model: Path, port: int, threads: int, extra: list[str]) -> ServerSpec:
+    """llama-server as a user starts it: the model, the address and the threads; its own slots and context."""
+    flags = help_text(binary)
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            "--alias", MODEL_ID]
+    argv += [f for f in ("--no-webui",) if has_flag(flags, f)]
+    return ServerSpec("llama-server", argv + extra, port)
+
+
 def llama_server_embedding_spec(binary: Path, model: Path, port: int, threads: int, extra: list[str],
                                 seqs: int = EMBEDDING_SEQS, batch_tokens: int = EMBEDDING_BATCH_TOKENS) -> ServerSpec:
     """llama-server on an embedding model, batched like servelm's embedding engine: `seqs` slots (one input
@@ -158,6 +167,14 @@ def servelm_spec(port: int, parallel: int, model: Path, ctx: int, threads: int,
             print(f"note: `servelm serve` has no {flag}", file=sys.stderr)
     return ServerSpec("servelm", argv + extra, port,
                       model=MODEL_ID if embedding_model is None else EMBEDDING_MODEL_ID)
+
+
+def servelm_defaults_spec(port: int, model: Path, threads: int, extra: list[str]) -> ServerSpec:
+    """servelm as a user starts it for chat: the model, the address and the threads; its own slots, context window
+    and prefix cache (the embedding model left out, as llama-server serves none)."""
+    argv = [str(servelm_exe()), "serve", "--host", "127.0.0.1", "--port", str(port), "--model-path", str(model),
+            "--model-id", MODEL_ID, "--threads", str(threads), "--no-embedding-model", "--chat-embedding-window", "0"]
+    return ServerSpec("servelm", argv + extra, port)
 
 
 def servelm_ray_spec(port: int, parallel: int, model: Path, ctx: int, threads: int, extra: list[str],

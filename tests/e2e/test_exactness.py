@@ -1,0 +1,126 @@
+"""Exact answers under any load (issue 14; docs/exactness.md), on the real model through the official client.
+
+Each request's signature is its text and, for every generated token, its 20 most likely tokens with their
+logprobs, compared for equality (JSON carries the float64 values exactly): equal only if the logits were
+bitwise equal. A greedy and a seeded request, over three prompts (the longest decodes past position 256, where a
+lone row would take another kernel), must give the same signature:
+- alone, on a server that caches nothing (the reference);
+- among 8 identical requests at once;
+- among unrelated requests of other lengths, streamed and not;
+- after a warm cache of the same prompt, and of one that differs only at its end;
+- on servers whose steps carry 32, 256 and 2048 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from .conftest import own_server
+from .helpers import MODEL, client_for
+
+pytestmark = pytest.mark.e2e
+
+FAST = ("--no-embedding-model", "--chat-embedding-window", "0")
+LIGHTHOUSE = "The history of the lighthouse begins with fires lit on hills to guide ships at night. "
+PROMPTS = {
+    "short": [{"role": "user", "content": "Name three colours of the sea."}],
+    "medium": [{"role": "system", "content": "You are a careful assistant. " * 12},
+               {"role": "user", "content": "Write a short story about a cat who sails."}],
+    "long": [{"role": "system", "content": LIGHTHOUSE * 20},
+             {"role": "user", "content": "Summarise the history above in three sentences."}],
+}
+KINDS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 7}}
+MAX_TOKENS = 24
+
+
+def request(prompt: str, kind: str) -> dict:
+    return {"model": MODEL, "messages": PROMPTS[prompt], "max_tokens": MAX_TOKENS, "logprobs": True,
+            "top_logprobs": 20, **KINDS[kind]}
+
+
+def signature(response) -> tuple:
+    content = response.choices[0].logprobs.content
+    return response.choices[0].message.content, [[(t.token, t.logprob) for t in c.top_logprobs] for c in content]
+
+
+CASES = [(p, k) for p in PROMPTS for k in KINDS]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every request alone, on a server with no prefix cache, one at a time."""
+    with own_server(tmp_path_factory, "--no-prefix-cache", *FAST) as srv:
+        client = client_for(srv.base_url)
+        out = {case: signature(client.chat.completions.create(**request(*case))) for case in CASES}
+    assert any(len(text) > 40 for text, _ in out.values())
+    return out
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server on default flags: the prefix cache on."""
+    with own_server(tmp_path_factory, *FAST) as srv:
+        yield srv.base_url
+
+
+def aclient(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{p}-{k}" for p, k in CASES])
+async def test_eight_identical_requests_at_once_each_answer_as_one_alone(reference, cached, case) -> None:
+    async with aclient(cached) as client:
+        answers = await asyncio.gather(*[client.chat.completions.create(**request(*case)) for _ in range(8)])
+    assert all(signature(a) == reference[case] for a in answers)
+
+
+async def test_beside_unrelated_requests_of_other_lengths_every_answer_is_its_own_alone(reference, cached) -> None:
+    """All six requests at once, streamed and not, beside strangers reading and decoding prompts of other lengths."""
+    async with aclient(cached) as client:
+        async def streamed(case: tuple[str, str]) -> tuple:
+            text, tops = "", []
+            stream = await client.chat.completions.create(**request(*case), stream=True)
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                    tops += [[(t.token, t.logprob) for t in c.top_logprobs] for c in chunk.choices[0].logprobs.content]
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+            return text, tops
+
+        strangers = [client.chat.completions.create(
+            model=MODEL, max_tokens=40 + 7 * k, temperature=0.5,
+            messages=[{"role": "user", "content": f"Stranger {k}: " + "tell me about rivers and lakes. " * (3 * k + 1)}])
+            for k in range(6)]
+        plain = [client.chat.completions.create(**request(*case)) for case in CASES]
+        streams = [streamed(case) for case in CASES]
+        results = await asyncio.gather(*strangers, *plain, *streams)
+    answers = results[len(strangers):]
+    for case, answer in zip(CASES, answers[: len(CASES)]):
+        assert signature(answer) == reference[case], case
+    for case, answer in zip(CASES, answers[len(CASES):]):
+        assert answer == reference[case], f"streamed {case}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{p}-{k}" for p, k in CASES])
+def test_after_a_warm_cache_of_the_same_prompt_and_of_a_near_identical_one(reference, cached, case) -> None:
+    client = client_for(cached)
+    prompt, kind = case
+    near = [*PROMPTS[prompt][:-1], {"role": "user", "content": PROMPTS[prompt][-1]["content"] + " Be brief."}]
+    client.chat.completions.create(model=MODEL, messages=near, max_tokens=4, temperature=0)  # a near-identical prompt
+    first = client.chat.completions.create(**request(*case))
+    again = client.chat.completions.create(**request(*case))  # the same prompt, and its answer, in the cache
+    assert first.usage.prompt_tokens_details.cached_tokens > 0 or prompt == "short"
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert signature(first) == signature(again) == reference[case]
+
+
+@pytest.mark.parametrize("step_tokens", ["32", "256", "2048"])
+def test_the_step_size_changes_nothing(reference, tmp_path_factory, step_tokens) -> None:
+    with own_server(tmp_path_factory, "--max-step-tokens", step_tokens, *FAST) as srv:
+        client = client_for(srv.base_url)
+        for case in CASES:
+            assert signature(client.chat.completions.create(**request(*case))) == reference[case], case
