@@ -266,10 +266,10 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
     run.levels[w.name] = result
     engine_after = engine_seconds(spec.root_url)
     if engine_before and engine_after and engine_after[0] > engine_before[0]:
-        step, forward = (a - b for a, b in zip(engine_after, engine_before))
+        step, forward, steps, calls = (a - b for a, b in zip(engine_after, engine_before))
         run.loop_overhead[w.name] = 1 - forward / step
         print(f"   {w.name}: engine loop outside llama_decode {100 * run.loop_overhead[w.name]:.1f}% "
-              f"of {step:.1f} s of steps", flush=True)
+              f"of {step:.1f} s of steps; {calls / max(steps, 1):.2f} llama_decode calls a step", flush=True)
     if w.model == EMBEDDING:
         figures = (f"{result.inputs_s:.1f} inputs/s, latency p50 {_num(result.e2e_ms['p50'])} ms, "
                    f"p99 {_num(result.e2e_ms['p99'])} ms")
@@ -285,15 +285,16 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
         print(f"   {w.name} error: {sample}", file=sys.stderr, flush=True)
 
 
-def engine_seconds(root_url: str) -> tuple[float, float] | None:
-    """servelm's engine counters (step seconds, forward-pass seconds) summed over its models; None elsewhere."""
+def engine_seconds(root_url: str) -> tuple[float, float, float, float] | None:
+    """servelm's engine counters (step seconds, forward-pass seconds, steps, llama_decode calls) summed over its
+    models; None elsewhere."""
     try:
         text = httpx.get(root_url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    found = [sum(float(v) for v in re.findall(rf"^servelm_engine_{name}_seconds_total{{[^}}]*}} (\S+)$", text, re.M))
-             for name in ("step", "forward")]
-    return (found[0], found[1]) if found[0] > 0 or "servelm_engine_step_seconds" in text else None
+    found = [sum(float(v) for v in re.findall(rf"^servelm_engine_{name}_total{{[^}}]*}} (\S+)$", text, re.M))
+             for name in ("step_seconds", "forward_seconds", "steps", "forward_calls")]
+    return (found[0], found[1], found[2], found[3]) if "servelm_engine_step_seconds" in text else None
 
 
 async def run_server(spec: servers.ServerSpec, workloads: list[Workload], args: argparse.Namespace,

@@ -40,6 +40,8 @@ class EngineGauges:
     cached_tokens: int = 0
     step_seconds: float = 0.0  # counters: the engine thread's time in steps, and of it in the forward pass
     forward_seconds: float = 0.0
+    steps: int = 0  # counters: steps with work, and the llama_decode calls they made
+    forward_calls: int = 0
 
 
 class _EngineCollector(Collector):
@@ -65,6 +67,10 @@ class _EngineCollector(Collector):
             "forward_seconds": CounterMetricFamily("servelm_engine_forward_seconds", "of which in the model's forward "
                                                    "pass (llama_decode); the rest is the loop's own overhead",
                                                    labels=["model"]),
+            "steps": CounterMetricFamily("servelm_engine_steps", "engine steps with work", labels=["model"]),
+            "forward_calls": CounterMetricFamily("servelm_engine_forward_calls", "llama_decode calls those steps made "
+                                                 "(more than one a step when its rows cannot share a pass exactly)",
+                                                 labels=["model"]),
         }
         for g in self._source():
             for key, family in families.items():

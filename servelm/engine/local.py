@@ -169,6 +169,8 @@ class LocalEngine:
             cached_tokens=s.cached_tokens,
             step_seconds=self.step_seconds,
             forward_seconds=self.forward_seconds,
+            steps=self.steps,
+            forward_calls=getattr(self.runner, "forward_calls", 0),
         )
 
     def _post(self, kind: str, item: object) -> None:

@@ -170,6 +170,9 @@ class Scheduler:
         placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group))
         assert placed is not None  # the caller checked that enough slots rest
         slot = placed.slot
+        if placed.moved is not None:  # the slot's own entry is kept elsewhere first
+            self._ops.append(Copy(slot.index, placed.moved.index, len(slot.cached)))
+            self.slots.move(slot, placed.moved)
         if placed.source is not None:  # a copy replaces whatever the slot held
             self._ops.append(Copy(placed.source.index, slot.index, placed.reuse))
         elif placed.reuse:

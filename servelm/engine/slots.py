@@ -9,6 +9,12 @@ prompt, then another question), or with a running slot, is copied into another s
 stream copy costs milliseconds, reading the tokens again costs seconds); otherwise a request takes an empty slot,
 or the least recently used one. Entries are scoped: a request reads only cells
 written under its own scope (its API key and cache_salt).
+
+Where a sequence runs matters for speed as well: llama.cpp decodes consecutive sequence ids in one pass, and
+every gap between running slots costs a pass of its own each step (a whole read of the weights). So a new
+sequence goes next to the running ones: into a neighbouring slot at rest, its entry copied (one stream copy) to
+the slot that would have been given up otherwise; an entry the prompt continues that lies elsewhere is copied
+next to them too.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Placement:
     slot: Slot
     reuse: int = 0  # leading prompt tokens whose cells it starts with
     source: Slot | None = None  # where they are copied from (None: the slot's own, kept in place)
+    moved: Slot | None = None  # where the slot's own entry is copied first, to keep it (None: it is given up)
 
 
 @dataclass
@@ -101,23 +108,48 @@ class Slots:
             return None
         best, n = self.best_match(tokens, len(tokens) - 1, scope) if reads_cache else (None, 0)
         if best is None or n < MIN_REUSE:
-            return Placement(self.spare())
+            return self._make_room(Placement(self.spare()))
+        near = self._nearest(idle)
         continues = len(best.cached) <= len(tokens) and tuple(tokens[: len(best.cached)]) == best.cached
-        if best.seq is None and (continues or len(idle) == 1):
-            return Placement(best, n)  # the prompt continues the entry (or no other slot rests): nothing is lost
+        if best in near and (continues or near == [best]):
+            return Placement(best, n)  # the prompt continues the entry (or no other slot will do): nothing is lost
         other = self.spare(besides=best)
-        if n >= MIN_COPY:
-            return Placement(other, n, best)
-        return Placement(other)
+        return self._make_room(Placement(other, n, best) if n >= MIN_COPY else Placement(other), besides=best)
 
     def spare(self, besides: Slot | None = None) -> Slot:
-        """A slot at rest to overwrite: an empty one (the lowest, which keeps running slots together), else the
-        one whose cells were used least recently."""
+        """A slot at rest to give a new sequence: next to running ones first, then an empty one (the lowest), else
+        the one whose cells were used least recently."""
         idle = [s for s in self.idle if s is not besides] or self.idle
-        empty = [s for s in idle if not s.cached]
-        if empty:
-            return min(empty, key=lambda s: s.index)
-        return min(idle, key=lambda s: s.used)
+        return min(self._nearest(idle), key=self._worth)
+
+    def _make_room(self, placed: Placement, besides: Slot | None = None) -> Placement:
+        """Keep the entry of the slot a sequence takes by copying it to the slot that would have been given up
+        otherwise (the empty or least recently used one), when that one's entry is worth less."""
+        target = placed.slot
+        if len(target.cached) < MIN_COPY:
+            return placed
+        rest = [s for s in self.idle if s is not target and s is not besides]
+        victim = min(rest, key=self._worth, default=None)
+        if victim is None or self._worth(victim) >= self._worth(target):
+            return placed
+        return Placement(placed.slot, placed.reuse, placed.source, moved=victim)
+
+    @staticmethod
+    def _worth(slot: Slot) -> tuple[bool, int]:
+        """Which resting slot to give up first: empty ones (the lowest first), then the least recently used."""
+        return (bool(slot.cached), slot.used if slot.cached else slot.index)
+
+    def _nearest(self, idle: list[Slot]) -> list[Slot]:
+        """The slots among `idle` with the most running neighbours (a slot that joins two runs of running slots
+        saves a pass a step; one beside a run costs none; one apart from every run costs one)."""
+        running = {s.index for s in self.slots if s.seq is not None}
+        score = {s.index: (s.index - 1 in running) + (s.index + 1 in running) for s in idle}
+        top = max(score.values())
+        return [s for s in idle if score[s.index] == top]
+
+    def move(self, src: Slot, dst: Slot) -> None:
+        """src's entry now lies in dst (the caller copies the cells)."""
+        dst.cached, dst.scope, dst.used = src.cached, src.scope, src.used
 
     def take(self, slot: Slot, seq: Any, scope: str) -> None:
         slot.seq, slot.cached, slot.scope, slot.used = seq, (), scope, self.tick()

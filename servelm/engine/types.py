@@ -163,3 +163,5 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens they did not read
     step_seconds: float = 0.0  # engine-thread time in steps that had work, since start
     forward_seconds: float = 0.0  # of which inside the model's forward pass (llama_decode)
+    steps: int = 0  # steps that had work, since start
+    forward_calls: int = 0  # llama_decode calls they made (a step's rows go in as few as keep them exact)

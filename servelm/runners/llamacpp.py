@@ -157,6 +157,7 @@ class LlamaCppRunner:
         self.kv_cells = num_slots * self.context_window
         self.max_step_tokens = max(max_step_tokens, num_slots)
         self.max_rows = MAX_ROWS
+        self.forward_calls = 0  # llama_decode calls since start
 
         cparams = C.llama_context_default_params()
         stream = -(-max(self.context_window, 1) // _CELL_PAD) * _CELL_PAD
@@ -301,6 +302,7 @@ class LlamaCppRunner:
         if n > len(self._tok):
             raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")
         self._batch.n_tokens = n
+        self.forward_calls += 1
         rc = C.llama_decode(self._ctx, self._batch)
         if rc == 1:
             raise KVCacheFull("llama.cpp found no KV cache slot for the batch")

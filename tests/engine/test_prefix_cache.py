@@ -226,3 +226,80 @@ def test_without_the_cache_every_prompt_is_read_whole():
     again = ask(s, "b", range(1, 11), max_tokens=1)
     plan = run_step(s)
     assert again.cached_tokens == 0 and Clear(slot) in plan.ops and plan.chunks[0].start == 0
+
+
+def _rest_entries(s: Scheduler, count: int) -> list[int]:
+    """Fill `count` slots with finished one-token requests, one after another; their slots in that order."""
+    slots = []
+    for k in range(count):
+        g = ask(s, f"entry{k}", [30 + k] * 12, max_tokens=1)
+        run_step(s)
+        slots.append(g.seqs[0].slot)
+        finish(s, g)
+    return slots
+
+
+def test_a_new_sequence_goes_next_to_the_running_ones_and_the_entry_there_is_kept_elsewhere():
+    """llama.cpp decodes consecutive sequence ids in one pass: a gap between running slots costs a pass a step.
+    The neighbour's entry is copied over the least recently used one, which would have gone anyway."""
+    s = cache(num_slots=6)
+    _rest_entries(s, 6)
+    running = ask(s, "running", [30 + 3] * 12 + [5], max_tokens=50)  # continues entry3 in place
+    run_step(s)
+    at = running.seqs[0].slot
+    assert running.cached_tokens == 12
+    before = {slot.index: slot.cached for slot in s.slots.slots}
+    fresh = ask(s, "fresh", [99] * 10, max_tokens=1)
+    plan = run_step(s)
+    new = fresh.seqs[0].slot
+    assert abs(new - at) == 1, f"slot {new} is not beside the running slot {at}"
+    lru = 0  # entry0's slot: the least recently used
+    assert plan.ops[0] == Copy(new, lru, len(before[new])), "the neighbour's entry is kept, over the oldest"
+    assert s.slots.slots[lru].cached == before[new]
+    finish(s, fresh)
+    kept = ask(s, "kept", [*before[new], 7], max_tokens=1)
+    run_step(s)
+    assert kept.cached_tokens == len(before[new]), "the moved entry is still found"
+
+
+def test_a_turn_whose_conversation_rests_apart_from_the_running_slots_is_copied_beside_them():
+    s = cache(num_slots=6)
+    slots = _rest_entries(s, 6)
+    history = [30] * 12 + [7]  # entry0's turn: its prompt and its answer
+    others = [ask(s, f"o{k}", [30 + k] * 12 + [5], max_tokens=50) for k in (3, 4)]  # continue entries 3, 4
+    run_step(s)
+    busy = {g.seqs[0].slot for g in others}
+    assert busy == {slots[3], slots[4]} and slots[0] == 0, "the setting: entry0 rests apart from the running"
+    nxt = ask(s, "turn2", [*history, 50, 51], max_tokens=1)
+    plan = run_step(s)
+    slot = nxt.seqs[0].slot
+    assert slot == slots[2] and nxt.cached_tokens == 12, "beside the running, entry2's slot (older than entry5's)"
+    assert plan.ops[:2] == [Copy(slot, slots[1], 12), Copy(0, slot, 12)], "entry2 kept over entry1, then the copy"
+
+
+def test_running_slots_stay_in_few_runs_under_random_traffic():
+    """Whenever a resting slot neighbours a running one, a new sequence takes such a slot: placement never
+    opens a gap that a neighbour could have closed. Checked against the fake runner's book of cells."""
+    rng = random.Random(11)
+    runner = FakeRunner(num_slots=8, max_step_tokens=64, context_window=200)
+    s = Scheduler(8, 200, 64)
+    systems = [[20 + k] * rng.randint(8, 40) for k in range(3)]
+    placed = 0
+    for i in range(400):
+        if rng.random() < 0.3:
+            ask(s, f"r{i}", [*rng.choice(systems), *[rng.randint(1, 60) for _ in range(rng.randint(1, 12))]],
+                max_tokens=8)
+        held = {sl.index for sl in s.slots.slots if sl.seq is not None}
+        could = bool(held) and any(sl.seq is None and (sl.index - 1 in held or sl.index + 1 in held)
+                                   for sl in s.slots.slots)
+        run_step(s, token=rng.randint(1, 60), runner=runner)
+        new = {sl.index for sl in s.slots.slots if sl.seq is not None} - held
+        for slot in new:
+            placed += 1
+            if could:
+                assert slot - 1 in held | new or slot + 1 in held | new, f"step {i}: slot {slot} opened a gap"
+        for g in list(s.running):
+            for seq in g.live:
+                if seq.num_generated >= 1 and rng.random() < 0.2:
+                    s.finish(seq)
+    assert placed > 50
