@@ -194,7 +194,12 @@ class ArgsEvent:
     text: str
 
 
-Event = ContentEvent | CallStart | ArgsEvent
+@dataclass(frozen=True)
+class CallEnd:
+    index: int
+
+
+Event = ContentEvent | CallStart | ArgsEvent | CallEnd
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -209,6 +214,7 @@ class ToolCallParser:
         self._in_args = False
         self._scan = _JsonScanner()
         self.calls: list[tuple[str, str]] = []  # (name, arguments) as parsed so far
+        self.complete = 0  # how many of them have their whole arguments
 
     def feed(self, text: str) -> list[Event]:
         self._raw += text
@@ -259,6 +265,8 @@ class ToolCallParser:
                     return
                 self._in_args = False
                 self._scan = _JsonScanner()
+                self.complete = len(self.calls)
+                events.append(CallEnd(len(self.calls) - 1))
                 continue
             self._skip_markers()
             m = _HEADER.match(self._buf)
@@ -319,10 +327,12 @@ class _JsonScanner:
 
 
 def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """A whole answer → (content or None, [(name, arguments)])."""
+    """A whole answer → (content or None, [(name, arguments)]): each call once (a repeat of an earlier call of
+    the turn is dropped), and a last call cut off before its arguments ended only when no call is whole."""
     parser = ToolCallParser(fmt)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentEvent))
     if parser.calls:
-        return (content or None), parser.calls
+        whole = list(dict.fromkeys(parser.calls[: parser.complete]))
+        return (content or None), whole or parser.calls[:1]
     return content, []

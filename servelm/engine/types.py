@@ -100,6 +100,8 @@ class GenerationRequest:
     # Prefix-cache scope: a request reads only cache entries written under the same scope (service/params.py:
     # cache_scope derives it from the API key and cache_salt). "" is an open server's one scope.
     cache_scope: str = ""
+    # OpenAI's prompt_cache_key, within the scope: the Ray router sends requests of one key to one replica
+    cache_hint: str = ""
 
 
 class FinishReason(str, enum.Enum):

@@ -16,20 +16,24 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import azure_error_parts, validation_error
-from servelm.http.routes import all_alive, generate
+from servelm.http.routes import all_alive, embed, generate
 from servelm.http.openapi import doc
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
+from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService, PreparedCompletion
 from servelm.service.deployments import Deployments
+from servelm.service.embeddings import EmbeddingService
 from servelm.service.params import RequestContext
 from servelm.service.dialects import (
     NativeService,
     EXTRA_PARAMETER_MODES,
     azure_chat_body,
+    azure_embeddings_body,
     check_api_version,
+    default_embedding_model,
     invocation_kind,
     ovms_body,
     route_model,
@@ -51,6 +55,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
     router = APIRouter()
     chat = ChatService(deployments)
     completions = CompletionService(deployments)
+    embeddings = EmbeddingService(deployments)
     native = NativeService(completions)
     ovms_completions = _DefaultMaxTokens(completions, None)
 
@@ -71,6 +76,26 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
             return azure_error_response(exc, data)
         if dropped:
             # names are the client's: percent-encoded, so that any name makes a valid (and harmless) header value
+            response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(quote(name, safe="_-.~") for name in dropped)
+        return response
+
+    @router.post("/embeddings", openapi_extra=doc(
+        request=EmbeddingRequest, response=EmbeddingResponse, query=[API_VERSION],
+        headers=[{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
+                 {"name": AZURE_DEPLOYMENT_HEADER, "schema": {"type": "string"}}]))
+    async def azure_embeddings(request: Request) -> Response:
+        """Azure AI model inference's embeddings (azure-ai-inference's EmbeddingsClient)."""
+        data: dict | None = None
+        try:
+            check_api_version(request.query_params.get("api-version"))
+            data = load_object(await request.body())
+            body, dropped = azure_embeddings_body(data, request.headers.get(EXTRA_PARAMETERS_HEADER))
+            body = route_model(body, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER, deployments,
+                               default_embedding_model)
+            response = await embed(request, validate(body, EmbeddingRequest), embeddings)
+        except ApiError as exc:
+            return azure_error_response(exc, data)
+        if dropped:
             response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(quote(name, safe="_-.~") for name in dropped)
         return response
 

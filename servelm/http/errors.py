@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from servelm.errors import ApiError, InvalidParameter
+from servelm.errors import ApiError, InvalidParameter, NotFound
 
 
 def error_response(exc: ApiError) -> JSONResponse:
@@ -29,11 +29,26 @@ def install(app: FastAPI) -> None:
         return error_response(InvalidParameter(str(exc), None))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route matched
+            return error_response(unknown_route(request.method, request.url.path))
         kind = ApiError(str(exc.detail))
         kind.status = exc.status_code
         kind.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(kind.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+# APIs clients ask for by path that this server does not speak (yet): what to use instead
+_ELSEWHERE = {
+    "/v1/responses": "The Responses API is not served here yet; use POST /v1/chat/completions.",
+    "/v1/messages": "Anthropic's Messages API is not served here yet; use POST /v1/chat/completions.",
+}
+
+
+def unknown_route(method: str, path: str) -> ApiError:
+    hint = next((text for prefix, text in _ELSEWHERE.items() if path == prefix or path.startswith(prefix + "/")), "")
+    return NotFound(f"Unknown request URL: {method} {path}. {hint or 'See /openapi.json for the routes served.'}",
+                    code="not_found")
 
 
 def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
@@ -103,7 +118,7 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
 
 
 # -- Azure ML's error bodies ----------------------------------------------------------------------------
-AZURE_PATHS = frozenset({"/chat/completions", "/info"})  # where errors take Azure ML's shape
+AZURE_PATHS = frozenset({"/chat/completions", "/embeddings", "/info"})  # where errors take Azure ML's shape
 # Our 400s that Azure ML answers with 422: content or parameters this model cannot take.
 AZURE_422_CODES = frozenset({"unsupported_content", "unsupported_parameter", "unknown_parameter"})
 _AZURE_CODES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "PayloadTooLarge", 415: "UnsupportedMediaType",

@@ -147,15 +147,7 @@ def build_router(deployments: Deployments) -> APIRouter:
 
     @router.post("/v1/embeddings", openapi_extra=doc(request=EmbeddingRequest, response=EmbeddingResponse))
     async def create_embeddings(request: Request) -> Response:
-        req = await parse_body(request, EmbeddingRequest)
-        check_access(request.scope, deployments, req.model)
-        prepared = await asyncio.to_thread(embeddings.prepare, req)  # tokenizing many texts takes a while
-        charge_tokens(request.scope, sum(len(i) for i in prepared.inputs), 0)  # the key's tokens per minute
-        result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared)))
-        if result is None:
-            return Response(status_code=499)
-        body = await asyncio.to_thread(result.model_dump_json)  # thousands of floats: off the event loop
-        return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
+        return await embed(request, await parse_body(request, EmbeddingRequest), embeddings)
 
     @router.get("/health")
     async def health() -> JSONResponse:
@@ -164,6 +156,18 @@ def build_router(deployments: Deployments) -> APIRouter:
         return JSONResponse({"status": "ok" if ok else "unavailable", "deployments": stats}, status_code=200 if ok else 503)
 
     return router
+
+
+async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingService) -> Response:
+    """Run a validated embeddings request for this caller (its access, its tokens per minute)."""
+    check_access(request.scope, embeddings.deployments, req.model)
+    prepared = await asyncio.to_thread(embeddings.prepare, req)  # tokenizing many texts takes a while
+    charge_tokens(request.scope, sum(len(i) for i in prepared.inputs), 0)  # the key's tokens per minute
+    result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared)))
+    if result is None:
+        return Response(status_code=499)
+    body = await asyncio.to_thread(result.model_dump_json)  # thousands of floats: off the event loop
+    return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
 
 
 def _deployment_stats(d: Deployment) -> dict:

@@ -41,21 +41,27 @@ class ToolCallIn(WireModel):
 
 
 class ChatMessage(WireModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = None  # deprecated: an assistant's call in the `functions` API
     refusal: None = None  # echoed back by clients that resend a response's message; must be empty
+    # annotations a client resends with an earlier answer: nothing to do with them
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
             raise ValueError("content is required")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls or function_call")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.role == "function" and not self.name:
+            raise ValueError("a function message needs the name of the function it answers")
         return self
 
 
@@ -132,8 +138,16 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # deprecated, as OpenAI still serves them: tools of one call, answered as message.function_call
+    functions: Annotated[list[FunctionDef], Field(min_length=1, max_length=128)] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # text is the only output; audio is a 400 that says so
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # asks for the model's own default length
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class FunctionCallOut(ResponseModel):
@@ -147,10 +161,19 @@ class ToolCallOut(ResponseModel):
     function: FunctionCallOut
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
 class ChatMessageOut(ResponseModel):
+    """As OpenAI answers: `refusal` always there (null), `tool_calls` and `function_call` only when there are
+    calls (a null would fail clients that validate strictly: the spec types them as an array and an object)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_absent)
+    function_call: FunctionCallOut | None = Field(None, exclude_if=_absent)  # the deprecated `functions` answer
 
 
 class Choice(ResponseModel):
@@ -187,6 +210,7 @@ class Delta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunction | None = None  # the deprecated `functions` answer
 
 
 class ChunkChoice(ResponseModel):

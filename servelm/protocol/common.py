@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,10 +56,20 @@ class GenerationFields(WireModel):
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's: the logprob of every prompt token after the first, with this many most likely alternatives
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # output
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # annotations: they describe the request to the platform and change nothing in the answer
     user: str | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = None
+    # OpenAI's hint for its prompt cache: here it joins requests of one key on the Ray router's replica
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
     # vLLM's: prefix-cache entries are shared only between requests of the same key and the same salt
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 

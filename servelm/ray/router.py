@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -35,6 +36,7 @@ from servelm.ray.prefix_table import PrefixTable
 
 log = logging.getLogger("servelm.ray")
 
+MAX_HINTS = 100_000  # prompt_cache_keys remembered (least recently routed forgotten first)
 DEFAULT_IMBALANCE = 4  # requests in flight an affine replica may have above the least loaded one
 
 
@@ -44,6 +46,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._table = PrefixTable(block_tokens, max_blocks)
         self._imbalance = imbalance
         self._known: set[str] = set()
+        self._hints: OrderedDict[str, str] = OrderedDict()  # prompt_cache_key (in its scope) -> replica, LRU
 
     def _state(self) -> PrefixTable:
         if not hasattr(self, "_table"):  # Ray Serve may update replicas before initialize_state
@@ -58,6 +61,9 @@ class PrefixAffinityRouter(RequestRouter):
             return [shuffled]
         table = self._state()
         matches = table.match(table.keys(request.prompt_token_ids, request.cache_scope))
+        hinted = self._hints.get(request.cache_hint) if request.cache_hint else None
+        if hinted is not None:  # the client's prompt_cache_key: its replica first, as if it held the whole prompt
+            matches = [(hinted, len(request.prompt_token_ids)), *matches]
         if not matches:
             return [shuffled]
         loads = await self._loads(shuffled)
@@ -91,18 +97,30 @@ class PrefixAffinityRouter(RequestRouter):
         if request is not None:
             table = self._state()
             table.insert(table.keys(request.prompt_token_ids, request.cache_scope), replica_id.unique_id)
+            if request.cache_hint:
+                self._hints[request.cache_hint] = replica_id.unique_id
+                self._hints.move_to_end(request.cache_hint)
+                if len(self._hints) > MAX_HINTS:
+                    self._hints.popitem(last=False)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         table = self._state()
         now = {r.replica_id.unique_id for r in replicas}
         table.forget(self._known - now)
+        self._forget_hints(self._known - now)
         self._known = now
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._state().forget([replica_id.unique_id])
+        self._forget_hints({replica_id.unique_id})
         log.warning("replica %s died: its prefixes are forgotten", replica_id.unique_id)
+
+
+    def _forget_hints(self, replicas: set[str]) -> None:
+        for hint in [h for h, r in self._hints.items() if r in replicas]:
+            del self._hints[hint]
 
 
 def generation_request(pending_request: PendingRequest | None) -> GenerationRequest | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelm.chat.template import TemplateError
-from servelm.chat.tools import CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
+from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, TokenLogprob
 from servelm.errors import InvalidParameter
 from servelm.protocol.chat import (
@@ -24,13 +24,17 @@ from servelm.protocol.chat import (
     DeltaFunction,
     DeltaToolCall,
     FunctionCallOut,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCallIn,
     ToolCallOut,
 )
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.deployments import Deployment, Deployments
-from servelm.service.logprobs import chat_logprobs
-from servelm.service.params import EndpointParams, RequestContext, cache_scope, sampling_params
+from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
+from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 from servelm.service.structured import ToolPlan, plan_output, template_messages
 
 
@@ -45,6 +49,7 @@ class PreparedChat:
     stream: bool
     include_usage: bool
     tools: ToolPlan | None = None  # set when the answer may hold tool calls
+    legacy_functions: bool = False  # asked with the deprecated `functions`: a call answers as function_call
 
     @property
     def generations(self) -> tuple[GenerationRequest, ...]:
@@ -59,6 +64,9 @@ class ChatService:
     def prepare(self, req: ChatCompletionRequest, ctx: RequestContext = RequestContext()) -> PreparedChat:
         dep = self.deployments.generator(req.model)
         _reject_unsupported(req)
+        legacy = req.functions is not None
+        req = from_functions(req)
+        check_tool_answers(req)
         output = plan_output(req, dep)
         messages = template_messages(req, output, dep.tool_style.native)
         extra = {"tools": output.template_tools} if output.template_tools else {}
@@ -72,19 +80,32 @@ class ChatService:
             constrained=output.constraint is not None,
         )
         params = sampling_params(req, dep, len(prompt), ep)
+        scope = cache_scope(ctx.owner, req.cache_salt)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
-                                       cache_scope(ctx.owner, req.cache_salt))
+                                       scope, cache_hint(scope, req.prompt_cache_key))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools)
+        return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools,
+                            legacy)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedChat) -> ChatCompletion:
         collector = Collector(p.generation.params)
+        watch = _repeat_watch(p)
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 collector.add(out)
+                if watch is not None and not out.finished:
+                    watch.feed(out.text)
+                    if watch.repeated:  # every call of the turn is in; the rest would repeat them
+                        collector.stop(0)
+                        break
         choices = [self._choice(p, i, r) for i, r in enumerate(collector.chosen())]
+        extra = {}
+        if p.generation.params.prompt_logprobs is not None:  # vLLM's, at the top as vLLM puts them
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(p.generation.prompt_token_ids, collector.prompt_logprobs,
+                                                            p.deployment.token_bytes)
         return ChatCompletion(
+            **extra,
             id=p.generation.request_id,
             created=p.created,
             model=p.model,
@@ -99,7 +120,12 @@ class ChatService:
         message = ChatMessageOut(content=r.text)
         if p.tools is not None:
             content, calls = parse_tool_calls(p.tools.format, r.text)
-            if calls:
+            if calls and p.legacy_functions:  # one call (parallel calls are off), content null, as OpenAI
+                name, arguments = calls[0]
+                message = ChatMessageOut(function_call=FunctionCallOut(name=name, arguments=arguments))
+                if out.finish_reason is FinishReason.STOP:
+                    reason = "function_call"
+            elif calls:
                 message = ChatMessageOut(
                     content=content,
                     tool_calls=[ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=n, arguments=a)) for n, a in calls],
@@ -131,17 +157,25 @@ class ChatService:
 
         params = p.generation.params
         n = params.n
-        streams = [ToolCallStream(p.tools.format) if p.tools else None for _ in range(n)]
+        streams = [ToolCallStream(p.tools.format, p.legacy_functions) if p.tools else None for _ in range(n)]
         for i in range(n):
-            yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""), logprobs=None, finish_reason=None)])
+            # as OpenAI: content "" opens a text answer, null one that may hold calls
+            opening = Delta(role="assistant", content=None if p.tools else "")
+            yield chunk([ChunkChoice(index=i, delta=opening, logprobs=None, finish_reason=None)])
         collector = Collector(params)
         live = streams_live(params)
+        watch = streams[0] if _repeat_watch(p) is not None else None
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 collector.add(out)
                 if live:
                     for c in self._chunk_choices(p, out.index, streams[out.index], out.text, out.logprobs, out):
                         yield chunk([c])
+                if watch is not None and watch.repeated and not out.finished:  # as complete() does
+                    collector.stop(0)
+                    reason = "function_call" if p.legacy_functions else "tool_calls"
+                    yield chunk([ChunkChoice(index=0, delta=Delta(), logprobs=None, finish_reason=reason)])
+                    break
         if not live:  # best_of > n or beam search: a choice is known only once every sequence has ended
             for i, r in enumerate(collector.chosen()):
                 for c in self._chunk_choices(p, i, streams[i], r.text, r.logprobs, r.final):
@@ -168,21 +202,33 @@ class ChatService:
         if final:
             reason = out.finish_reason.value
             if ts and ts.has_calls and out.finish_reason is FinishReason.STOP:
-                reason = "tool_calls"
+                reason = "function_call" if p.legacy_functions else "tool_calls"
             choices.append(ChunkChoice(index=index, delta=Delta(), logprobs=logprobs, finish_reason=reason,
                                        stop_reason=out.stop_reason))
         return choices
 
 
+def _repeat_watch(p: PreparedChat) -> ToolCallStream | None:
+    """A reader of the answer's calls that tells when the model repeats one, for a request of one choice that
+    may make several calls (with several choices, one cannot stop alone: repeats are only dropped)."""
+    params = p.generation.params
+    if p.tools is None or params.n != 1 or not streams_live(params):
+        return None
+    return ToolCallStream(p.tools.format, p.legacy_functions)
+
+
 class ToolCallStream:
-    """One streamed choice's text → deltas: content, or tool calls whose arguments arrive in pieces."""
+    """One streamed choice's text → deltas: content, or tool calls. The first call streams as its arguments come;
+    a later one is sent whole once its arguments end, or dropped when it repeats an earlier call of the turn (a
+    small model allowed parallel calls may repeat one call until max_tokens: `repeated` tells the caller to stop
+    the choice there). A later call that max_tokens cuts off is never sent."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, legacy: bool = False) -> None:
         self._parser = ToolCallParser(fmt)
-
-    @property
-    def has_calls(self) -> bool:
-        return bool(self._parser.calls)
+        self._legacy = legacy  # deltas of the deprecated function_call shape
+        self._sent: list[tuple[str, str]] = []  # the whole calls sent (or being sent: the first)
+        self.has_calls = False
+        self.repeated = False
 
     def feed(self, text: str) -> list[Delta]:
         return self._deltas(self._parser.feed(text)) if text else []
@@ -190,19 +236,36 @@ class ToolCallStream:
     def finish(self) -> list[Delta]:
         return self._deltas(self._parser.finish())
 
-    @staticmethod
-    def _deltas(events: list[Any]) -> list[Delta]:
+    def _deltas(self, events: list[Any]) -> list[Delta]:
         deltas: list[Delta] = []
         for e in events:
             if isinstance(e, ContentEvent):
                 deltas.append(Delta(content=e.text))
-            elif isinstance(e, CallStart):
-                call = DeltaToolCall(index=e.index, id=new_call_id(), type="function",
-                                     function=DeltaFunction(name=e.name, arguments=""))
-                deltas.append(Delta(tool_calls=[call]))
-            else:
-                deltas.append(Delta(tool_calls=[DeltaToolCall(index=e.index, function=DeltaFunction(arguments=e.text))]))
+            elif isinstance(e, CallStart) and e.index == 0:
+                self.has_calls = True
+                deltas.append(self._call(0, e.name, ""))
+            elif isinstance(e, ArgsEvent) and e.index == 0:
+                deltas.append(self._args(0, e.text))
+            elif isinstance(e, CallEnd):
+                call = self._parser.calls[e.index]
+                if call in self._sent:
+                    self.repeated = True
+                    continue
+                self._sent.append(call)
+                if e.index > 0:
+                    deltas.append(self._call(len(self._sent) - 1, *call))
         return deltas
+
+    def _call(self, index: int, name: str, arguments: str) -> Delta:
+        if self._legacy:
+            return Delta(function_call=DeltaFunction(name=name, arguments=arguments))
+        return Delta(tool_calls=[DeltaToolCall(index=index, id=new_call_id(), type="function",
+                                               function=DeltaFunction(name=name, arguments=arguments))])
+
+    def _args(self, index: int, text: str) -> Delta:
+        if self._legacy:
+            return Delta(function_call=DeltaFunction(arguments=text))
+        return Delta(tool_calls=[DeltaToolCall(index=index, function=DeltaFunction(arguments=text))])
 
 
 def prompt_ids(dep: Deployment, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
@@ -234,8 +297,61 @@ def _usage(prompt: int, completion: int, cached: int) -> Usage:
     )
 
 
+def from_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The deprecated `functions` API as tools: `functions` → tools, `function_call` → tool_choice, one call a
+    turn; in the history an assistant's `function_call` → a tool call, a `function` message → its tool result."""
+    if req.functions is not None and (req.tools is not None or req.tool_choice is not None):
+        raise InvalidParameter("functions cannot be combined with tools or tool_choice; use tools.", "functions")
+    if req.function_call is not None and req.functions is None:
+        raise InvalidParameter("function_call requires functions.", "function_call")
+    messages, pending = [], {}  # pending: function name -> the id given to its latest call
+    for m in req.messages:
+        if m.function_call is not None:
+            call_id = f"call_fn_{len(messages)}"
+            pending[m.function_call.name] = call_id
+            calls = [*(m.tool_calls or ()), ToolCallIn(id=call_id, function=m.function_call)]
+            m = m.model_copy(update={"function_call": None, "tool_calls": calls})
+        elif m.role == "function":
+            m = m.model_copy(update={"role": "tool", "tool_call_id": pending.pop(m.name or "", f"call_fn_{m.name}")})
+        messages.append(m)
+    update: dict[str, Any] = {"messages": messages, "functions": None, "function_call": None}
+    if req.functions is not None:
+        choice = req.function_call
+        update["tools"] = [Tool(type="function", function=f) for f in req.functions]
+        update["tool_choice"] = (NamedToolChoice(type="function", function=choice) if isinstance(choice, NamedFunction)
+                                 else choice)
+        update["parallel_tool_calls"] = False
+    return req.model_copy(update=update)
+
+
+def check_tool_answers(req: ChatCompletionRequest) -> None:
+    """As OpenAI checks: every tool call of an assistant message is answered by a `tool` message with its id
+    before the next message of another role."""
+    open_calls: dict[str, int] = {}
+    for i, m in enumerate(req.messages):
+        if m.role == "tool":
+            if open_calls.pop(m.tool_call_id or "", None) is None:
+                raise InvalidParameter(
+                    f"Invalid parameter: a message with role 'tool' must answer a tool call of the assistant "
+                    f"message before it; no call has the id {m.tool_call_id!r}.", f"messages.[{i}].tool_call_id")
+            continue
+        if open_calls:
+            missing = ", ".join(open_calls)
+            raise InvalidParameter(
+                f"An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                f"'tool_call_id'. The following tool_call_ids did not have response messages: {missing}",
+                f"messages.[{next(iter(open_calls.values()))}].role")
+        for call in m.tool_calls or ():
+            open_calls[call.id] = i
+    # a conversation may end on the assistant's calls (a client asking the model to go on from them)
+
+
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
     """Parts of the contract not served yet answer 400, never a silently different result."""
+    if req.modalities is not None and "audio" in req.modalities or req.audio is not None:
+        raise InvalidParameter("This model answers in text only: audio output is not supported; leave out "
+                               "`audio` and ask for modalities [\"text\"].",
+                               "modalities" if req.audio is None else "audio", "unsupported_parameter")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidParameter("top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.stream_options is not None and not req.stream:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servelm.engine.types import GenerationOutput, SamplingParams, TokenLogprob
+from servelm.engine.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 
 def streams_live(params: SamplingParams) -> bool:
@@ -51,6 +51,12 @@ class Collector:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.completion_tokens += out.completion_tokens
+
+    def stop(self, index: int) -> None:
+        """The caller ended a sequence early (the engine's request is aborted): it counts as stopped there."""
+        seq = self.seqs[index]
+        seq.final = GenerationOutput("", index, "", finish_reason=FinishReason.STOP, completion_tokens=len(seq.token_ids))
+        self.completion_tokens += len(seq.token_ids)
 
     def chosen(self) -> list[SeqResult]:
         """The choices, in the order returned: by cumulative logprob when best_of ran more than n."""

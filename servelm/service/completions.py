@@ -17,8 +17,8 @@ from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.deployments import Deployment, Deployments
-from servelm.service.logprobs import legacy_logprobs
-from servelm.service.params import EndpointParams, RequestContext, cache_scope, sampling_params
+from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
+from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 T = TypeVar("T")
@@ -43,6 +43,7 @@ class PreparedCompletion:
     include_usage: bool
     echo: bool
     logprobs: int | None
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: each choice carries them
 
     @property
     def generations(self) -> tuple[GenerationRequest, ...]:
@@ -92,10 +93,11 @@ class CompletionService:
             params = sampling_params(req, dep, len(ids), ep)
             echo = _echo_text(prompt, parts, dep) if req.echo else ""
             scope = cache_scope(ctx.owner, req.cache_salt)
-            jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope), echo))
+            jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
+                                                    cache_hint=cache_hint(scope, req.prompt_cache_key)), echo))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedCompletion(dep, request_id, tuple(jobs), dep.name, int(time.time()), bool(req.stream),
-                                  include_usage, bool(req.echo), req.logprobs)
+                                  include_usage, bool(req.echo), req.logprobs, req.prompt_logprobs is not None)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedCompletion) -> Completion:
@@ -185,10 +187,14 @@ def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: 
         gen, _ = legacy_logprobs(seq.token_ids, entries, p.deployment.token_bytes, len(job.echo), len(text))
         logprobs = _join([*parts, gen])
     final = seq.final
+    extra = {}
+    if p.prompt_logprobs:
+        extra["prompt_logprobs"] = vllm_prompt_logprobs(job.generation.prompt_token_ids, col.prompt_logprobs,
+                                                        p.deployment.token_bytes)
     return CompletionChoice(
         index=index, text=text, logprobs=logprobs,
         finish_reason=final.finish_reason.value if final and final.finish_reason else None,
-        stop_reason=final.stop_reason if final else None,
+        stop_reason=final.stop_reason if final else None, **extra,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +37,16 @@ def default_model(deployments: Deployments) -> str:
     raise InvalidParameter("No deployment on this server generates text.", "model", "model_not_found")
 
 
-def route_model(body: dict, header: str | None, header_name: str, deployments: Deployments) -> dict:
+def default_embedding_model(deployments: Deployments) -> str:
+    """The default deployment for embeddings: the first embedding-only one, else the first that embeds."""
+    embedders = [d for d in deployments.all() if d.embedder is not None]
+    for d in sorted(embedders, key=lambda d: d.engine is not None):
+        return d.name
+    raise InvalidParameter("No deployment on this server produces embeddings.", "model", "model_not_found")
+
+
+def route_model(body: dict, header: str | None, header_name: str, deployments: Deployments,
+                default: Callable[[Deployments], str] = default_model) -> dict:
     """The body with `model` set: the routing header's deployment, else the body's own `model`, else the
     default deployment. A body `model` that disagrees with the header is a 400 (never a silent choice)."""
     model = body.get("model")
@@ -50,7 +59,7 @@ def route_model(body: dict, header: str | None, header_name: str, deployments: D
         deployments.get(header)  # 404 model_not_found for an unknown deployment
         return {**body, "model": header}
     if model is None:
-        return {**body, "model": default_model(deployments)}
+        return {**body, "model": default(deployments)}
     return body
 
 
@@ -102,7 +111,23 @@ def check_api_version(value: str | None) -> str:
     return value
 
 
-def azure_chat_body(body: dict, mode: str | None) -> tuple[dict, list[str]]:
+# Azure AI model inference's embeddings: input_type (text, query, document) tells models trained with
+# query/document prefixes which to use; the models served here embed every kind alike, so it changes nothing.
+AZURE_EMBEDDINGS_PARAMS = frozenset({"input", "model", "dimensions", "encoding_format", "input_type"})
+AZURE_INPUT_TYPES = ("text", "query", "document")
+
+
+def azure_embeddings_body(body: dict, mode: str | None) -> tuple[dict, list[str]]:
+    """An Azure AI model inference embeddings body as our EmbeddingRequest's, and the extras dropped."""
+    body, dropped = azure_chat_body(body, mode, AZURE_EMBEDDINGS_PARAMS)
+    input_type = body.pop("input_type", None)
+    if input_type is not None and input_type not in AZURE_INPUT_TYPES:
+        raise InvalidParameter(f"Invalid value for 'input_type': {input_type!r}; expected one of "
+                               f"{', '.join(AZURE_INPUT_TYPES)}.", "input_type", "invalid_value")
+    return body, dropped
+
+
+def azure_chat_body(body: dict, mode: str | None, params: frozenset[str] = AZURE_CHAT_PARAMS) -> tuple[dict, list[str]]:
     """Apply the `extra-parameters` header: the body to validate, and the extra parameters dropped.
 
     `pass-through`: everything goes to our ChatCompletionRequest (our extensions work; unknown names are
@@ -113,7 +138,7 @@ def azure_chat_body(body: dict, mode: str | None) -> tuple[dict, list[str]]:
                                f"{', '.join(EXTRA_PARAMETER_MODES)}.", "extra-parameters", "invalid_value")
     if mode == "pass-through":
         return body, []
-    extras = [k for k in body if k not in AZURE_CHAT_PARAMS]
+    extras = [k for k in body if k not in params]
     if mode == "error" and extras:
         raise ExtraParametersRejected(extras)
     return {k: v for k, v in body.items() if k not in extras}, extras

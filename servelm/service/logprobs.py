@@ -2,14 +2,17 @@
 
 The chat form (OpenAI's) gives each token's text, logprob, UTF-8 bytes and most likely alternatives. A
 logprob must be given for the token taken even when it is not among the 20 most likely; the seeds' rule is
-that such a token's logprob is reported as -9999.0.
+that such a token's logprob is reported as -9999.0. The legacy completions form gives every token's true
+logprob (scoring a prompt with `echo` sums them), as does vLLM's `prompt_logprobs`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from servelm.engine.types import TokenLogprob
+from servelm.errors import ServerError
 
 UNLIKELY = -9999.0
 TOP_RANKS = 20
@@ -22,6 +25,31 @@ def token_text(data: bytes) -> str:
 
 def reported(logprob: float, rank: int) -> float:
     return logprob if rank <= TOP_RANKS and logprob != float("-inf") else UNLIKELY
+
+
+def true_logprob(logprob: float) -> float:
+    """The legacy form's value: the token's true logprob whatever its rank (lm-evaluation-harness sums them to
+    score a text), -9999.0 only for a token that could not be taken at all (-inf has no JSON form)."""
+    return logprob if math.isfinite(logprob) else UNLIKELY
+
+
+def vllm_prompt_logprobs(prompt: Sequence[int], entries: Sequence[TokenLogprob | None] | None,
+                         token_bytes: Callable[[int], bytes]) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), a map from token id to its logprob, rank
+    and text, holding the prompt's own token and the k most likely."""
+    if entries is None or len(entries) != len(prompt):
+        raise ServerError("The engine did not report the prompt's logprobs.")
+    out: list[dict[str, dict] | None] = []
+    for token, e in zip(prompt, entries):
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {token: (e.logprob, e.rank)}
+        for rank, (t, lp) in enumerate(e.top, start=1):
+            ranked.setdefault(t, (lp, rank))
+        out.append({str(t): {"logprob": true_logprob(lp), "rank": rank, "decoded_token": token_text(token_bytes(t))}
+                    for t, (lp, rank) in ranked.items()})
+    return out
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> dict:
@@ -62,7 +90,7 @@ def legacy_logprobs(
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        logprob = reported(e.logprob, e.rank)
+        logprob = true_logprob(e.logprob)
         top: dict[str, float] = {}
         for t, lp in e.top:
             top.setdefault(token_text(token_bytes(t)), lp)

@@ -31,6 +31,11 @@ def cache_scope(owner: str, salt: str | None) -> str:
     return hashlib.sha256(f"{owner}\x00{salt or ''}".encode()).hexdigest()[:32]
 
 
+def cache_hint(scope: str, prompt_cache_key: str | None) -> str:
+    """A prompt_cache_key as a routing hint that only requests of the same scope share."""
+    return f"{scope}\x00{prompt_cache_key}" if prompt_cache_key else ""
+
+
 @dataclass(frozen=True)
 class EndpointParams:
     """What differs between endpoints for the same request fields."""
@@ -85,12 +90,20 @@ def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep:
         skip_special_tokens=ep.skip_special_default if req.skip_special_tokens is None else req.skip_special_tokens,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         logprobs=ep.logprobs,
-        prompt_logprobs=ep.prompt_logprobs,
+        prompt_logprobs=_prompt_logprobs(req, ep),
         beam=beam,
     )
     if dep.check_params is not None:  # what this deployment's engine cannot do (a vLLM one: beam search)
         dep.check_params(params)
     return params
+
+
+def _prompt_logprobs(req: GenerationFields, ep: EndpointParams) -> int | None:
+    """Alternatives per prompt token: the endpoint's (echo with logprobs) and vLLM's prompt_logprobs, the more."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise InvalidParameter("prompt_logprobs is not available when stream is true.", "prompt_logprobs")
+    asked = [k for k in (ep.prompt_logprobs, req.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
 
 
 def _beam(req: GenerationFields, width: int, ep: EndpointParams) -> BeamParams | None:

@@ -96,6 +96,8 @@ def _content_constraint(req: ChatCompletionRequest) -> _Content | None:
         found.append(_Content("json_object", None, "response_format"))
     elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        if rf.json_schema.strict:
+            schema = closed(schema)
         found.append(_Content("json_schema", schema, "response_format.json_schema.schema"))
     so = req.structured_outputs
     if so is not None:
@@ -118,6 +120,35 @@ def _content_constraint(req: ChatCompletionRequest) -> _Content | None:
         names = ", ".join(c.param.split(".")[0] for c in found)
         raise InvalidParameter(f"Give one output constraint, not several ({names}).", found[1].param.split(".")[0])
     return found[0] if found else None
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "unevaluatedProperties", "additionalItems", "not", "if", "then",
+               "else", "contains", "propertyNames")
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others (`additionalProperties: false`
+    where it says nothing), as vLLM's strict mode does: a small model otherwise goes on inventing properties
+    until max_tokens. An object that allows more explicitly (true, or a schema) keeps it."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _schema(value: Any) -> Any:
@@ -162,7 +193,7 @@ def _functions(req: ChatCompletionRequest, grammars: Grammars | None) -> list[Fu
         if fn.name in seen:
             raise InvalidParameter(f"Two tools are named {fn.name!r}; tool names must be unique.", f"tools[{i}].function.name")
         seen.add(fn.name)
-        params = fn.parameters
+        params = closed(fn.parameters) if fn.parameters is not None else None  # only the declared arguments
         if params is not None and grammars is not None:
             try:
                 grammars.json_schema(params)

@@ -62,6 +62,23 @@ def test_azure_image_is_422(azure: ChatCompletionsClient) -> None:
     assert exc.value.status_code == 422 and "image" in str(exc.value)
 
 
+def test_azure_embeddings_client(base_url: str, client) -> None:
+    """azure-ai-inference's EmbeddingsClient on POST /embeddings?api-version=…: the default embedding model's
+    vectors, the same as /v1/embeddings gives."""
+    from azure.ai.inference import EmbeddingsClient
+
+    with EmbeddingsClient(endpoint=base_url, credential=AzureKeyCredential("none")) as embeddings:
+        r = embeddings.embed(input=["first text", "second text"], input_type="query")
+        assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens > 0
+        assert r.model == "all-minilm-l6-v2" and len(r.data[0].embedding) == 384
+        own = client.embeddings.create(model="all-minilm-l6-v2", input=["first text", "second text"])
+        for ours, theirs in zip(r.data, own.data):
+            assert ours.embedding == pytest.approx(theirs.embedding, abs=1e-6)
+        with pytest.raises(HttpResponseError) as exc:
+            embeddings.embed(input=["x"], model_extras={"no_such_knob": 1})  # pass-through: unknown, 422
+        assert exc.value.status_code == 422
+
+
 def test_azure_model_info(azure: ChatCompletionsClient) -> None:
     assert azure.get_model_info().model_name == MODEL
 

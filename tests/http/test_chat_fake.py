@@ -158,7 +158,29 @@ BAD = [
      "messages[0]"),
     ({"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"service_tier": "fastest"}, "service_tier"),
+    ({"metadata": {"k": 1}}, "metadata.k"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "and?"}]}, "messages.[0].role"),
 ]
+
+# They describe the request to the platform, or ask for the defaults: accepted, and the answer is the same.
+ANNOTATIONS = {"store": True, "metadata": {"team": "a", "run": "7"}, "service_tier": "auto", "user": "u-1",
+               "prompt_cache_key": "user-7", "safety_identifier": "hash-1", "verbosity": "medium",
+               "modalities": ["text"], "reasoning_effort": "low"}
+
+
+def test_annotations_are_accepted_and_change_nothing(fake_server, client):
+    plain = client.chat.completions.create(model="fake-model", messages=MSG, max_tokens=5, temperature=0)
+    annotated = client.chat.completions.create(model="fake-model", messages=MSG, max_tokens=5, temperature=0,
+                                               **{k: v for k, v in ANNOTATIONS.items() if k != "prompt_cache_key"},
+                                               extra_body={"prompt_cache_key": ANNOTATIONS["prompt_cache_key"]})
+    assert annotated.choices[0].message.content == plain.choices[0].message.content
 
 
 @pytest.mark.parametrize(("extra", "param"), BAD, ids=[p for _, p in BAD])

@@ -38,13 +38,13 @@ def replicas(*loads: int) -> list[FakeReplica]:
     return [FakeReplica(ReplicaID(f"r{i}", DeploymentID("model", "app")), n) for i, n in enumerate(loads)]
 
 
-def pending(prompt: list[int], method: str = "generate"):
+def pending(prompt: list[int], method: str = "generate", hint: str = ""):
     from ray.serve._private.common import RequestMetadata
     from ray.serve.request_router import PendingRequest
 
     from servelm.engine.types import GenerationRequest, SamplingParams
 
-    request = GenerationRequest("req", tuple(prompt), SamplingParams(max_tokens=4))
+    request = GenerationRequest("req", tuple(prompt), SamplingParams(max_tokens=4), cache_hint=hint)
     return PendingRequest(args=[request], kwargs={}, metadata=RequestMetadata("id", "internal", call_method=method))
 
 
@@ -113,3 +113,21 @@ async def test_stale_loads_are_probed() -> None:
     router.on_request_routed(pending(CONVERSATION), rs[0].replica_id, None)
     ranks = await router.choose_replicas(rs, pending(CONVERSATION))  # no cached counts: asked of the replicas
     assert [len(rank) for rank in ranks] == [2]
+
+
+async def test_a_prompt_cache_key_goes_to_the_replica_its_key_went_to() -> None:
+    """OpenAI's prompt_cache_key: requests that share one go to one replica, even with no prompt in common,
+    unless it is overloaded."""
+    router = make_router(imbalance=4)
+    rs = replicas(2, 0)
+    router.on_request_routed(pending(CONVERSATION, hint="scope\x00user-7"), rs[0].replica_id, None)
+    other = list(range(500, 564))
+    assert await routed(router, rs, other) == [["r0", "r1"]], "no hint: no affinity"
+    with_loads(router, rs)
+    ranks = await router.choose_replicas(rs, pending(other, hint="scope\x00user-7"))
+    assert [sorted(r.replica_id.unique_id for r in rank) for rank in ranks] == [["r0"], ["r0", "r1"]]
+    with_loads(router, replicas(9, 0))
+    ranks = await router.choose_replicas(replicas(9, 0), pending(other, hint="scope\x00user-7"))
+    assert [len(rank) for rank in ranks] == [2], "an overloaded replica is passed over"
+    router.on_replica_actor_died(rs[0].replica_id)
+    assert router._hints == {}
