@@ -139,7 +139,7 @@ class Scheduler:
             self.waiting.remove(group)
             self._admit(group)
             if self._reads_cache(group):  # the ones behind may wait for what it is about to read
-                readers.append((group.scope, group.prompt_token_ids))
+                readers.append(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
                     take = min(self._pending(seq), budget)
@@ -201,28 +201,28 @@ class Scheduler:
     def _reads_cache(self, group: SequenceGroup) -> bool:
         return self.prefix_cache and group.params.prompt_logprobs is None
 
-    def _prompt_readers(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Prompts (with their scope) that running requests are still reading."""
+    def _prompt_readers(self) -> list[SequenceGroup]:
+        """Running requests still reading their prompts (and reading the cache)."""
         if not self.prefix_cache:
             return []
-        return [(g.scope, g.prompt_token_ids) for g in self.running
-                if g.seqs[0].num_computed < g.prompt_len and self._reads_cache(g)]
+        return [g for g in self.running if g.seqs[0].num_computed < g.prompt_len and self._reads_cache(g)]
 
-    def _waits_for_prefix(self, group: SequenceGroup, readers: list[tuple[str, tuple[int, ...]]]) -> bool:
-        """Whether a prompt still being read (of the same scope) shares at least DEFER_PREFIX leading tokens with
-        this group's prompt, more than any slot holds yet: once they are read, this group copies them and reads
-        only the rest (four requests arriving together with one long system prompt read it once, not four times;
-        the wait is a step or a few)."""
+    def _waits_for_prefix(self, group: SequenceGroup, readers: list[SequenceGroup]) -> bool:
+        """Whether a request still reading its prompt (of the same scope) reads at least DEFER_PREFIX leading
+        tokens of this group's prompt itself (not from the cache) that no slot holds yet: once they are read,
+        this group copies them and reads only the rest (four requests arriving together with one new long
+        system prompt read it once, not four times; the wait is a step or a few). Tokens the cache already
+        held, and a few beyond them, are not worth a wait."""
         if not self._reads_cache(group):
             return False
         prompt = group.prompt_token_ids
-        shared = max((common_prefix(r, prompt, len(prompt) - 1) for scope, r in readers if scope == group.scope),
-                     default=0)
-        if shared < DEFER_PREFIX:
-            return False
-        held = max((common_prefix(s.tokens, prompt, shared) for s in self.slots.slots
-                    if s.scope == group.scope and s.cells), default=0)
-        return held < shared
+        for reader in readers:
+            if reader.scope != group.scope:
+                continue
+            shared = common_prefix(reader.prompt_token_ids, prompt, len(prompt) - 1)
+            if shared - reader.cached_tokens >= DEFER_PREFIX and reader.seqs[0].num_computed < shared:
+                return True
+        return False
 
     # -- after the forward pass -------------------------------------------------------------------
     def _chunk(self, seq: Sequence, take: int) -> ScheduledChunk:

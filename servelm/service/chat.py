@@ -252,8 +252,9 @@ class ToolCallStream:
                     self.repeated = True
                     continue
                 self._sent.append(call)
-                if e.index > 0:
-                    deltas.append(self._call(len(self._sent) - 1, *call))
+                if e.index > 0:  # the call whole, in the usual two parts: its header, then its arguments
+                    name, arguments = call
+                    deltas += [self._call(len(self._sent) - 1, name, ""), self._args(len(self._sent) - 1, arguments)]
         return deltas
 
     def _call(self, index: int, name: str, arguments: str) -> Delta:

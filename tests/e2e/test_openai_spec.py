@@ -52,6 +52,29 @@ def test_chat_and_its_stream_follow_the_spec(base_url, extra):
     assert chunks[0]["choices"][0]["delta"]["content"] == (None if "tools" in extra else "")
 
 
+def test_deprecated_functions_answer_in_their_own_shape(base_url):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0,
+            "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}
+    answer = post(base_url, "/v1/chat/completions", body).json()
+    assert_conforms("CreateChatCompletionResponse", answer)
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] is None and "tool_calls" not in choice["message"]
+    assert choice["message"]["function_call"]["name"] == "get_weather" and choice["finish_reason"] == "function_call"
+    chunks = sse_chunks(post(base_url, "/v1/chat/completions", {**body, "stream": True}).text)
+    for chunk in chunks:
+        assert_conforms("CreateChatCompletionStreamResponse", chunk)
+    calls = [c["choices"][0]["delta"]["function_call"] for c in chunks
+             if c["choices"] and c["choices"][0]["delta"].get("function_call")]
+    assert calls[0]["name"] == "get_weather"
+    assert "".join(c["arguments"] for c in calls) == choice["message"]["function_call"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+    # the call and its result go back as the deprecated history does
+    history = [*ASK, {"role": "assistant", "content": None, "function_call": choice["message"]["function_call"]},
+               {"role": "function", "name": "get_weather", "content": "sunny, 21 C"}]
+    follow = post(base_url, "/v1/chat/completions", {**body, "messages": history, "function_call": "none"})
+    assert follow.status_code == 200 and follow.json()["choices"][0]["message"]["content"]
+
+
 def test_required_tools_end_the_turn_instead_of_repeating_a_call(base_url):
     """Allowed parallel calls, the small model would repeat one call until max_tokens; the turn ends at the
     first repeat, and each call comes once."""
@@ -105,10 +128,11 @@ def test_echo_scores_each_prompt_token_with_its_true_logprob(base_url):
     assert scores[1] == scores[5], "the values do not depend on N"
     prompt_part = scores[1][1 : len(tokens)]
     assert all(-60 < v <= 0 for v in prompt_part), "true values, no -9999 placeholder"
-    assert min(prompt_part) < -8, "the text has tokens far outside the top N"
     assert sum(scores[1][len(tokens):]) == pytest.approx(sum(generated), abs=1e-3)
     vllm = post(base_url, "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 1,
                                               "prompt_logprobs": 0, "temperature": 0}).json()
     per_token = vllm["choices"][0]["prompt_logprobs"]
     assert per_token[0] is None
-    assert [e[str(t)]["logprob"] for e, t in zip(per_token[1:], tokens[1:])] == pytest.approx(prompt_part, abs=1e-6)
+    entries = [e[str(t)] for e, t in zip(per_token[1:], tokens[1:])]
+    assert max(e["rank"] for e in entries) > 20, "the text has tokens outside the 20 most likely"
+    assert [e["logprob"] for e in entries] == pytest.approx(prompt_part, abs=1e-6)

@@ -190,6 +190,22 @@ def test_a_request_does_not_wait_for_a_prefix_too_short_to_matter():
     assert {c.seq.group for c in plan.chunks} == {a, b}, "30 shared tokens are not worth a wait"
 
 
+def test_a_request_does_not_wait_for_a_prefix_the_cache_already_holds_but_for_a_few_tokens():
+    """Found by the bench (shared-prefix-4): with the system prompt cached, four requests arriving together share
+    it plus the template's few tokens that open the user turn; the later ones waited a whole prompt read for
+    those few tokens, so their first token came twice as late."""
+    s = cache(num_slots=6, max_step_tokens=256)
+    system = list(range(100, 300))
+    warm = ask(s, "warm", [*system, 5], max_tokens=1)
+    while warm.seqs[0].num_generated == 0:
+        run_step(s)
+    finish(s, warm)
+    groups = [ask(s, f"r{k}", [*system, 1, 2, 3, 40 + k, 50 + k], max_tokens=4) for k in range(4)]
+    plan = run_step(s)
+    assert {c.seq.group for c in plan.chunks} == set(groups), "all four read their questions in the first step"
+    assert [g.cached_tokens for g in groups] == [200] * 4
+
+
 def test_entries_are_read_only_within_the_scope_that_wrote_them():
     """Another key's request with the same prompt reads nothing (not even a length it could time); the same
     scope reads the entry."""

@@ -161,7 +161,7 @@ BAD = [
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"service_tier": "fastest"}, "service_tier"),
-    ({"metadata": {"k": 1}}, "metadata.k"),
+    ({"metadata": {"k": 1}}, "metadata"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"function_call": "auto"}, "function_call"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
