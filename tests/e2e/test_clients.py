@@ -1,0 +1,72 @@
+"""The README's client guide, run as written: every snippet under "## Clients", with the server's address put in
+place of http://localhost:8000, in a process of its own (Python snippets with this venv's Python, JavaScript ones
+with Node and the `openai` package scripts/install.sh puts in .venv/node)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+NODE_DIR = REPO / ".venv" / "node"  # holds node_modules/openai
+
+
+def snippets() -> list[tuple[str, str, str]]:
+    """(client, language, code) of every fenced block in the README's "## Clients" section."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for part in section.split("\n### ")[1:]:
+        name = part.splitlines()[0].strip()
+        for lang, code in re.findall(r"```(python|js)\n(.*?)```", part, re.S):
+            found.append((name, lang, code))
+    return found
+
+
+SNIPPETS = snippets()
+# what each snippet's output must show, beyond running without an error
+EXPECT = {
+    "LangChain": r"\n384\n",
+    "instructor": r"name=",
+    "pydantic-ai": r"name=",
+    "azure-ai-inference": r"\n384\n",
+}
+
+
+def test_the_guide_covers_every_client_the_issue_names():
+    names = {name for name, _, _ in SNIPPETS}
+    assert names == {"openai (Python)", "openai (Node)", "LangChain", "LiteLLM", "instructor", "pydantic-ai",
+                     "OpenAI Agents SDK", "llama-index", "azure-ai-inference"}
+
+
+@pytest.mark.parametrize(("name", "lang", "code"), SNIPPETS, ids=[s[0] for s in SNIPPETS])
+def test_snippet_runs_against_the_server(base_url, tmp_path, name, lang, code):
+    code = code.replace("http://localhost:8000", base_url)
+    env = {**os.environ, "NO_COLOR": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    if lang == "js":
+        node = shutil.which("node")
+        assert node and (NODE_DIR / "node_modules" / "openai").is_dir(), "scripts/install.sh installs Node's openai"
+        script = NODE_DIR / f"snippet-{os.getpid()}.mjs"  # beside node_modules, where `import "openai"` resolves
+        script.write_text(code)
+        command = [node, str(script)]
+    else:
+        script = tmp_path / "snippet.py"
+        script.write_text(code)
+        command = [sys.executable, str(script)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    finally:
+        if lang == "js":
+            script.unlink(missing_ok=True)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    assert done.stdout.strip(), f"{name} printed nothing"
+    if name in EXPECT:
+        assert re.search(EXPECT[name], "\n" + done.stdout), f"{name} printed:\n{done.stdout}"
