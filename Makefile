@@ -1,4 +1,4 @@
-.PHONY: install run test test-unit test-e2e test-ray-e2e bench clean
+.PHONY: install run lint test test-unit test-e2e test-ray-e2e bench clean
 
 install:
 	@bash scripts/install.sh
@@ -6,8 +6,11 @@ install:
 run: install
 	.venv/bin/servelm serve
 
-test: install
+test: install lint
 	.venv/bin/python -m pytest -q
+
+lint: install
+	.venv/bin/ruff check servelm tests bench
 
 test-unit: install
 	.venv/bin/python -m pytest -q -m "not e2e"

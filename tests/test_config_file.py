@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from servelm.__main__ import settings_from_args, _serve_parser
+from servelm.__main__ import _serve_parser, settings_from_args
 from servelm.config import ConfigFile, embedded_model_path, load_config_file, resolve_model_source
 from servelm.errors import ModelNotFound
 from servelm.service.deployments import Deployment, Deployments

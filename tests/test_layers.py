@@ -1,4 +1,4 @@
-"""The import directions of DESIGN.md, checked by walking every module's imports."""
+"""The import directions of docs/architecture.md, checked by walking every module's imports."""
 
 from __future__ import annotations
 
@@ -69,3 +69,28 @@ def test_only_servelm_ray_imports_ray():
     """Ray is an optional extra: the core imports it nowhere (__main__ reaches servelm.ray only for --ray)."""
     bad = [m for m, p in modules() if not starts(m, "servelm.ray") and any(starts(i, "ray") for i in imports_of(p))]
     assert not bad
+
+
+def test_runners_know_the_engine_only_through_the_plan():
+    """A runner is given a StepPlan; the scheduler, the slots and the loop are none of its business."""
+    for m, p in modules():
+        if starts(m, "servelm.runners"):
+            engine = [i for i in imports_of(p) if starts(i, "servelm.engine")]
+            assert all(i == "servelm.engine.plan" for i in engine), (m, engine)
+            assert not any(starts(i, "servelm.service", "servelm.http", "servelm.constrain") for i in imports_of(p)), m
+
+
+def test_constrain_takes_only_the_constraint_value_from_the_engine():
+    for m, p in modules():
+        if starts(m, "servelm.constrain"):
+            engine = [i for i in imports_of(p) if starts(i, "servelm.engine")]
+            assert all(i == "servelm.engine.types" for i in engine), (m, engine)
+            assert not any(starts(i, "servelm.service", "servelm.http", "servelm.runners") for i in imports_of(p)), m
+
+
+def test_nothing_but_main_imports_ray_mode_or_compose():
+    """The wiring (compose) and the Ray mode sit on top: no layer below them imports them."""
+    for m, p in modules():
+        if starts(m, "servelm.engine", "servelm.runners", "servelm.service", "servelm.http", "servelm.protocol",
+                  "servelm.chat", "servelm.constrain"):
+            assert not any(starts(i, "servelm.compose", "servelm.ray") for i in imports_of(p)), m

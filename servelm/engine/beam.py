@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from servelm.engine.sampling import log_softmax, logprob_entry
 from servelm.engine.detokenizer import Detokenizer
+from servelm.engine.sampling import log_softmax, logprob_entry
 from servelm.engine.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 NEG_INF = float("-inf")

@@ -18,17 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from servelm.constrain.grammars import Grammars
+from servelm.constrain.grammars import Grammars, plain_error
 from servelm.constrain.masks import MaskComputer
-from servelm.engine.detokenizer import Detokenizer
 from servelm.engine.beam import BeamSearch
-from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
+from servelm.engine.detokenizer import Detokenizer
 from servelm.engine.plan import StepPlan
+from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
 from servelm.engine.scheduler import Scheduler
-from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
-from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
-                                  TokenLogprob)
-from servelm.constrain.grammars import plain_error
+from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ApiError, ConstraintFailed, ServerError
 from servelm.runners.base import ModelRunner
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from servelm.engine.plan import Clear, Copy, KVOp, Keep, ScheduledChunk, StepPlan
-from servelm.engine.sequence import Sequence, SequenceGroup, SeqStatus
+from servelm.engine.plan import Clear, Copy, Keep, KVOp, ScheduledChunk, StepPlan
+from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.slots import Slot, Slots, common_prefix
 
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.engine.hf_vocab import HfTokenizer
-from servelm.engine.types import (EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams,
-                                  TokenLogprob)
+from servelm.engine.types import EngineStats, FinishReason, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
 
 log = logging.getLogger("servelm.engine.vllm")

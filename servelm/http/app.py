@@ -8,18 +8,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from servelm import __version__
-from servelm.http import errors, openapi
-from servelm.http.auth import OPENAPI_PATH
+from servelm.http import errors, limits, openapi
 from servelm.http.asgi import ErrorBoundary
+from servelm.http.auth import OPENAPI_PATH
 from servelm.http.dialects import build_dialect_router
-from servelm.http import limits
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
 from servelm.http.middleware import RequestLog
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
-from servelm.service.deployments import Deployments
 from servelm.service.admission import QueuedEngine
+from servelm.service.deployments import Deployments
 from servelm.service.metered import MeteredEngine
 
 

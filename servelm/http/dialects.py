@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
-from urllib.parse import quote
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,8 +16,8 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import azure_error_parts, validation_error
-from servelm.http.routes import all_alive, embed, generate
 from servelm.http.openapi import doc
+from servelm.http.routes import all_alive, embed, generate
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
@@ -25,11 +25,9 @@ from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService, PreparedCompletion
 from servelm.service.deployments import Deployments
-from servelm.service.embeddings import EmbeddingService
-from servelm.service.params import RequestContext
 from servelm.service.dialects import (
-    NativeService,
     EXTRA_PARAMETER_MODES,
+    NativeService,
     azure_chat_body,
     azure_embeddings_body,
     check_api_version,
@@ -39,6 +37,8 @@ from servelm.service.dialects import (
     route_model,
     sagemaker_target,
 )
+from servelm.service.embeddings import EmbeddingService
+from servelm.service.params import RequestContext
 
 log = logging.getLogger("servelm.http")
 M = TypeVar("M", bound=BaseModel)

@@ -13,10 +13,10 @@ from pydantic import BaseModel, ValidationError
 from servelm.errors import ModelNotFound
 from servelm.http.auth import can_use, check_access, current_key
 from servelm.http.errors import validation_error
-from servelm.http.ratelimit import charge_tokens
 from servelm.http.limits import admit, bounded, limits_of
-from servelm.http.sse import sse_frames
 from servelm.http.openapi import doc
+from servelm.http.ratelimit import charge_tokens
+from servelm.http.sse import sse_frames
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
 from servelm.protocol.completions import Completion, CompletionRequest

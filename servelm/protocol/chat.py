@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from servelm.protocol.common import GenerationFields, ResponseModel, Usage, WireModel
 
+
 class TextPart(WireModel):
     type: Literal["text"]
     text: str

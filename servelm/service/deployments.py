@@ -6,14 +6,15 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 from servelm.chat.markers import ControlMarkers
 from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
 from servelm.engine.types import SamplingParams
-from servelm.service.admission import WaitingQueue
 from servelm.errors import InvalidParameter, ModelNotFound
+from servelm.service.admission import WaitingQueue
 
 
 @dataclass(eq=False)

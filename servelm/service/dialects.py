@@ -25,7 +25,6 @@ from servelm.service.completions import CompletionService, PreparedCompletion, g
 from servelm.service.deployments import Deployment, Deployments
 from servelm.service.params import RequestContext
 
-
 # -- model routing --------------------------------------------------------------------------------
 
 

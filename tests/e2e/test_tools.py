@@ -24,9 +24,9 @@ from .conftest import own_server
 from .helpers import (
     MODEL,
     RunningServer,
-    client_for,
     achat,
     assert_valid_json,
+    client_for,
     gather_watching_running,
     schema_errors,
     user,

@@ -6,7 +6,7 @@ import pytest
 
 from servelm.engine.plan import Clear, Copy, Keep
 from servelm.engine.scheduler import Scheduler
-from servelm.engine.sequence import SequenceGroup, SeqStatus
+from servelm.engine.sequence import SeqStatus, SequenceGroup
 from servelm.engine.types import SamplingParams
 
 

@@ -12,12 +12,19 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from servelm.engine.hf_vocab import (_unicode_to_byte, byte_level_vocab, drop_double_bos, template_source,
-                                     token_bytes_table)
-from servelm.engine.types import (BeamParams, Constraint, FinishReason, GenerationRequest, SamplingParams,
-                                  TokenLogprob)
-from servelm.engine.vllm import (OutputTranslator, VllmOptions, check_supported, engine_args, finish, is_client_error,
-                                 prompt_logprobs, sampling_kwargs, token_logprob)
+from servelm.engine.hf_vocab import _unicode_to_byte, byte_level_vocab, drop_double_bos, template_source, token_bytes_table
+from servelm.engine.types import BeamParams, Constraint, FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from servelm.engine.vllm import (
+    OutputTranslator,
+    VllmOptions,
+    check_supported,
+    engine_args,
+    finish,
+    is_client_error,
+    prompt_logprobs,
+    sampling_kwargs,
+    token_logprob,
+)
 from servelm.errors import InvalidParameter, ServerError
 
 

@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
+from servelm.compose import build_deployment
 from servelm.engine import sampling
 from servelm.http.app import create_app
 from servelm.http.limits import SecurityConfig
-from servelm.compose import build_deployment
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments
 from tests.conftest import serving

@@ -176,7 +176,7 @@ def test_killed_replica_retries_waiting_requests_and_fails_started_streams(ray_s
         assert "error" in out, f"a stream on the killed replica ended without an error: {out}"
         assert out["error"].body.get("code") == "replica_unavailable"
         assert "stopped before it finished" in out["error"].message
-    for reply, replica in answers:  # none lost: each answered in full, after its retry
+    for reply, _ in answers:  # none lost: each answered in full, after its retry
         assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
     retried = [replica for _, replica in answers if replica.split(",")[0] == victim]
     assert retried and all(len(r.split(",")) == 2 for r in retried), [r for _, r in answers]

@@ -93,7 +93,7 @@ def reference_embedding(weights: dict[str, np.ndarray], ids: list[int]) -> np.nd
     heads, dh = 12, 32
     for i in range(6):
         p = f"encoder.layer.{i}."
-        lin = lambda t, name: t @ w(p + name + ".weight").T + w(p + name + ".bias")  # noqa: E731
+        lin = lambda t, name, p=p: t @ w(p + name + ".weight").T + w(p + name + ".bias")  # noqa: E731
         q, k, v = (lin(x, f"attention.self.{m}").reshape(n, heads, dh).transpose(1, 0, 2)
                    for m in ("query", "key", "value"))
         scores = q @ k.transpose(0, 2, 1) / math.sqrt(dh)
