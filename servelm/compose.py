@@ -15,6 +15,7 @@ from typing import Any
 
 from servelm import __version__
 from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings, resolve_model_source
+from servelm.runners.base import ModelRunner
 from servelm.service.deployments import Deployment, Deployments
 
 log = logging.getLogger("servelm")
@@ -24,7 +25,7 @@ EMBEDDING_WINDOW = 2048  # most tokens per input (and per pass) of an embedding 
 
 def build_deployment(
     name: str,
-    runner,
+    runner: ModelRunner,
     fingerprint_source: str = "",
     prefix_cache: bool = True,
     chat_template: str | None = None,
@@ -67,11 +68,11 @@ def build_deployment(
         special_id=grammars.special_id,
         token_bytes=lambda t: grammars.spelled[t] if 0 <= t < len(grammars.spelled) else b"",
         tokenize_bare=lambda text, special: runner.tokenize(text, add_special=False, parse_special=special),
-        fim_tokens=getattr(runner, "fim_tokens", None),
+        fim_tokens=runner.fim_tokens,
     )
-    controls = getattr(runner, "control_tokens", None)
+    controls = runner.control_tokens()
     if controls is not None and not special_tokens_in_content:
-        deployment.markers = ControlMarkers([ControlToken(*c) for c in controls()])
+        deployment.markers = ControlMarkers([ControlToken(*c) for c in controls])
         deployment.bos_id = runner.bos_id
     return deployment, engine
 

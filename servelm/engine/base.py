@@ -22,6 +22,11 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    @property
+    def alive(self) -> bool:
+        """Its worker is running (what /health and SageMaker's /ping report)."""
+        ...
+
 
 class Embedder(Protocol):
     """What the embeddings service needs of a deployment's embedding model (EmbeddingEngine is one)."""
@@ -37,3 +42,6 @@ class Embedder(Protocol):
         ...
 
     def stats(self) -> Any: ...
+
+    @property
+    def alive(self) -> bool: ...

@@ -168,7 +168,7 @@ class LocalEngine:
             step_seconds=self.step_seconds,
             forward_seconds=self.forward_seconds,
             steps=self.steps,
-            forward_calls=getattr(self.runner, "forward_calls", 0),
+            forward_calls=self.runner.forward_calls,
         )
 
     def _post(self, kind: str, item: object) -> None:

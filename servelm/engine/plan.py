@@ -81,3 +81,19 @@ class StepPlan:
             else:
                 out.append(-1)
         return out
+
+    def calls(self) -> list[list[int]]:
+        """The chunks (by index) cut into forward passes that llama.cpp's micro-batching leaves whole: runs of
+        consecutive slots whose chunks have the same length (a decode step's one-token chunks, mostly one run).
+        A pass computes each of its rows with the same kernels whatever else it holds (docs/exactness.md)."""
+        out: list[list[int]] = []
+        chunks = self.chunks
+        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].tokens) > 1, len(chunks[i].tokens), chunks[i].slot))
+        for i in order:
+            last = out[-1][-1] if out else None
+            if last is not None and len(chunks[last].tokens) == len(chunks[i].tokens) \
+                    and chunks[last].slot + 1 == chunks[i].slot:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out

@@ -99,7 +99,7 @@ def request_context(scope: dict) -> RequestContext:
 def all_alive(deployments: Deployments) -> bool:
     """Every engine and embedder thread is running (what /health and SageMaker's /ping report)."""
     workers = [w for d in deployments.all() for w in (d.engine, d.embedder) if w is not None]
-    return all(getattr(w, "alive", True) for w in workers)
+    return all(w.alive for w in workers)
 
 
 def deployment_header(d: Deployment) -> dict[str, str]:

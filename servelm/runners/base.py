@@ -17,11 +17,14 @@ class ModelRunner(Protocol):
     max_step_tokens: int  # tokens one step may carry
     max_rows: int  # tokens one sequence may read in one step
     kv_cell_bytes: int  # one KV cell's size
+    forward_calls: int  # forward passes (llama_decode calls) made since start
     eog_ids: np.ndarray  # end-of-generation tokens
     chat_template: str | None
     bos_token: str
     eos_token: str
     description: str
+    fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
+    bos_id: int | None  # the BOS token the tokenizer puts first (None when the model asks for none)
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
@@ -31,6 +34,11 @@ class ModelRunner(Protocol):
 
     def tokenize_text(self, data: bytes) -> list[int]:
         """Plain UTF-8 text (no special tokens, no BOS) → token ids; used by grammar masks."""
+        ...
+
+    def control_tokens(self) -> list[tuple[str, int, bool, bool]] | None:
+        """(text, id, lstrip, rstrip) of every token that parsing special tokens reads from text as itself and plain
+        tokenizing does not; None for a model that makes no such distinction (the fake one)."""
         ...
 
     def token_table(self) -> list[bytes]:

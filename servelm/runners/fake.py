@@ -45,6 +45,8 @@ class FakeRunner:
         self.kv_cells = num_slots * context_window
         self.max_rows = max_rows
         self.kv_cell_bytes = 64
+        self.forward_calls = 0
+        self.bos_id = None
         self.step_delay = step_delay
         self.fim_tokens = fim_tokens  # fill-in-the-middle (prefix, suffix, middle) tokens, if the model has them
         self.eog_ids = np.array([EOS], dtype=np.int64)
@@ -60,6 +62,10 @@ class FakeRunner:
         self.max_cells_seen = 0
 
     # -- text -------------------------------------------------------------------------------------
+    def control_tokens(self) -> None:
+        """The fake model's markers are plain text: it makes no control-token distinction."""
+        return None
+
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return [FIRST_WORD + (ord(c) % (self.vocab_size - FIRST_WORD)) for c in text]
 
@@ -80,6 +86,7 @@ class FakeRunner:
 
     # -- the forward pass -------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> np.ndarray:
+        self.forward_calls += len(plan.calls())  # the passes the llama.cpp runner would make
         for op in plan.ops:
             if isinstance(op, Clear):
                 self.cells.pop(op.slot, None)

@@ -83,21 +83,6 @@ def _tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[
     return list(buf[:n])
 
 
-def calls(chunks: list[ScheduledChunk]) -> list[list[int]]:
-    """The chunks (by index) cut into llama_decode calls that llama.cpp's micro-batching leaves whole: runs of
-    consecutive slots whose chunks have the same length (a decode step's one-token chunks, mostly one run)."""
-    out: list[list[int]] = []
-    order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].tokens) > 1, len(chunks[i].tokens), chunks[i].slot))
-    for i in order:
-        last = out[-1][-1] if out else None
-        if last is not None and len(chunks[last].tokens) == len(chunks[i].tokens) \
-                and chunks[last].slot + 1 == chunks[i].slot:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
 def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, C.llama_batch]:
     """A llama_batch of `size` tokens whose buffers are numpy arrays we fill with vector operations
     (tokens, positions, one sequence id per token, output flags); returns those arrays and the batch."""
@@ -264,7 +249,7 @@ class LlamaCppRunner:
         rows = plan.rows()
         total = sum(len(c.tokens) if c.all_logits else 1 for c, r in zip(plan.chunks, rows) if r >= 0)
         first = [r - (len(c.tokens) - 1 if c.all_logits else 0) for c, r in zip(plan.chunks, rows)]
-        for call in calls(plan.chunks):
+        for call in plan.calls():
             self._decode(plan.chunks, call, first)
         return self._logits[:total]
 

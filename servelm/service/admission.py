@@ -118,4 +118,4 @@ class QueuedEngine:
 
     @property
     def alive(self) -> bool:  # /health and /ping ask
-        return getattr(self.inner, "alive", True)
+        return self.inner.alive

@@ -61,4 +61,4 @@ class MeteredEngine:
 
     @property
     def alive(self) -> bool:  # /health and /ping ask
-        return getattr(self.inner, "alive", True)
+        return self.inner.alive
