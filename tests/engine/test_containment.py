@@ -16,6 +16,7 @@ from servelm.engine import local as local_module
 from servelm.engine import sampling
 from servelm.engine.beam import BeamSearch
 from servelm.engine.local import EngineError, LocalEngine
+from servelm.engine.output import OutputProcessor
 from servelm.engine.types import BeamParams, FinishReason, GenerationRequest, SamplingParams
 from servelm.runners.fake import FakeRunner
 
@@ -94,7 +95,7 @@ async def test_a_failure_in_one_requests_logprobs_fails_it_alone(engine, monkeyp
 
 
 async def test_a_failure_in_one_requests_detokenizing_fails_it_alone(engine, monkeypatch):
-    original = local_module.LocalEngine._detokenizer
+    original = OutputProcessor._detokenizer
 
     def detokenizer(self, params):
         detok = original(self, params)
@@ -104,7 +105,7 @@ async def test_a_failure_in_one_requests_detokenizing_fails_it_alone(engine, mon
             detok.push = push
         return detok
 
-    monkeypatch.setattr(local_module.LocalEngine, "_detokenizer", detokenizer)
+    monkeypatch.setattr(OutputProcessor, "_detokenizer", detokenizer)
     await neighbours_and_faulty(engine)
 
 
