@@ -90,7 +90,7 @@ class ChatService:
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedChat) -> ChatCompletion:
         collector = Collector(p.generation.params)
-        watch = _repeat_watch(p)
+        watch = ToolCallStream(p.tools.format, p.legacy_functions) if p.tools and _stops_on_repeat(p) else None
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 collector.add(out)
@@ -164,7 +164,7 @@ class ChatService:
             yield chunk([ChunkChoice(index=i, delta=opening, logprobs=None, finish_reason=None)])
         collector = Collector(params)
         live = streams_live(params)
-        watch = streams[0] if _repeat_watch(p) is not None else None
+        watch = streams[0] if _stops_on_repeat(p) else None
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 collector.add(out)
@@ -208,13 +208,11 @@ class ChatService:
         return choices
 
 
-def _repeat_watch(p: PreparedChat) -> ToolCallStream | None:
-    """A reader of the answer's calls that tells when the model repeats one, for a request of one choice that
-    may make several calls (with several choices, one cannot stop alone: repeats are only dropped)."""
+def _stops_on_repeat(p: PreparedChat) -> bool:
+    """Whether the answer ends at the first repeated call: a request of one choice that may make calls (with
+    several choices, one cannot stop alone: repeats are only dropped)."""
     params = p.generation.params
-    if p.tools is None or params.n != 1 or not streams_live(params):
-        return None
-    return ToolCallStream(p.tools.format, p.legacy_functions)
+    return p.tools is not None and params.n == 1 and streams_live(params)
 
 
 class ToolCallStream:
