@@ -71,21 +71,22 @@ def test_only_servelm_ray_imports_ray():
     assert not bad
 
 
+def engine_imports_only(package: str, allowed: str, forbidden: tuple[str, ...]) -> None:
+    """Every module of `package` imports from servelm.engine only `allowed`, and nothing of `forbidden`."""
+    for m, p in modules():
+        if starts(m, package):
+            engine = [i for i in imports_of(p) if starts(i, "servelm.engine")]
+            assert all(i == allowed for i in engine), (m, engine)
+            assert not any(starts(i, *forbidden) for i in imports_of(p)), m
+
+
 def test_runners_know_the_engine_only_through_the_plan():
     """A runner is given a StepPlan; the scheduler, the slots and the loop are none of its business."""
-    for m, p in modules():
-        if starts(m, "servelm.runners"):
-            engine = [i for i in imports_of(p) if starts(i, "servelm.engine")]
-            assert all(i == "servelm.engine.plan" for i in engine), (m, engine)
-            assert not any(starts(i, "servelm.service", "servelm.http", "servelm.constrain") for i in imports_of(p)), m
+    engine_imports_only("servelm.runners", "servelm.engine.plan", ("servelm.service", "servelm.http", "servelm.constrain"))
 
 
 def test_constrain_takes_only_the_constraint_value_from_the_engine():
-    for m, p in modules():
-        if starts(m, "servelm.constrain"):
-            engine = [i for i in imports_of(p) if starts(i, "servelm.engine")]
-            assert all(i == "servelm.engine.types" for i in engine), (m, engine)
-            assert not any(starts(i, "servelm.service", "servelm.http", "servelm.runners") for i in imports_of(p)), m
+    engine_imports_only("servelm.constrain", "servelm.engine.types", ("servelm.service", "servelm.http", "servelm.runners"))
 
 
 def test_nothing_but_main_imports_ray_mode_or_compose():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -32,6 +32,7 @@ from servelm.service.dialects import (
     azure_embeddings_body,
     check_api_version,
     default_embedding_model,
+    default_model,
     invocation_kind,
     ovms_body,
     route_model,
@@ -59,19 +60,22 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
     native = NativeService(completions)
     ovms_completions = _DefaultMaxTokens(completions, None)
 
-    # -- Azure ML ---------------------------------------------------------------------------------
-    @router.post("/chat/completions", openapi_extra=doc(
-        request=ChatCompletionRequest, response=ChatCompletion, streams="text/event-stream", query=[API_VERSION],
-        headers=[{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
-                 {"name": AZURE_DEPLOYMENT_HEADER, "schema": {"type": "string"}}]))
-    async def azure_chat(request: Request) -> Response:
+    # -- Azure ML and Azure AI model inference ------------------------------------------------------
+    azure_headers = [{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
+                     {"name": AZURE_DEPLOYMENT_HEADER, "schema": {"type": "string"}}]
+
+    async def azure(request: Request, translate: Callable[[dict, str | None], tuple[dict, list[str]]],
+                    default: Callable[[Deployments], str], run: Callable[[dict], Awaitable[Response]]) -> Response:
+        """An Azure route: api-version, the extra-parameters rule, the deployment header, Azure's error bodies,
+        and the dropped parameters listed in a response header."""
         data: dict | None = None
         try:
             check_api_version(request.query_params.get("api-version"))
             data = load_object(await request.body())
-            body, dropped = azure_chat_body(data, request.headers.get(EXTRA_PARAMETERS_HEADER))
-            body = route_model(body, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER, deployments)
-            response = await generate(request, validate(body, ChatCompletionRequest), chat)
+            body, dropped = translate(data, request.headers.get(EXTRA_PARAMETERS_HEADER))
+            body = route_model(body, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER, deployments,
+                               default)
+            response = await run(body)
         except ApiError as exc:
             return azure_error_response(exc, data)
         if dropped:
@@ -79,25 +83,19 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
             response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(quote(name, safe="_-.~") for name in dropped)
         return response
 
+    @router.post("/chat/completions", openapi_extra=doc(
+        request=ChatCompletionRequest, response=ChatCompletion, streams="text/event-stream", query=[API_VERSION],
+        headers=azure_headers))
+    async def azure_chat(request: Request) -> Response:
+        return await azure(request, azure_chat_body, default_model,
+                           lambda body: generate(request, validate(body, ChatCompletionRequest), chat))
+
     @router.post("/embeddings", openapi_extra=doc(
-        request=EmbeddingRequest, response=EmbeddingResponse, query=[API_VERSION],
-        headers=[{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
-                 {"name": AZURE_DEPLOYMENT_HEADER, "schema": {"type": "string"}}]))
+        request=EmbeddingRequest, response=EmbeddingResponse, query=[API_VERSION], headers=azure_headers))
     async def azure_embeddings(request: Request) -> Response:
         """Azure AI model inference's embeddings (azure-ai-inference's EmbeddingsClient)."""
-        data: dict | None = None
-        try:
-            check_api_version(request.query_params.get("api-version"))
-            data = load_object(await request.body())
-            body, dropped = azure_embeddings_body(data, request.headers.get(EXTRA_PARAMETERS_HEADER))
-            body = route_model(body, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER, deployments,
-                               default_embedding_model)
-            response = await embed(request, validate(body, EmbeddingRequest), embeddings)
-        except ApiError as exc:
-            return azure_error_response(exc, data)
-        if dropped:
-            response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(quote(name, safe="_-.~") for name in dropped)
-        return response
+        return await azure(request, azure_embeddings_body, default_embedding_model,
+                           lambda body: embed(request, validate(body, EmbeddingRequest), embeddings))
 
     @router.get("/info", openapi_extra=doc(query=[API_VERSION]))
     async def azure_info(request: Request) -> Response:
