@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, regex_to_lark
 
-from servelm.engine.types import Constraint
+from servelm.constrain.constraint import Constraint
 
 # Compact JSON with the spacing json.dumps writes: no runs of whitespace for a small model to loop in.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+
+from servelm.constrain.constraint import Constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,30 +66,6 @@ class BeamParams:
     diversity_penalty: float = 0.0
     groups: int = 1
     early_stopping: bool = False  # stop as soon as best_of hypotheses have finished
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """A grammar every choice's output must match, compiled and checked by constrain/ before it gets here.
-
-    `grammar` is llguidance's serialized grammar; `key` names it in the compiled-grammar cache; `kind` says
-    where it came from (json_schema, json_object, regex, choice, grammar, tools) for logs and errors.
-    """
-
-    grammar: str
-    key: str
-    kind: str
-    # Set for "text, or else something that begins with one of these" (tool_choice auto): once the output
-    # is text that cannot begin any of them, the grammar allows every continuation, so the engine stops
-    # computing its masks.
-    free_unless: tuple[str, ...] = ()
-    param: str | None = None  # the request parameter it came from, named if it fails while the answer is made
-    # The compiled, checked grammar (an llguidance matcher to copy), so that the engine never compiles on its
-    # own thread. Process-local: not pickled (a Ray replica compiles from `grammar` once, then caches it).
-    proto: Any = field(default=None, compare=False, repr=False)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Constraint, (self.grammar, self.key, self.kind, self.free_unless, self.param))
 
 
 @dataclass(frozen=True, slots=True)

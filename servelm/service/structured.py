@@ -20,8 +20,8 @@ from servelm.chat.tools import (
     tool_response_text,
     tools_system_prompt,
 )
+from servelm.constrain.constraint import Constraint
 from servelm.constrain.grammars import JSON_OPTIONS, GrammarError, Grammars
-from servelm.engine.types import Constraint
 from servelm.errors import InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart, NamedToolChoice
 from servelm.service.deployments import Deployment

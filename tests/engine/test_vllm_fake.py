@@ -16,8 +16,9 @@ import pytest
 
 from servelm import compose
 from servelm.config import ConfigFile, DeploymentSpec, load_config_file
+from servelm.constrain.constraint import Constraint
 from servelm.engine.hf_vocab import HfTokenizer
-from servelm.engine.types import BeamParams, Constraint, FinishReason, GenerationRequest, SamplingParams
+from servelm.engine.types import BeamParams, FinishReason, GenerationRequest, SamplingParams
 from servelm.engine.vllm import VllmEngine
 from servelm.errors import InvalidParameter
 from servelm.http.app import create_app

@@ -12,8 +12,9 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from servelm.constrain.constraint import Constraint
 from servelm.engine.hf_vocab import _unicode_to_byte, byte_level_vocab, drop_double_bos, template_source, token_bytes_table
-from servelm.engine.types import BeamParams, Constraint, FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+from servelm.engine.types import BeamParams, FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.engine.vllm import (
     OutputTranslator,
     VllmOptions,
