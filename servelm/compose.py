@@ -15,8 +15,10 @@ from typing import Any
 
 from servelm import __version__
 from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings, resolve_model_source
+from servelm.constrain.grammars import Grammars
+from servelm.engine.base import Engine
 from servelm.runners.base import ModelRunner
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.deployments import Deployment, Deployments, TextDeployment
 
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
@@ -29,45 +31,32 @@ def build_deployment(
     fingerprint_source: str = "",
     prefix_cache: bool = True,
     chat_template: str | None = None,
-    engine: object | None = None,
+    engine: Engine | None = None,
     grammar_limits: object | None = None,
     special_tokens_in_content: bool = False,
-) -> tuple[Deployment, object]:
+) -> tuple[TextDeployment, Engine]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
     from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import ChatTemplate
     from servelm.chat.tools import detect_style
-    from servelm.constrain.grammars import GrammarLimits, Grammars
+    from servelm.constrain.grammars import GrammarLimits
     from servelm.engine.local import LocalEngine
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits if isinstance(grammar_limits, GrammarLimits) else GrammarLimits())
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars)
-    bos = runner.bos_token
     template_source = chat_template or runner.chat_template
-
-    def tokenize(text: str) -> list[int]:
-        ids = runner.tokenize(text, add_special=True, parse_special=True)
-        # a template that writes the BOS token itself must not get a second one from the tokenizer
-        if bos and len(ids) > 1 and ids[0] == ids[1] and text.startswith(bos):
-            ids = ids[1:]
-        return ids
-
-    deployment = Deployment(
+    deployment = TextDeployment(
         name=name,
         engine=engine,
         template=ChatTemplate(template_source, bos_token=runner.bos_token, eos_token=runner.eos_token),
-        tokenize=tokenize,
+        vocab=RunnerVocabulary(runner, grammars),
         context_window=runner.context_window,
-        vocab_size=runner.vocab_size,
         max_choices=runner.num_slots,
         fingerprint=_fingerprint(fingerprint_source or runner.description),
         grammars=grammars,
         tool_style=detect_style(template_source),
-        special_id=grammars.special_id,
-        token_bytes=lambda t: grammars.spelled[t] if 0 <= t < len(grammars.spelled) else b"",
-        tokenize_bare=lambda text, special: runner.tokenize(text, add_special=False, parse_special=special),
         fim_tokens=runner.fim_tokens,
     )
     controls = runner.control_tokens()
@@ -82,18 +71,36 @@ def build_embedding_deployment(name: str, model, fingerprint_source: str = "") -
     from servelm.engine.embedding import EmbeddingEngine
 
     embedder = EmbeddingEngine(model)
-    deployment = Deployment(
-        name=name,
-        engine=None,
-        template=None,
-        tokenize=embedder.tokenize,
-        context_window=embedder.context_window,
-        vocab_size=embedder.vocab_size,
-        max_choices=0,
-        fingerprint=_fingerprint(fingerprint_source or name),
-        embedder=embedder,
-    )
+    deployment = Deployment(name=name, context_window=embedder.context_window,
+                            fingerprint=_fingerprint(fingerprint_source or name), embedder=embedder)
     return deployment, embedder
+
+
+class RunnerVocabulary:
+    """A llama.cpp model's vocabulary as the services use it (service/deployments.Vocabulary): tokenizing by the
+    runner, control tokens and token texts from the grammars' table (one spelling for both)."""
+
+    def __init__(self, runner: ModelRunner, grammars: Grammars) -> None:
+        self._runner, self._grammars = runner, grammars
+        self.size = runner.vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._runner.tokenize(text, add_special=True, parse_special=True)
+        bos = self._runner.bos_token
+        # a template that writes the BOS token itself must not get a second one from the tokenizer
+        if bos and len(ids) > 1 and ids[0] == ids[1] and text.startswith(bos):
+            ids = ids[1:]
+        return ids
+
+    def tokenize_bare(self, text: str, special: bool) -> list[int]:
+        return self._runner.tokenize(text, add_special=False, parse_special=special)
+
+    def special_id(self, text: str) -> int | None:
+        return self._grammars.special_id(text)
+
+    def token_bytes(self, token: int) -> bytes:
+        spelled = self._grammars.spelled
+        return spelled[token] if 0 <= token < len(spelled) else b""
 
 
 def grammar_limits(e: Any) -> Any:
@@ -213,20 +220,15 @@ def _build_vllm(spec: DeploymentSpec, deployments: list, workers: list) -> None:
     log.info("loading %s into vLLM for %r", options.model, spec.name)
     engine = VllmEngine.create(options)
     tok = engine.tokenizer
-    deployment = Deployment(
+    deployment = TextDeployment(
         name=spec.name,
         engine=engine,
         template=ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token),
-        tokenize=tok.tokenize,
+        vocab=tok,
         context_window=engine.context_window,
-        vocab_size=engine.vocab_size,
         max_choices=engine.max_num_seqs,
         fingerprint=_fingerprint(f"vllm:{options.model}"),
         tool_style=detect_style(tok.chat_template),
-        special_id=tok.special_id,
-        token_bytes=tok.token_bytes,
-        tokenize_bare=tok.tokenize_bare,
-        check_params=engine.check_params,
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)

@@ -102,8 +102,7 @@ def test_flags_win_over_the_files_server_table(tmp_path):
 
 
 def _dep(name: str) -> Deployment:
-    return Deployment(name=name, engine=None, template=None, tokenize=lambda t: [], context_window=1,
-                      vocab_size=1, max_choices=0, fingerprint="fp")
+    return Deployment(name=name, context_window=1, fingerprint="fp")
 
 
 def test_names_aliases_and_weighted_endpoints_route():

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 
 
 class Engine(Protocol):
@@ -18,6 +18,11 @@ class Engine(Protocol):
 
     def abort(self, request_id: str) -> None:
         """Stop the request's sequences; their KV cells are freed at the next step."""
+        ...
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidParameter for what this engine cannot take (vLLM: beam search). Called while a request is
+        prepared, so that it is a 400 before any stream starts."""
         ...
 
     def stats(self) -> EngineStats: ...

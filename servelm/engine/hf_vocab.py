@@ -81,7 +81,8 @@ class HfTokenizer:
         pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
         self._bytes = token_bytes_table(pieces, added, byte_level_vocab(pieces))
 
-    def __len__(self) -> int:
+    @property
+    def size(self) -> int:
         return len(self._bytes)
 
     def tokenize(self, text: str) -> list[int]:

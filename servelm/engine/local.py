@@ -24,7 +24,7 @@ from servelm.engine.plan import StepPlan
 from servelm.engine.sampling import pick_rows, process_rows, token_logprobs
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ApiError, ServerError
 from servelm.runners.base import ModelRunner
 
@@ -104,6 +104,9 @@ class LocalEngine:
 
     def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Every parameter the service layer lets through runs here."""
 
     def stats(self) -> EngineStats:
         s = self.scheduler

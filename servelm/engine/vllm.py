@@ -232,7 +232,7 @@ class VllmEngine:
         return cls(
             llm, tokenizer, make_params=lambda kw: vllm.SamplingParams(**kw, output_kind=delta),
             context_window=getattr(config, "max_model_len", None) or options.max_model_len or 2048,
-            vocab_size=config.get_vocab_size() if config is not None else len(tokenizer),
+            vocab_size=config.get_vocab_size() if config is not None else tokenizer.size,
             max_num_seqs=getattr(scheduler, "max_num_seqs", None) or DEFAULT_MAX_SEQS,
         )
 

@@ -34,19 +34,18 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
             if on_stop is not None:
                 on_stop()
 
+    app_metrics = Metrics(lambda: engine_gauges(deployments))
+    # time every generation (TTFT, inter-token and end-to-end latency, tokens), and free its place in the waiting
+    # queue at its first output; the deployments given stay as they are
+    deployments = deployments.with_engines(
+        lambda d: MeteredEngine(QueuedEngine(d.engine, d.queue), app_metrics.meter(d.name)))
     app = FastAPI(title="servelm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=OPENAPI_PATH)
     openapi.install(app)
     errors.install(app)
     app.include_router(build_router(deployments))
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
-    app.state.metrics = metrics = Metrics(lambda: engine_gauges(deployments))
-    for d in deployments.all():  # time every generation (TTFT, inter-token and end-to-end latency, tokens), and
-        if d.engine is not None:  # free its place in the waiting queue at its first output
-            inner = d.engine
-            while isinstance(inner, (MeteredEngine, QueuedEngine)):
-                inner = inner.inner
-            d.engine = MeteredEngine(QueuedEngine(inner, d.queue), metrics.meter(d.name))
+    app.state.metrics = metrics = app_metrics
     app.include_router(build_metrics_router(metrics))
     app.add_middleware(ErrorBoundary)  # innermost: a bug is a 500 in the envelope, and the connection stays usable
     app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import azure_error_parts, validation_error
 from servelm.http.openapi import doc
-from servelm.http.routes import all_alive, embed, generate
+from servelm.http.routes import embed, generate
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
@@ -126,7 +126,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
 
     @router.get("/ping")
     async def ping() -> JSONResponse:
-        ok = all_alive(deployments)
+        ok = deployments.all_alive()
         return JSONResponse({"status": "Healthy" if ok else "Unhealthy"}, status_code=200 if ok else 503)
 
     # -- OpenVINO Model Server --------------------------------------------------------------------

@@ -13,11 +13,7 @@ from servelm.service.deployments import Deployments
 
 def engine_gauges(deployments: Deployments) -> Iterator[EngineGauges]:
     """Each text-generating deployment's queue, running sequences and KV cells (embedding-only ones have none)."""
-    seen: set[str] = set()
-    for d in deployments.all():
-        if d.engine is None or d.name in seen:
-            continue
-        seen.add(d.name)
+    for d in deployments.generators():
         s = d.engine.stats()
         yield EngineGauges(d.name, s.waiting, s.running, s.kv_cells_used, s.kv_cells_cached, s.kv_cells_total,
                            s.kv_cell_bytes, s.cache_hits, s.cached_tokens, s.step_seconds, s.forward_seconds, s.steps, s.forward_calls)

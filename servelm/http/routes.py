@@ -23,7 +23,7 @@ from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.deployments import Deployment, Deployments, TextDeployment
 from servelm.service.embeddings import EmbeddingService
 from servelm.service.params import RequestContext
 
@@ -96,10 +96,6 @@ def request_context(scope: dict) -> RequestContext:
                           max_batch_prompts=limits.max_batch_prompts if limits is not None else 128)
 
 
-def all_alive(deployments: Deployments) -> bool:
-    """Every engine and embedder thread is running (what /health and SageMaker's /ping report)."""
-    workers = [w for d in deployments.all() for w in (d.engine, d.embedder) if w is not None]
-    return all(w.alive for w in workers)
 
 
 def deployment_header(d: Deployment) -> dict[str, str]:
@@ -151,7 +147,7 @@ def build_router(deployments: Deployments) -> APIRouter:
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        ok = all_alive(deployments)
+        ok = deployments.all_alive()
         stats = {d.name: _deployment_stats(d) for d in deployments.all()}
         return JSONResponse({"status": "ok" if ok else "unavailable", "deployments": stats}, status_code=200 if ok else 503)
 
@@ -173,7 +169,7 @@ async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingSe
 def _deployment_stats(d: Deployment) -> dict:
     """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model."""
     embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
-    if d.engine is None:
+    if not isinstance(d, TextDeployment):
         return embedder or {}
     stats = dataclasses.asdict(d.engine.stats())
     if embedder is not None:

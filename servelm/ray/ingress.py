@@ -90,9 +90,8 @@ class Ingress:
         embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input) if info.embedding else None
         if spec.kind == "embedding":
             assert embedder is not None and info.embedding is not None  # an embedding replica always has one
-            return Deployment(name=spec.name, engine=None, template=None, tokenize=tokenize_input,
-                              context_window=info.context_window, vocab_size=info.embedding.vocab_size,
-                              max_choices=0, fingerprint=info.fingerprint, embedder=embedder)
+            return Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
+                              embedder=embedder)
         template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
         deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
                                          grammar_limits=grammar_limits(spec.engine),

@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError, RequestCancelledError
 
 from servelm.engine.embedding import EmbeddingStats
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
 from servelm.ray.replica import EmbeddingInfo, ReplicaStats
 from servelm.ray.served_by import end_call, note_call, note_replica
@@ -154,6 +154,9 @@ class RemoteEngine:
                 self._streams.pop(request.request_id, None)
         raise ServiceUnavailable(f"No replica of `{self.replicas.name}` could serve the request ({ATTEMPTS} tries); "
                                  "retry later.", code="replica_unavailable")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The replicas run LocalEngines: every parameter the service layer lets through runs there."""
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)

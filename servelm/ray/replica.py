@@ -26,6 +26,7 @@ from ray import serve
 
 from servelm.config import DeploymentSpec
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
+from servelm.service.deployments import TextDeployment, all_alive
 
 log = logging.getLogger("servelm.ray")
 
@@ -72,9 +73,10 @@ class ModelReplica:
         log.info("replica %s of %r is ready", self._id, self._spec.name)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[str | list[GenerationOutput]]:
-        engine = self._deployment.engine
-        if engine is None:
+        d = self._deployment
+        if not isinstance(d, TextDeployment):
             raise RuntimeError(f"the deployment {self._spec.name!r} does not generate text")
+        engine = d.engine
         yield self._id
         ready: asyncio.Queue = asyncio.Queue()
         pump = asyncio.ensure_future(_pump(engine.generate(request), ready))
@@ -103,19 +105,17 @@ class ModelReplica:
 
     def stats(self) -> ReplicaStats:
         d = self._deployment
-        return ReplicaStats(self._id, d.engine.stats() if d.engine is not None else None,
+        return ReplicaStats(self._id, d.engine.stats() if isinstance(d, TextDeployment) else None,
                             d.embedder.stats() if d.embedder is not None else None)
 
     def describe(self) -> ReplicaInfo:
         d = self._deployment
         emb = d.embedder
         info = EmbeddingInfo(emb.dim, emb.vocab_size, emb.context_window) if emb is not None else None
-        return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices, info)
+        return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices if isinstance(d, TextDeployment) else 0, info)
 
     def check_health(self) -> None:
-        d = self._deployment
-        for worker in (d.engine, d.embedder):
-            if worker is not None and not getattr(worker, "alive", True):
+        if not all_alive([self._deployment]):
                 raise RuntimeError(f"an engine thread of {self._spec.name!r} has stopped")
 
     def __del__(self) -> None:  # Ray Serve's graceful shutdown of the replica

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 
 from servelm.engine.base import Engine
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 from servelm.errors import QueueFull
 
 
@@ -112,6 +112,9 @@ class QueuedEngine:
 
     def abort(self, request_id: str) -> None:
         self.inner.abort(request_id)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.inner.check_params(params)
 
     def stats(self) -> EngineStats:
         return self.inner.stats()

@@ -32,7 +32,7 @@ from servelm.protocol.chat import (
 )
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 from servelm.service.structured import ToolPlan, plan_output, template_messages
@@ -42,7 +42,7 @@ from servelm.service.structured import ToolPlan, plan_output, template_messages
 class PreparedChat:
     """A validated request, ready to run: everything that can be a 4xx has been checked."""
 
-    deployment: Deployment
+    deployment: TextDeployment
     generation: GenerationRequest
     model: str
     created: int
@@ -103,7 +103,7 @@ class ChatService:
         extra = {}
         if p.generation.params.prompt_logprobs is not None:  # vLLM's, at the top as vLLM puts them
             extra["prompt_logprobs"] = vllm_prompt_logprobs(p.generation.prompt_token_ids, collector.prompt_logprobs,
-                                                            p.deployment.token_bytes)
+                                                            p.deployment.vocab.token_bytes)
         return ChatCompletion(
             **extra,
             id=p.generation.request_id,
@@ -139,7 +139,7 @@ class ChatService:
     def _logprobs(p: PreparedChat, entries: list[TokenLogprob] | None) -> dict | None:
         if p.generation.params.logprobs is None:
             return None
-        return chat_logprobs(entries or [], p.deployment.token_bytes)
+        return chat_logprobs(entries or [], p.deployment.vocab.token_bytes)
 
     async def stream(self, p: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
         def chunk(choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
@@ -267,7 +267,7 @@ class ToolCallStream:
         return Delta(tool_calls=[DeltaToolCall(index=index, function=DeltaFunction(arguments=text))])
 
 
-def prompt_ids(dep: Deployment, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
+def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
     """The chat prompt's token ids: the messages rendered with the deployment's template, its control tokens the
     template's own (the request's text stays text: chat/markers.py)."""
     markers = dep.markers
@@ -277,10 +277,9 @@ def prompt_ids(dep: Deployment, messages: list[dict[str, Any]], extra: dict[str,
         text = dep.template.render(messages, add_generation_prompt=True, **extra)  # type: ignore[union-attr]
     except TemplateError as exc:
         raise InvalidParameter(str(exc), "messages") from None
-    if markers is None or dep.tokenize_bare is None:
-        return dep.tokenize(text)
-    bare = dep.tokenize_bare
-    return markers.tokenize(text, lambda piece: bare(piece, False), dep.bos_id)
+    if markers is None:
+        return dep.vocab.tokenize(text)
+    return markers.tokenize(text, lambda piece: dep.vocab.tokenize_bare(piece, False), dep.bos_id)
 
 
 def new_call_id() -> str:

@@ -16,7 +16,7 @@ from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from servelm.service.choices import Collector, SeqResult, streams_live
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 
@@ -34,7 +34,7 @@ class PromptJob:
 
 @dataclass(frozen=True)
 class PreparedCompletion:
-    deployment: Deployment
+    deployment: TextDeployment
     request_id: str
     jobs: tuple[PromptJob, ...]
     model: str
@@ -168,7 +168,7 @@ class _LiveChoice:
                 if p.echo:
                     parts.append(_prompt_logprobs(p, job, col, len(job.echo)))
             entries = _entries(out.token_ids, out.logprobs)
-            gen, self.offset = legacy_logprobs(out.token_ids, entries, p.deployment.token_bytes, self.offset, text_len)
+            gen, self.offset = legacy_logprobs(out.token_ids, entries, p.deployment.vocab.token_bytes, self.offset, text_len)
             logprobs = _join([*parts, gen])
         self.length += len(text)
         return CompletionChoice(
@@ -184,13 +184,13 @@ def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: 
     if p.logprobs is not None:
         parts = [_prompt_logprobs(p, job, col, len(job.echo))] if p.echo else []
         entries = _entries(seq.token_ids, seq.logprobs)
-        gen, _ = legacy_logprobs(seq.token_ids, entries, p.deployment.token_bytes, len(job.echo), len(text))
+        gen, _ = legacy_logprobs(seq.token_ids, entries, p.deployment.vocab.token_bytes, len(job.echo), len(text))
         logprobs = _join([*parts, gen])
     final = seq.final
     extra = {}
     if p.prompt_logprobs:
         extra["prompt_logprobs"] = vllm_prompt_logprobs(job.generation.prompt_token_ids, col.prompt_logprobs,
-                                                        p.deployment.token_bytes)
+                                                        p.deployment.vocab.token_bytes)
     return CompletionChoice(
         index=index, text=text, logprobs=logprobs,
         finish_reason=final.finish_reason.value if final and final.finish_reason else None,
@@ -203,7 +203,7 @@ def _prompt_logprobs(p: PreparedCompletion, job: PromptJob, col: Collector, text
     entries = col.prompt_logprobs
     if entries is None or len(entries) != len(prompt):
         raise ServerError("The engine did not report the prompt's logprobs.")
-    out, _ = legacy_logprobs(prompt, entries, p.deployment.token_bytes, 0, text_len)
+    out, _ = legacy_logprobs(prompt, entries, p.deployment.vocab.token_bytes, 0, text_len)
     return out
 
 
@@ -250,22 +250,22 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _parts(prompt: str | list[int], req: CompletionRequest, dep: Deployment) -> PromptParts:
+def _parts(prompt: str | list[int], req: CompletionRequest, dep: TextDeployment) -> PromptParts:
     raw = bool(req.use_raw_prompt)
-    bare = dep.tokenize_bare or (lambda text, _special: dep.tokenize(text))
+    bare = dep.vocab.tokenize_bare
     if isinstance(prompt, list):
         for t in prompt:
-            if not 0 <= t < dep.vocab_size:
-                raise InvalidParameter(f"prompt has token id {t}, outside the vocabulary (0..{dep.vocab_size - 1}).", "prompt")
+            if not 0 <= t < dep.vocab.size:
+                raise InvalidParameter(f"prompt has token id {t}, outside the vocabulary (0..{dep.vocab.size - 1}).", "prompt")
         parts = PromptParts([], list(prompt))
     elif raw:  # the text's own tokens: no BOS, special-token text read as plain text
         parts = PromptParts([], bare(prompt, False))
     elif req.suffix:
-        lead = dep.tokenize("")  # the BOS the model asks for, if any
+        lead = dep.vocab.tokenize("")  # the BOS the model asks for, if any
         parts = PromptParts(lead, bare(prompt, True))
     else:  # OpenAI's: the model's BOS if it asks for one, special-token text read as those tokens
-        ids = dep.tokenize(prompt)
-        lead = dep.tokenize("")  # the BOS the model asks for, if any
+        ids = dep.vocab.tokenize(prompt)
+        lead = dep.vocab.tokenize("")  # the BOS the model asks for, if any
         head = lead if ids[: len(lead)] == lead else []
         parts = PromptParts(head, ids[len(head):])
     if req.suffix:  # fill-in-the-middle: [BOS] PRE prompt SUF suffix MID (checked in _reject_unsupported)
@@ -298,15 +298,15 @@ def _fit(parts: PromptParts, req: CompletionRequest, window: int, default: int |
     return max_tokens
 
 
-def _echo_text(prompt: str | list[int], parts: PromptParts, dep: Deployment) -> str:
+def _echo_text(prompt: str | list[int], parts: PromptParts, dep: TextDeployment) -> str:
     """The text echoed: a text prompt as given (what is left of it when truncated); token ids detokenized."""
     if isinstance(prompt, str) and not parts.cut:
         return prompt
     tokens = parts.body if isinstance(prompt, str) else parts.ids
-    return b"".join(dep.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+    return b"".join(dep.vocab.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def _reject_unsupported(req: CompletionRequest, dep: Deployment) -> None:
+def _reject_unsupported(req: CompletionRequest, dep: TextDeployment) -> None:
     if req.stream_options is not None and not req.stream:
         raise InvalidParameter("stream_options is only allowed when stream is true.", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:

@@ -4,47 +4,71 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from servelm.chat.markers import ControlMarkers
 from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
-from servelm.engine.types import SamplingParams
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.service.admission import WaitingQueue
 
 
-@dataclass(eq=False)
+class Vocabulary(Protocol):
+    """A text model's tokenizer, as the services use it."""
+
+    @property
+    def size(self) -> int: ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """A rendered prompt → token ids: the BOS the model asks for (once), special-token text parsed."""
+        ...
+
+    def tokenize_bare(self, text: str, special: bool) -> list[int]:
+        """Text → token ids with nothing added; `special`: whether special-token text is parsed."""
+        ...
+
+    def special_id(self, text: str) -> int | None:
+        """A control token's id by its text (None: no such token)."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's text (control tokens spelled out; b"" outside the vocabulary)."""
+        ...
+
+
+@dataclass(eq=False, kw_only=True)
 class Deployment:
+    """A model served by name: what every deployment has, and the embedder of one that answers /v1/embeddings.
+    One that generates text is a TextDeployment."""
+
     name: str
-    engine: Engine | None  # None: an embedding-only deployment (see Deployments.generator)
-    template: ChatTemplate | None
-    tokenize: Callable[[str], list[int]]  # rendered prompt text → token ids (special tokens parsed)
     context_window: int  # most tokens one sequence may use: prompt plus completion
-    vocab_size: int
-    max_choices: int  # n may not exceed the sequences decoded together
     fingerprint: str
-    grammars: Grammars | None = None  # constrained output (JSON schemas, grammars, tool calls)
+    created: int = field(default_factory=lambda: int(time.time()))
+    embedder: Embedder | None = None  # serves POST /v1/embeddings
+    max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)
+    queue: WaitingQueue = field(default_factory=WaitingQueue)  # what waits for it now (http/limits.admit)
+
+
+@dataclass(eq=False, kw_only=True)
+class TextDeployment(Deployment):
+    """A deployment that generates text: its engine, chat template and vocabulary, and what shapes its output."""
+
+    engine: Engine
+    template: ChatTemplate
+    vocab: Vocabulary
+    max_choices: int  # n may not exceed the sequences decoded together
+    grammars: Grammars | None = None  # constrained output (JSON schemas, grammars, tool calls); None: a 400
     tool_style: ToolStyle = ToolStyle(HERMES, native=False)
-    special_id: Callable[[str], int | None] = lambda _text: None  # a control token's id by its text
-    token_bytes: Callable[[int], bytes] = lambda _token: b""  # a token's text (control tokens spelled out)
-    # text → token ids with nothing added (no BOS); the flag says whether special-token text is parsed
-    tokenize_bare: Callable[[str, bool], list[int]] | None = None
     fim_tokens: tuple[int, int, int] | None = None  # fill-in-the-middle (prefix, suffix, middle) token ids
     # control tokens come from the chat template only (chat/markers.py); None: the rendered prompt is tokenized
     # with special tokens parsed, message text included (the opt-in `special_tokens_in_content`, or no vocabulary)
     markers: ControlMarkers | None = None
     bos_id: int | None = None  # the BOS token a prompt begins with, when the model asks for one
-    created: int = field(default_factory=lambda: int(time.time()))
-    embedder: Embedder | None = None  # serves POST /v1/embeddings
-    max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)
-    queue: WaitingQueue = field(default_factory=WaitingQueue)  # what waits for it now (http/limits.admit)
-    # raises InvalidParameter for sampling parameters its engine cannot take (vLLM: beam search); called while a
-    # request is prepared, so it is a 400 before any stream starts
-    check_params: Callable[[SamplingParams], None] | None = None
 
 
 class Deployments:
@@ -82,10 +106,10 @@ class Deployments:
         ids += [(e, None) for e in self._endpoints]
         return ids
 
-    def generator(self, model: str) -> Deployment:
+    def generator(self, model: str) -> TextDeployment:
         """The deployment for a text-generating request: 404 if unknown, 400 if it only embeds."""
         d = self.get(model)
-        if d.engine is None or d.template is None:
+        if not isinstance(d, TextDeployment):
             raise InvalidParameter(
                 f"The model `{model}` does not generate text: it serves embeddings only (POST /v1/embeddings).",
                 "model", code="model_not_supported",
@@ -103,3 +127,26 @@ class Deployments:
 
     def all(self) -> list[Deployment]:
         return list(self._by_name.values())
+
+    def all_alive(self) -> bool:
+        """Every engine and embedder thread is running (what /health and SageMaker's /ping report)."""
+        return all_alive(self._by_name.values())
+
+    def generators(self) -> list[TextDeployment]:
+        return [d for d in self._by_name.values() if isinstance(d, TextDeployment)]
+
+    def with_engines(self, wrap: Callable[[TextDeployment], Engine]) -> Deployments:
+        """The same names, aliases and endpoints, each text deployment's engine wrapped (http/app.py: metrics and
+        the waiting queue around every engine); these deployments stay as they are."""
+        wrapped = [replace(d, engine=wrap(d)) if isinstance(d, TextDeployment) else d for d in self._by_name.values()]
+        out = Deployments(wrapped, rng=self._rng)
+        out._aliases, out._endpoints = self._aliases, self._endpoints
+        return out
+
+
+def all_alive(deployments: Iterable[Deployment]) -> bool:
+    """Every engine and embedder of these deployments is running."""
+    for d in deployments:
+        if isinstance(d, TextDeployment) and not d.engine.alive or d.embedder is not None and not d.embedder.alive:
+            return False
+    return True

@@ -22,7 +22,7 @@ from servelm.protocol.completions import CompletionRequest
 from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequest, DjlStreamLine, DjlToken
 from servelm.service.choices import Collector, SeqResult
 from servelm.service.completions import CompletionService, PreparedCompletion, gather_all
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.params import RequestContext
 
 # -- model routing --------------------------------------------------------------------------------
@@ -30,16 +30,15 @@ from servelm.service.params import RequestContext
 
 def default_model(deployments: Deployments) -> str:
     """The default deployment: the first one that generates text."""
-    for d in deployments.all():
-        if d.engine is not None and d.template is not None:
-            return d.name
+    for d in deployments.generators():
+        return d.name
     raise InvalidParameter("No deployment on this server generates text.", "model", "model_not_found")
 
 
 def default_embedding_model(deployments: Deployments) -> str:
     """The default deployment for embeddings: the first embedding-only one, else the first that embeds."""
     embedders = [d for d in deployments.all() if d.embedder is not None]
-    for d in sorted(embedders, key=lambda d: d.engine is not None):
+    for d in sorted(embedders, key=lambda d: isinstance(d, TextDeployment)):
         return d.name
     raise InvalidParameter("No deployment on this server produces embeddings.", "model", "model_not_found")
 
@@ -182,7 +181,7 @@ class PreparedNative:
         return self.completion.stream
 
     @property
-    def deployment(self) -> Deployment:
+    def deployment(self) -> TextDeployment:
         return self.completion.deployment
 
     @property
@@ -255,7 +254,7 @@ class NativeService:
                     yield line
 
 
-def _token_lines(dep: Deployment, out: GenerationOutput) -> list[DjlStreamLine]:
+def _token_lines(dep: TextDeployment, out: GenerationOutput) -> list[DjlStreamLine]:
     """One line per new token; the output's text rides on its last token (so the texts add up)."""
     lines = []
     for k, tid in enumerate(out.token_ids):
@@ -270,9 +269,9 @@ def _full(p: PreparedNative, i: int, text: str) -> str:
     return p.inputs[i] + text if p.full_text else text
 
 
-def _details(dep: Deployment, inputs: str, seq: SeqResult) -> DjlDetails:
+def _details(dep: TextDeployment, inputs: str, seq: SeqResult) -> DjlDetails:
     tokens = [
-        DjlToken(id=t, text=dep.token_bytes(t).decode("utf-8", errors="replace"),
+        DjlToken(id=t, text=dep.vocab.token_bytes(t).decode("utf-8", errors="replace"),
                  log_prob=seq.logprobs[k].logprob if k < len(seq.logprobs) else 0.0)
         for k, t in enumerate(seq.token_ids)
     ]

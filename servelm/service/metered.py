@@ -11,7 +11,7 @@ from contextlib import aclosing
 from typing import Protocol
 
 from servelm.engine.base import Engine
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 
 
 class Meter(Protocol):
@@ -55,6 +55,9 @@ class MeteredEngine:
 
     def abort(self, request_id: str) -> None:
         self.inner.abort(request_id)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.inner.check_params(params)
 
     def stats(self) -> EngineStats:
         return self.inner.stats()

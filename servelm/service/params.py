@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from servelm.engine.types import BeamParams, SamplingParams
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.common import GenerationFields
-from servelm.service.deployments import Deployment
+from servelm.service.deployments import TextDeployment
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class EndpointParams:
     constrained: bool = False  # the output is bound by a grammar (beam search cannot follow one yet)
 
 
-def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep: EndpointParams) -> SamplingParams:
+def sampling_params(req: GenerationFields, dep: TextDeployment, prompt_len: int, ep: EndpointParams) -> SamplingParams:
     n = req.n or 1
     best_of = req.best_of
     if best_of is not None and best_of < n:
@@ -68,8 +68,8 @@ def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep:
     if any(s == "" for s in stop):
         raise InvalidParameter("stop strings must not be empty.", "stop")
     for t in req.stop_token_ids or ():
-        if t >= dep.vocab_size:
-            raise InvalidParameter(f"stop_token_ids has {t}, outside the vocabulary (0..{dep.vocab_size - 1}).", "stop_token_ids")
+        if t >= dep.vocab.size:
+            raise InvalidParameter(f"stop_token_ids has {t}, outside the vocabulary (0..{dep.vocab.size - 1}).", "stop_token_ids")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -80,7 +80,7 @@ def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep:
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=logit_bias(req.logit_bias, dep.vocab_size),
+        logit_bias=logit_bias(req.logit_bias, dep.vocab.size),
         stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=bool(req.ignore_eos),
@@ -93,8 +93,7 @@ def sampling_params(req: GenerationFields, dep: Deployment, prompt_len: int, ep:
         prompt_logprobs=_prompt_logprobs(req, ep),
         beam=beam,
     )
-    if dep.check_params is not None:  # what this deployment's engine cannot do (a vLLM one: beam search)
-        dep.check_params(params)
+    dep.engine.check_params(params)  # what this deployment's engine cannot do (a vLLM one: beam search)
     return params
 
 

@@ -24,7 +24,7 @@ from servelm.constrain.constraint import Constraint
 from servelm.constrain.grammars import JSON_OPTIONS, GrammarError, Grammars
 from servelm.errors import InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart, NamedToolChoice
-from servelm.service.deployments import Deployment
+from servelm.service.deployments import TextDeployment
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class _Content:
     param: str
 
 
-def plan_output(req: ChatCompletionRequest, dep: Deployment) -> OutputPlan:
+def plan_output(req: ChatCompletionRequest, dep: TextDeployment) -> OutputPlan:
     grammars = dep.grammars
     content = _content_constraint(req)
     functions = _functions(req, grammars)
@@ -73,7 +73,7 @@ def plan_output(req: ChatCompletionRequest, dep: Deployment) -> OutputPlan:
         content_expr = f"%json{json.dumps({**_schema(schema), 'x-guidance': JSON_OPTIONS})}"
     lark = tool_grammar(
         fmt, functions, choice, parallel=req.parallel_tool_calls is not False, content=content_expr,
-        special_id=dep.special_id,
+        special_id=dep.vocab.special_id,
     )
     try:
         constraint = grammars.lark(lark, "tools")

@@ -26,7 +26,7 @@ def runner():
 
 
 def service(runner, **kw) -> ChatService:
-    deployment, _ = build_deployment("m", runner, engine=object(), **kw)
+    deployment, _ = build_deployment("m", runner, **kw)  # its engine is never started: prepare only
     deployment.context_window = 8192  # a vocabulary-only model knows none (the Ray ingress sets it the same way)
     return ChatService(Deployments([deployment]))
 

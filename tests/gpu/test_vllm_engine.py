@@ -35,7 +35,7 @@ MSG = [{"role": "user", "content": "Name three colours."}]
 class Served:
     def __init__(self, url: str, deployment, loop: asyncio.AbstractEventLoop) -> None:
         self.url, self.deployment, self.loop = url, deployment, loop
-        self.engine = deployment.engine.inner  # create_app wraps it in a MeteredEngine
+        self.engine = deployment.engine  # create_app wraps a copy of the deployments; this one is the VllmEngine
 
     def run(self, coro, timeout: float = 300):
         """Run a coroutine on the server's event loop: vLLM's output loop lives there."""
@@ -76,7 +76,7 @@ def client(served: Served) -> openai.OpenAI:
 
 def prompt_ids(served: Served) -> list[int]:
     text = served.deployment.template.render(MSG, add_generation_prompt=True)
-    return served.deployment.tokenize(text)
+    return served.deployment.vocab.tokenize(text)
 
 
 # -- the engine itself --------------------------------------------------------------------------------------

@@ -159,8 +159,7 @@ def test_a_key_may_use_a_weighted_endpoint_only_if_it_may_use_every_deployment_b
     from servelm.service.deployments import Deployment, Deployments
 
     def dep(name):
-        return Deployment(name=name, engine=None, template=None, tokenize=lambda t: [], context_window=1,
-                          vocab_size=1, max_choices=0, fingerprint="fp")
+        return Deployment(name=name, context_window=1, fingerprint="fp")
 
     deps = Deployments([dep("a"), dep("b")], aliases={"small": "a"}, endpoints={"ab": [("a", 1.0), ("b", 1.0)]},
                        rng=random.Random(0))
