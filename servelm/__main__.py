@@ -66,9 +66,9 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
           ray_address: str | None = None) -> None:
     from servelm.compose import build, default_specs
     from servelm.http.app import create_app
-    from servelm.http.auth import load_keys
     from servelm.http.limits import SecurityConfig
     from servelm.http.server import run as run_server
+    from servelm.keys import load_keys
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm import __version__
-from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings, resolve_model_source
+from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Engine
+from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
 

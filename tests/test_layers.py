@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import servelm
@@ -61,7 +62,8 @@ def test_service_does_not_reach_into_the_engine_internals_or_runners():
 
 def test_leaves_import_nothing_of_servelm():
     """engine.types carries constrain's Constraint value, and nothing else of servelm."""
-    for leaf, allowed in (("servelm.errors", ()), ("servelm.config", ()), ("servelm.metrics", ()),
+    for leaf, allowed in (("servelm.errors", ()), ("servelm.config", ()), ("servelm.metrics", ()), ("servelm.aio", ()),
+                          ("servelm.keys", ()), ("servelm.models", ("servelm.config",)),
                           ("servelm.constrain.constraint", ()), ("servelm.engine.types", ("servelm.constrain.constraint",))):
         path = ROOT.parent / (leaf.replace(".", "/") + ".py")
         assert not [i for i in imports_of(path) if starts(i, "servelm") and i not in allowed], leaf
@@ -95,3 +97,10 @@ def test_nothing_but_main_imports_ray_mode_or_compose():
         if starts(m, "servelm.engine", "servelm.runners", "servelm.service", "servelm.http", "servelm.protocol",
                   "servelm.chat", "servelm.constrain"):
             assert not any(starts(i, "servelm.compose", "servelm.ray") for i in imports_of(p)), m
+
+
+def test_errors_are_rendered_only_in_http_errors():
+    """The envelope (and Azure ML's shape) is built in one place: nothing else calls ApiError.body()."""
+    rendering = re.compile(r"(?<!request)\.body\(\)")  # an ApiError's body(), not a Starlette request's
+    bad = [m for m, p in modules() if m not in ("servelm.http.errors", "servelm.errors") and rendering.search(p.read_text())]
+    assert not bad

@@ -39,13 +39,13 @@ class FunctionSpec:
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    open: str  # before the first call
-    call_open: str  # before each call's JSON object
-    args_key: str  # the key that holds the arguments
-    call_close: str  # after each call's JSON object
-    sep: str  # between calls
-    close: str  # after the last call
     starts: tuple[str, ...]  # how an answer made of calls begins
+    args_key: str = "arguments"  # the key that holds the arguments
+    open: str = ""  # before the first call
+    call_open: str = ""  # before each call's JSON object
+    call_close: str = "}"  # after each call's JSON object (its closing brace included)
+    sep: str = "\n"  # between calls
+    close: str = ""  # after the last call
     special: tuple[str, ...] = ()  # markers that are a single control token in this family's vocabulary
 
     def render_call(self, name: str, arguments: str) -> str:
@@ -55,9 +55,10 @@ class ToolFormat:
         return self.open + self.sep.join(self.render_call(n, a) for n, a in calls) + self.close
 
 
-HERMES = ToolFormat("hermes", "", "<tool_call>\n", "arguments", "}\n</tool_call>", "\n", "", ("<tool_call>",))
-LLAMA3_JSON = ToolFormat("llama3_json", "", "", "parameters", "}", "; ", "", ('{"name"',))
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS][", "", "arguments", "}", ", ", "]", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",))
+HERMES = ToolFormat("hermes", starts=("<tool_call>",), call_open="<tool_call>\n", call_close="}\n</tool_call>")
+LLAMA3_JSON = ToolFormat("llama3_json", starts=('{"name"',), args_key="parameters", sep="; ")
+MISTRAL = ToolFormat("mistral", starts=("[TOOL_CALLS]",), open="[TOOL_CALLS][", sep=", ", close="]",
+                     special=("[TOOL_CALLS]",))
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from servelm.errors import ApiError, ServerError
-from servelm.http.errors import AZURE_PATHS, azure_error_parts
+from servelm.http.errors import error_parts
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -21,9 +21,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 async def send_error(send: Send, exc: ApiError, scope: Scope | None = None) -> None:
     """The error envelope with the error's status and headers (WWW-Authenticate, Retry-After); on Azure ML's
     paths, in Azure ML's shape (status and code at the top)."""
-    status, data, extra = exc.status, exc.body(), exc.headers
-    if scope is not None and scope.get("path") in AZURE_PATHS:
-        status, data, extra = azure_error_parts(exc)
+    status, data, extra = error_parts(exc, scope.get("path") if scope is not None else None)
     body = json.dumps(data).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]

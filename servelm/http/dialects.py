@@ -6,24 +6,25 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
-from servelm.http.errors import azure_error_parts, validation_error
+from servelm.http.errors import error_response, validation_error
 from servelm.http.openapi import doc
 from servelm.http.routes import embed, generate
+from servelm.http.streams import JSONLINES, SSE
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.chat import ChatService
-from servelm.service.completions import CompletionService, PreparedCompletion
+from servelm.service.completions import CompletionService
 from servelm.service.deployments import Deployments
 from servelm.service.dialects import (
     EXTRA_PARAMETER_MODES,
@@ -39,7 +40,6 @@ from servelm.service.dialects import (
     sagemaker_target,
 )
 from servelm.service.embeddings import EmbeddingService
-from servelm.service.params import RequestContext
 
 log = logging.getLogger("servelm.http")
 M = TypeVar("M", bound=BaseModel)
@@ -48,7 +48,6 @@ AZURE_DEPLOYMENT_HEADER = "azureml-model-deployment"
 EXTRA_PARAMETERS_HEADER = "extra-parameters"
 DROPPED_PARAMETERS_HEADER = "x-servelm-dropped-parameters"  # the extra parameters dropped (no header, or ignore)
 SAGEMAKER_TARGET_HEADER = "x-amzn-sagemaker-target-model"
-JSONLINES = "application/jsonlines"
 API_VERSION = {"name": "api-version", "required": True, "schema": {"type": "string", "example": "2024-05-01-preview"}}
 
 
@@ -58,7 +57,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
     completions = CompletionService(deployments)
     embeddings = EmbeddingService(deployments)
     native = NativeService(completions)
-    ovms_completions = _DefaultMaxTokens(completions, None)
+    ovms_completions = CompletionService(deployments, default_max_tokens=None)  # OVMS: up to the context window
 
     # -- Azure ML and Azure AI model inference ------------------------------------------------------
     azure_headers = [{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
@@ -77,7 +76,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
                                default)
             response = await run(body)
         except ApiError as exc:
-            return azure_error_response(exc, data)
+            return error_response(exc, request.url.path, data)
         if dropped:
             # names are the client's: percent-encoded, so that any name makes a valid (and harmless) header value
             response.headers[DROPPED_PARAMETERS_HEADER] = ",".join(quote(name, safe="_-.~") for name in dropped)
@@ -104,25 +103,24 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
             name = route_model({}, request.headers.get(AZURE_DEPLOYMENT_HEADER), AZURE_DEPLOYMENT_HEADER,
                                deployments)["model"]
         except ApiError as exc:
-            return azure_error_response(exc, None)
+            return error_response(exc, request.url.path)
         return JSONResponse({"model_name": name, "model_type": "chat-completion", "model_provider_name": "servelm"})
 
     # -- SageMaker / DJL LMI ----------------------------------------------------------------------
     @router.post("/invocations", openapi_extra=doc(
-        request=[ChatCompletionRequest, CompletionRequest, DjlRequest], streams=JSONLINES,
+        request=[ChatCompletionRequest, CompletionRequest, DjlRequest], streams=JSONLINES.media_type,
         headers=[{"name": SAGEMAKER_TARGET_HEADER, "schema": {"type": "string"}}]))
     async def invocations(request: Request) -> Response:
         data = load_object(await request.body())
         target = sagemaker_target(request.headers.get(SAGEMAKER_TARGET_HEADER))
         data = route_model(data, target, "X-Amzn-SageMaker-Target-Model", deployments)
         kind = invocation_kind(data)
-        model, service = {"chat": (ChatCompletionRequest, chat), "completion": (CompletionRequest, completions),
-                          "native": (DjlRequest, native)}[kind]
-        response = await generate(request, validate(data, model), service)  # type: ignore[arg-type]
-        if isinstance(response, StreamingResponse) and _wants_jsonlines(request.headers.get("accept", ""), kind):
-            response.body_iterator = sse_to_jsonlines(response.body_iterator)
-            response.headers["content-type"] = JSONLINES
-        return response
+        framing = JSONLINES if _wants_jsonlines(request.headers.get("accept", ""), kind) else SSE
+        if kind == "chat":
+            return await generate(request, validate(data, ChatCompletionRequest), chat, framing)
+        if kind == "completion":
+            return await generate(request, validate(data, CompletionRequest), completions, framing)
+        return await generate(request, validate(data, DjlRequest), native, framing)
 
     @router.get("/ping")
     async def ping() -> JSONResponse:
@@ -140,26 +138,9 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
                                                       streams="text/event-stream"))
     async def ovms_legacy_completions(request: Request) -> Response:
         data = ovms_body(load_object(await request.body()))
-        return await generate(request, validate(data, CompletionRequest), ovms_completions)  # type: ignore[arg-type]
+        return await generate(request, validate(data, CompletionRequest), ovms_completions)
 
     return router
-
-
-class _DefaultMaxTokens:
-    """CompletionService with another max_tokens default (OVMS: none, so up to the context window)."""
-
-    def __init__(self, service: CompletionService, default: int | None) -> None:
-        self.service, self.default = service, default
-        self.deployments = service.deployments
-
-    def prepare(self, req: CompletionRequest, ctx: RequestContext) -> PreparedCompletion:
-        return self.service.prepare(req, ctx, default_max_tokens=self.default)
-
-    def complete(self, p: PreparedCompletion) -> Any:
-        return self.service.complete(p)
-
-    def stream(self, p: PreparedCompletion) -> Any:
-        return self.service.stream(p)
 
 
 # -- parsing ----------------------------------------------------------------------------------------
@@ -178,9 +159,11 @@ def load_object(raw: bytes) -> dict:
     return data
 
 
-def validate(data: dict, model: type[M]) -> M:
+def validate(data: dict[str, Any], model: type[M]) -> M:
+    """The body, parsed once by load_object and rewritten by the dialect, as the typed request. Every value came
+    from JSON, so the strict Python mode takes exactly what the /v1 routes' JSON mode takes."""
     try:
-        return model.model_validate_json(json.dumps(data))  # JSON mode: the same strictness as the /v1 routes
+        return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc, model) from None
 
@@ -191,25 +174,8 @@ def validate(data: dict, model: type[M]) -> M:
 def _wants_jsonlines(accept: str, kind: str) -> bool:
     """jsonlines where DJL streams that way (chat and the native schema), SSE for completions; an Accept
     header naming either picks it."""
-    if JSONLINES in accept:
+    if JSONLINES.media_type in accept:
         return True
     if "text/event-stream" in accept:
         return False
     return kind in ("chat", "native")
-
-
-async def sse_to_jsonlines(frames: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """The same stream as jsonlines: each `data:` frame's JSON on its own line, without `[DONE]`."""
-    async for frame in frames:
-        raw = frame if isinstance(frame, bytes) else str(frame).encode()
-        for event in raw.split(b"\n\n"):
-            if event.startswith(b"data: ") and event != b"data: [DONE]":
-                yield event[len(b"data: "):] + b"\n"
-
-
-# -- Azure ML's error bodies ----------------------------------------------------------------------------
-
-
-def azure_error_response(exc: ApiError, data: dict | None) -> JSONResponse:
-    status, body, headers = azure_error_parts(exc, data)
-    return JSONResponse(body, status_code=status, headers=headers)

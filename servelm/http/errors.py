@@ -15,18 +15,32 @@ from starlette.exceptions import HTTPException
 from servelm.errors import ApiError, InvalidParameter, NotFound
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
+def error_parts(exc: ApiError, path: str | None = None, data: Any = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """An error's status, body and headers (WWW-Authenticate, Retry-After): the OpenAI envelope, or on Azure ML's
+    paths Azure ML's shape (`data`: the request body, from which a 422 quotes the value it names)."""
+    if path in AZURE_PATHS:
+        return _azure_parts(exc, data)
+    return exc.status, exc.body(), dict(exc.headers)
+
+
+def error_response(exc: ApiError, path: str | None = None, data: Any = None) -> JSONResponse:
+    status, body, headers = error_parts(exc, path, data)
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+def error_json(exc: ApiError) -> bytes:
+    """The envelope as JSON, for an error that travels inside a stream that has begun."""
+    return json.dumps(exc.body()).encode()
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _fastapi_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(InvalidParameter(str(exc), None))
+    async def _fastapi_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidParameter(str(exc), None), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -35,7 +49,8 @@ def install(app: FastAPI) -> None:
         kind = ApiError(str(exc.detail))
         kind.status = exc.status_code
         kind.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(kind.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        kind.headers = dict(exc.headers or {})
+        return error_response(kind, request.url.path)
 
 
 # APIs clients ask for by path that this server does not speak (yet): what to use instead
@@ -126,8 +141,8 @@ _AZURE_CODES = {400: "BadRequest", 401: "Unauthorized", 404: "NotFound", 413: "P
                 503: "ServiceUnavailable", 504: "GatewayTimeout"}
 
 
-def azure_error_parts(exc: ApiError, data: dict | None = None) -> tuple[int, dict, dict[str, str]]:
-    """Status, body and headers of an error on Azure ML's paths: the OpenAI envelope plus Azure ML's fields: `status` and `code` at the top (and `status` in `error`),
+def _azure_parts(exc: ApiError, data: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The OpenAI envelope plus Azure ML's fields: `status` and `code` at the top (and `status` in `error`),
     `message`, and for a 422 `detail: {loc, value}` naming the parameter (`details`: every one, when the
     extra-parameters check found several). The `x-ms-error-code` header carries the code."""
     status = 422 if exc.status == 400 and exc.code in AZURE_422_CODES else exc.status
@@ -141,7 +156,7 @@ def azure_error_parts(exc: ApiError, data: dict | None = None) -> tuple[int, dic
         if details:
             body["detail"] = body["error"]["detail"] = details[0]
             body["details"] = details
-    headers = {**getattr(exc, "headers", {}), "x-ms-error-code": code}
+    headers = {**exc.headers, "x-ms-error-code": code}
     return status, body, headers
 
 

@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 from servelm.errors import PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
-from servelm.http.auth import AuthMiddleware, KeySpec, current_key
+from servelm.http.auth import AuthMiddleware, current_key
 from servelm.http.ratelimit import Charge, RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
+from servelm.keys import KeySpec
 from servelm.service.admission import Ticket, WaitingQueue
 
 SCOPE_LIMITS = "servelm.limits"

@@ -16,11 +16,12 @@ from servelm.http.errors import validation_error
 from servelm.http.limits import admit, bounded, limits_of
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
-from servelm.http.sse import sse_frames
+from servelm.http.streams import SSE, Framing, frames
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
+from servelm.service.base import GeneratingService, P, Req
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
@@ -63,10 +64,11 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future | async
     return None
 
 
-async def generate(request: Request, req: BaseModel, service: ChatService | CompletionService) -> Response:
-    """A text-generating request: prepared off the event loop, then streamed or answered whole."""
+async def generate(request: Request, req: Req, service: GeneratingService[Req, P], framing: Framing = SSE) -> Response:
+    """A text-generating request: prepared off the event loop, then streamed (SSE, or DJL's jsonlines) or answered
+    whole."""
     check_access(request.scope, service.deployments, getattr(req, "model", None))  # a key's deployments: else 404
-    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope))  # type: ignore[arg-type]
+    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope))
     gens = prepared.generations
     # the deployment's queue and the caller's share of it (429 queue_full), the key's tokens per minute (429 tokens)
     dep = prepared.deployment
@@ -74,12 +76,12 @@ async def generate(request: Request, req: BaseModel, service: ChatService | Comp
                       sum(g.params.max_tokens * g.params.num_seqs for g in gens), dep.max_waiting)
     if prepared.stream:
         return StreamingResponse(
-            sse_frames(admission.stream(service.stream(prepared))),  # type: ignore[arg-type]
-            media_type="text/event-stream",
+            frames(admission.stream(service.stream(prepared)), framing),
+            media_type=framing.media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(dep)},
         )
     try:
-        result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))  # type: ignore[arg-type]
+        result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))
     finally:
         admission.release()
     if result is None:

@@ -19,8 +19,9 @@ from typing import Any
 
 from ray import serve
 
-from servelm.config import DeploymentSpec, resolve_model_source
+from servelm.config import DeploymentSpec
 from servelm.http.limits import SecurityConfig
+from servelm.models import resolve_model_source
 from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaSet
 from servelm.ray.replica import ReplicaInfo
 from servelm.ray.served_by import ReplicaHeader

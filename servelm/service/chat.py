@@ -34,8 +34,9 @@ from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
+from servelm.service.messages import template_messages
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
-from servelm.service.structured import ToolPlan, plan_output, template_messages
+from servelm.service.structured import ToolPlan, plan_output
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class ChatService:
         req = from_functions(req)
         check_tool_answers(req)
         output = plan_output(req, dep)
-        messages = template_messages(req, output, dep.tool_style.native)
+        messages = template_messages(req, output.system_text, dep.tool_style.native)
         extra = {"tools": output.template_tools} if output.template_tools else {}
         prompt = prompt_ids(dep, messages, extra)
         ep = EndpointParams(

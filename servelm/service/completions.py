@@ -3,14 +3,14 @@ indexed prompt_index * n + j, as one text_completion object or a stream of them.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from servelm.aio import gather_all, merge
 from servelm.engine.types import GenerationOutput, GenerationRequest, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.common import PromptTokensDetails, Usage
@@ -21,7 +21,6 @@ from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,13 +64,13 @@ class PromptParts:
 
 
 class CompletionService:
-    def __init__(self, deployments: Deployments) -> None:
+    def __init__(self, deployments: Deployments, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> None:
+        """default_max_tokens: used when a request gives none (None: up to the context window, as OVMS does)."""
         self.deployments = deployments
+        self.default_max_tokens = default_max_tokens
 
     # -- validation and conversion ----------------------------------------------------------------
-    def prepare(self, req: CompletionRequest, ctx: RequestContext = RequestContext(),
-                default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedCompletion:
-        """default_max_tokens: used when the request gives none (None: up to the context window, as OVMS does)."""
+    def prepare(self, req: CompletionRequest, ctx: RequestContext = RequestContext()) -> PreparedCompletion:
         dep = self.deployments.generator(req.model)  # 404 unknown, 400 embedding-only
         _reject_unsupported(req, dep)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -82,7 +81,7 @@ class CompletionService:
                                    f"{ctx.max_batch_prompts} in one request.", "prompt", "too_many_prompts")
         for i, prompt in enumerate(prompts):
             parts = _parts(prompt, req, dep)
-            max_tokens = _fit(parts, req, dep.context_window, default_max_tokens)
+            max_tokens = _fit(parts, req, dep.context_window, self.default_max_tokens)
             ids = parts.ids
             ep = EndpointParams(
                 max_tokens=max_tokens,
@@ -119,7 +118,7 @@ class CompletionService:
 
     async def stream(self, p: PreparedCompletion) -> AsyncIterator[Completion]:
         collectors: list[Collector] = []
-        async with aclosing(_merge([self._stream_one(p, i, job, collectors) for i, job in enumerate(p.jobs)])) as chunks:
+        async with aclosing(merge([self._stream_one(p, i, job, collectors) for i, job in enumerate(p.jobs)])) as chunks:
             async for chunk in chunks:
                 yield chunk
         if p.include_usage:
@@ -320,56 +319,3 @@ def _reject_unsupported(req: CompletionRequest, dep: TextDeployment) -> None:
             raise InvalidParameter(
                 f"suffix is not supported: the model `{dep.name}` has no fill-in-the-middle tokens.", "suffix", "unsupported_parameter"
             )
-
-
-# -- running several generations together ---------------------------------------------------------
-async def gather_all(coros: list[Awaitable[T]]) -> list[T]:
-    """Run them concurrently; the first failure (or a cancellation) cancels the rest, which abort."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-_END = object()
-
-
-async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """Interleave several streams' items as they come. The first failure ends the merged stream with that
-    error; closing it (a client gone) cancels every stream still running."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
-            async for item in only:
-                yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(stream: AsyncIterator[T]) -> None:
-        try:
-            async with aclosing(stream) as it:  # type: ignore[type-var]
-                async for item in it:
-                    queue.put_nowait(item)
-        except Exception as exc:
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(_END)
-
-    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is _END:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-

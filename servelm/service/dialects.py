@@ -16,12 +16,13 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from servelm.aio import gather_all
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest
 from servelm.errors import InvalidParameter, UnprocessableContent
 from servelm.protocol.completions import CompletionRequest
 from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequest, DjlStreamLine, DjlToken
 from servelm.service.choices import Collector, SeqResult
-from servelm.service.completions import CompletionService, PreparedCompletion, gather_all
+from servelm.service.completions import CompletionService, PreparedCompletion
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.params import RequestContext
 

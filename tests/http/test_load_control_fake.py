@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from servelm.http.auth import key_spec
 from servelm.http.limits import SecurityConfig
 from servelm.http.ratelimit import Charge, TokenBucket
+from servelm.keys import key_spec
 from tests.conftest import wait_engine_idle
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -46,8 +46,8 @@ def test_one_key_never_reads_anothers_cached_prompt(fake_server_factory):
     """With API keys, cached prompts are per key: the second key's identical request reports no cached tokens
     (cached_tokens and the time to first token would otherwise reveal the first key's prompt), and each key
     still reuses its own. cache_salt divides one key's requests further."""
-    from servelm.http.auth import key_spec
     from servelm.http.limits import SecurityConfig
+    from servelm.keys import key_spec
 
     server = fake_server_factory(prefix_cache=True, security=SecurityConfig(keys=[key_spec("sk-a"), key_spec("sk-b")]))
 

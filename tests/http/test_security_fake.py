@@ -10,8 +10,9 @@ import pytest
 
 from servelm.chat.template import ChatTemplate, TemplateError
 from servelm.config import ServerSettings
-from servelm.http.auth import AuthMiddleware, hash_key, key_spec, load_keys, parse_key_file
+from servelm.http.auth import AuthMiddleware
 from servelm.http.limits import SecurityConfig
+from servelm.keys import hash_key, key_spec, load_keys, parse_key_file
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "fake-model", "messages": MSG, "max_tokens": 3}

@@ -1,0 +1,121 @@
+"""API keys: loaded once and kept only as SHA-256 digests (http/auth.py checks them).
+
+Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated list), from --api-key-file
+(one a line), and from the config file's [[keys]] tables. A line of the file, or a table, may limit the key:
+
+    sk-alpha                                   # any deployment, the server's rate limits
+    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000 max_waiting=16
+    sha256:6b86b273ff34fce19d6b804eff5a3f57...  deployments=smollm2   # the key's digest, not the key
+
+    [[keys]]                                   # in the config file
+    key = "sk-gamma"                           # or key_sha256 = "6b86…"
+    deployments = ["smollm2"]
+    rpm = 60
+    tpm = 20000
+    max_waiting = 16                           # places in a deployment's waiting queue (--max-waiting-per-key)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    digest: bytes  # SHA-256 of the key: the key itself is never kept
+    deployments: frozenset[str] | None = None  # the model names it may use; None: all
+    rpm: int | None = None  # requests per minute; None: the server's --rate-limit-rpm; 0: none
+    tpm: int | None = None  # tokens per minute; None: the server's --rate-limit-tpm; 0: none
+    name: str = ""  # a label for logs
+    max_waiting: int | None = None  # places it may hold in a deployment's queue; None: --max-waiting-per-key
+
+    @property
+    def label(self) -> str:
+        return self.name or f"key-{self.digest.hex()[:8]}"
+
+
+def hash_key(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: Iterable[str] | None = None,
+             rpm: int | None = None, tpm: int | None = None, name: str = "",
+             max_waiting: int | None = None) -> KeySpec:
+    """A KeySpec from a key or its digest (hex); a ValueError says what is wrong."""
+    if (key is None) == (sha256 is None):
+        raise ValueError("a key needs exactly one of `key` and `key_sha256`")
+    if key is not None:
+        if not key.strip() or key != key.strip():
+            raise ValueError("an API key may not be empty or begin or end with spaces")
+        digest = hash_key(key)
+    else:
+        try:
+            digest = bytes.fromhex(sha256 or "")
+        except ValueError:
+            digest = b""
+        if len(digest) != 32:
+            raise ValueError("key_sha256 must be 64 hexadecimal digits (a SHA-256 digest)")
+    for limit in (rpm, tpm, max_waiting):
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ValueError("rpm, tpm and max_waiting must be whole numbers >= 0")
+    names = None if deployments is None else frozenset(deployments)
+    return KeySpec(digest, names, rpm, tpm, name, max_waiting)
+
+
+def key_from_table(table: Mapping[str, Any]) -> KeySpec:
+    """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, max_waiting, name."""
+    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "name"}
+    if unknown:
+        raise ValueError(f"unknown field(s) in a [[keys]] table: {', '.join(sorted(unknown))}")
+    deployments = table.get("deployments")
+    if isinstance(deployments, str):
+        deployments = [deployments]
+    return key_spec(table.get("key"), sha256=table.get("key_sha256"), deployments=deployments,
+                    rpm=table.get("rpm"), tpm=table.get("tpm"), name=str(table.get("name", "")),
+                    max_waiting=table.get("max_waiting"))
+
+
+def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
+    specs = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()  # a key cannot hold `#`
+        if not line:
+            continue
+        first, *options = line.split()
+        fields: dict[str, Any] = {"key_sha256": first[7:]} if first.startswith("sha256:") else {"key": first}
+        try:
+            for option in options:
+                name, sep, value = option.partition("=")
+                if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "name"):
+                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N or name=TEXT, not {option!r}")
+                if name == "deployments":
+                    fields[name] = [d for d in value.split(",") if d]
+                else:
+                    fields[name] = value if name == "name" else int(value)
+            specs.append(key_from_table(fields))
+        except ValueError as exc:
+            raise ValueError(f"{source}, line {number}: {exc}") from None
+    return specs
+
+
+class _KeySettings(Protocol):
+    api_key: list[str]
+    api_key_file: Path | None
+
+
+def load_keys(settings: _KeySettings, tables: Sequence[Mapping[str, Any]] = ()) -> list[KeySpec]:
+    """Every key the settings name (flags, variable, file) plus the config file's [[keys]] tables."""
+    specs = [key_spec(k) for k in settings.api_key]
+    if settings.api_key_file is not None:
+        path = Path(settings.api_key_file)
+        specs += parse_key_file(path.read_text(encoding="utf-8"), str(path))
+    for number, table in enumerate(tables, 1):
+        try:
+            specs.append(key_from_table(table))
+        except ValueError as exc:
+            raise ValueError(f"[[keys]] table {number}: {exc}") from None
+    return specs

@@ -1,0 +1,46 @@
+"""The protocol every text-generating service has (chat, completions, DJL's native schema), which the routes
+drive the same way: prepare (every 400 before anything runs), then stream chunks or complete one answer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol, TypeVar
+
+from pydantic import BaseModel
+
+from servelm.engine.types import GenerationRequest
+from servelm.service.deployments import Deployments, TextDeployment
+from servelm.service.params import RequestContext
+
+
+class Prepared(Protocol):
+    """A request checked and turned into engine requests, not yet running."""
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def deployment(self) -> TextDeployment: ...
+
+    @property
+    def generations(self) -> tuple[GenerationRequest, ...]: ...
+
+
+Req = TypeVar("Req", bound=BaseModel, contravariant=True)
+P = TypeVar("P", bound=Prepared)
+
+
+class GeneratingService(Protocol[Req, P]):
+    deployments: Deployments
+
+    def prepare(self, req: Req, ctx: RequestContext) -> P:
+        """Check the request and make its engine requests: raises the 4xx for anything it cannot run."""
+        ...
+
+    def complete(self, p: P) -> Awaitable[BaseModel]:
+        """Run it to the end: one answer."""
+        ...
+
+    def stream(self, p: P) -> AsyncIterator[BaseModel]:
+        """Run it, a chunk at a time."""
+        ...
