@@ -11,6 +11,7 @@ test: install lint
 
 lint: install
 	.venv/bin/ruff check servelm tests bench
+	.venv/bin/mypy
 
 test-unit: install
 	.venv/bin/python -m pytest -q -m "not e2e"

@@ -6,14 +6,18 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
 
+if TYPE_CHECKING:
+    from pydantic.fields import FieldInfo
+
 log = logging.getLogger("servelm")
 
 
-def _help(field) -> str:
+def _help(field: FieldInfo) -> str:
     """A setting's description, with its default when it has a plain one it does not already name."""
     text = field.description or ""
     default = field.default
@@ -24,16 +28,16 @@ def _help(field) -> str:
     return f"{text} (default: {shown})"
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API", description="Serve the OpenAI-compatible API. "
                        "Every option can also be set with an environment variable SERVELM_<OPTION> (e.g. SERVELM_PORT).")
     for name, field in ServerSettings.model_fields.items():
         if name == "engine":
             continue
-        action = argparse.BooleanOptionalAction if field.annotation is bool else None
+        kind: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if field.annotation is bool else {}
         if getattr(field.annotation, "__origin__", None) is list:  # a repeatable flag (--api-key)
-            action = "append"
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, action=action, help=_help(field))
+            kind = {"action": "append"}
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=_help(field), **kind)
     p.add_argument("--model", dest="model_path", default=None, help="alias of --model-path")
     for name, field in EngineSettings.model_fields.items():
         flag, dest = f"--{name.replace('_', '-')}", f"engine.{name}"
@@ -92,7 +96,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         built.close()
 
 
-def _serve_on_ray(settings: ServerSettings, specs: list, endpoints: list, keys: list, verbose_llama: bool,
+def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[Any], keys: list[Any], verbose_llama: bool,
                   address: str | None) -> None:
     from servelm.http.limits import SecurityConfig
 

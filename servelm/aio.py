@@ -4,9 +4,9 @@ Nothing here knows servelm."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -25,19 +25,19 @@ async def gather_all(coros: list[Awaitable[T]]) -> list[T]:
 _END = object()
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
     """Interleave several streams' items as they come. The first failure ends the merged stream with that
     error; closing it (a client gone) cancels every stream still running."""
     if len(streams) == 1:
-        async with aclosing(streams[0]) as only:  # type: ignore[type-var]
+        async with aclosing(streams[0]) as only:
             async for item in only:
                 yield item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[T]) -> None:
+    async def pump(stream: AsyncGenerator[T, None]) -> None:
         try:
-            async with aclosing(stream) as it:  # type: ignore[type-var]
+            async with aclosing(stream) as it:
                 async for item in it:
                     queue.put_nowait(item)
         except Exception as exc:

@@ -16,7 +16,7 @@ from typing import Any
 from servelm import __version__
 from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings
 from servelm.constrain.grammars import Grammars
-from servelm.engine.base import Engine
+from servelm.engine.base import Embedder, Engine
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
@@ -67,7 +67,7 @@ def build_deployment(
     return deployment, engine
 
 
-def build_embedding_deployment(name: str, model, fingerprint_source: str = "") -> tuple[Deployment, object]:
+def build_embedding_deployment(name: str, model: Any, fingerprint_source: str = "") -> tuple[Deployment, Embedder]:
     """An embedding-only deployment over an embedding model (its EmbeddingEngine is not started)."""
     from servelm.engine.embedding import EmbeddingEngine
 
@@ -177,8 +177,8 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
     return built
 
 
-def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers: list, embedders: list,
-                runners: list) -> None:
+def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any],
+                runners: list[Any]) -> None:
     from servelm.engine.embedding import EmbeddingEngine
     from servelm.runners.llamacpp import LlamaCppEmbedder, LlamaCppRunner
 
@@ -206,7 +206,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list, workers:
     deployments.append(deployment)
 
 
-def _build_vllm(spec: DeploymentSpec, deployments: list, workers: list) -> None:
+def _build_vllm(spec: DeploymentSpec, deployments: list[Any], workers: list[Any]) -> None:
     """A chat deployment on vLLM (a GPU): vLLM's engine, servelm's API. servelm's grammars do not run there, so
     the deployment has none (constrained output and tools are a 400), and it answers no embeddings."""
     from servelm.chat.template import ChatTemplate
@@ -236,7 +236,7 @@ def _build_vllm(spec: DeploymentSpec, deployments: list, workers: list) -> None:
     deployments.append(deployment)
 
 
-def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list, workers: list, embedders: list) -> None:
+def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any]) -> None:
     from servelm.runners.llamacpp import LlamaCppEmbedder
 
     path = resolve_model_source(spec.model, "embedding")

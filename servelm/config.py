@@ -228,7 +228,7 @@ class DeploymentSpec(BaseModel):
                              "(autoscaling), not both")
         if self.min_replicas is not None and self.max_replicas is None:
             raise ValueError(f"deployment {self.name!r}: min_replicas needs max_replicas (the autoscaling bound)")
-        if autoscaled and (self.min_replicas or 1) > self.max_replicas:  # type: ignore[operator]
+        if autoscaled and self.max_replicas is not None and (self.min_replicas or 1) > self.max_replicas:
             raise ValueError(f"deployment {self.name!r}: min_replicas ({self.min_replicas}) is above max_replicas "
                              f"({self.max_replicas})")
         return self

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ApiError(Exception):
     status: int = 500
@@ -15,7 +17,7 @@ class ApiError(Exception):
         self.code = code
         self.headers: dict[str, str] = {}  # sent with the error (WWW-Authenticate, Retry-After)
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

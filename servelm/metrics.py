@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -77,7 +78,7 @@ class _EngineCollector(Collector):
                 family.add_metric([g.model], g.kv_cells_total * g.kv_cell_bytes if key == "kv_bytes" else getattr(g, key))
         yield from families.values()
 
-    def describe(self) -> list:
+    def describe(self) -> list[Any]:
         return []  # collected only on demand: registering must not call the source
 
 

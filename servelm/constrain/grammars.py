@@ -24,17 +24,20 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, regex_to_lark
 
 from servelm.constrain.constraint import Constraint
 
+if TYPE_CHECKING:  # its type stubs only
+    from llguidance._lib import JsonCompileOptions
+
 # Compact JSON with the spacing json.dumps writes: no runs of whitespace for a small model to loop in.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SPECIAL_PREFIX = b"\xff"  # llguidance's mark for a control token in the vocabulary table
 
 
@@ -118,7 +121,7 @@ class Grammars:
     def __init__(
         self,
         table: Sequence[bytes],
-        eog_ids: Sequence[int],
+        eog_ids: Iterable[int],
         tokenize: Callable[[bytes], list[int]],
         *,
         limits: GrammarLimits = GrammarLimits(),
@@ -184,7 +187,7 @@ class Grammars:
     # -- matchers ---------------------------------------------------------------------------------
     def matcher(self, constraint: Constraint) -> LLMatcher:
         """A fresh matcher at the start of the constraint's grammar (a copy of the compiled prototype)."""
-        proto = constraint.proto
+        proto: LLMatcher | None = constraint.proto
         if proto is None:  # a constraint that crossed processes (Ray): the cache, else compile it once more
             with self._lock:
                 hit = self._cache.get(constraint.key)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 import numpy as np
@@ -12,7 +12,7 @@ from servelm.engine.types import EngineStats, GenerationOutput, GenerationReques
 
 
 class Engine(Protocol):
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         """Yield outputs for every choice of the request until each has finished."""
         ...
 

@@ -169,7 +169,7 @@ class BeamSearch:
         if self.cfg.early_stopping:
             return True
         best_running = max(b.cumulative for b in self.beams) / (length ** self.cfg.length_penalty)
-        return best_running <= self.finished[-1].score
+        return bool(best_running <= self.finished[-1].score)
 
     def add_running(self, beam: Beam) -> None:
         """The search is cut short (out of KV cells): a running beam counts as a hypothesis cut for length."""

@@ -55,7 +55,7 @@ class _Job:
     inputs: list[list[int]]
     vectors: np.ndarray
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    future: asyncio.Future[np.ndarray]
     left: int
     done: bool = False  # answered, failed or abandoned: its queued inputs are skipped
 
@@ -184,22 +184,22 @@ class EmbeddingEngine:
             job.left -= 1
             if job.left == 0:
                 job.done = True
-                self._resolve(job, job.vectors, None)
+                self._resolve(job, job.vectors)
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
         if not job.done:
             job.done = True
-            self._resolve(job, None, exc)
+            self._resolve(job, exc)
 
     @staticmethod
-    def _resolve(job: _Job, result: np.ndarray | None, exc: BaseException | None) -> None:
+    def _resolve(job: _Job, outcome: np.ndarray | BaseException) -> None:
         def settle() -> None:
             if job.future.done():  # cancelled meanwhile
                 return
-            if exc is not None:
-                job.future.set_exception(exc)
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
             else:
-                job.future.set_result(result)
+                job.future.set_result(outcome)
 
         try:
             job.loop.call_soon_threadsafe(settle)

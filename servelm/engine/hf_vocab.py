@@ -63,7 +63,7 @@ def template_source(value: Any) -> str | None:
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         return named.get("default") or next(iter(named.values()), None)
-    return value
+    return value if isinstance(value, str) else None
 
 
 class HfTokenizer:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ class EngineError(ServerError, RuntimeError):
 @dataclass(eq=False)
 class _Client:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[Any]
 
 
 class LocalEngine:
@@ -51,7 +51,7 @@ class LocalEngine:
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
                                    max_rows=runner.max_rows, prefix_cache=prefix_cache)
         self.output = OutputProcessor(runner, self.scheduler, grammars)
-        self._inbox: deque[tuple[str, object]] = deque()
+        self._inbox: deque[SequenceGroup | str] = deque()  # a group to add, or the id of a request to abort
         self._wake = threading.Event()
         self._clients: dict[str, _Client] = {}
         self._thread: threading.Thread | None = None
@@ -78,7 +78,7 @@ class LocalEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the asyncio side -------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope)
         params = request.params
         if request.constraint is not None and self.grammars is None:
@@ -86,7 +86,7 @@ class LocalEngine:
         self.output.attach(request, group)
         client = _Client(asyncio.get_running_loop(), asyncio.Queue())
         self._clients[request.request_id] = client
-        self._post("add", group)
+        self._post(group)
         remaining = params.n if params.beam is not None else len(group.seqs)
         try:
             while remaining:
@@ -103,7 +103,7 @@ class LocalEngine:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        self._post("abort", request_id)
+        self._post(request_id)
 
     def check_params(self, params: SamplingParams) -> None:
         """Every parameter the service layer lets through runs here."""
@@ -118,8 +118,8 @@ class LocalEngine:
             steps=self.steps, forward_calls=self.runner.forward_calls,
         )
 
-    def _post(self, kind: str, item: object) -> None:
-        self._inbox.append((kind, item))
+    def _post(self, item: SequenceGroup | str) -> None:
+        self._inbox.append(item)
         self._wake.set()
 
     # -- the engine thread ------------------------------------------------------------------------
@@ -138,11 +138,11 @@ class LocalEngine:
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            kind, item = self._inbox.popleft()
-            if kind == "add":
-                self.scheduler.add(item)  # type: ignore[arg-type]
+            item = self._inbox.popleft()
+            if isinstance(item, SequenceGroup):
+                self.scheduler.add(item)
             else:
-                self.scheduler.abort(item)  # type: ignore[arg-type]
+                self.scheduler.abort(item)
 
     def _step(self) -> None:
         """One recipe: plan → forward pass → sample → schedule's update → outputs → send."""
@@ -152,7 +152,7 @@ class LocalEngine:
             self._wake.wait(0.005)
             self._wake.clear()
             return
-        logits, rows, outputs = self._forward(plan), plan.rows(), {}
+        logits, rows, outputs = self._forward(plan), plan.rows(), Outputs()
         self._prompt_logprobs(plan, logits, rows, outputs)
         samplers, processed, tokens, beams = self._sample(plan, logits, rows, outputs)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))

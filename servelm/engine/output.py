@@ -44,9 +44,6 @@ class SeqState:
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, while the prompt is read
     grammar_param: str | None = None  # the request parameter the matcher's grammar came from
 
-
-
-
 class OutputProcessor:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, grammars: Grammars | None) -> None:
         self.runner = runner
@@ -96,7 +93,7 @@ class OutputProcessor:
     @staticmethod
     def score_prompt(chunk: ScheduledChunk, logits: np.ndarray, last: int) -> None:
         """A prompt chunk read for its logprobs: each row scores the prompt's next token (raw model)."""
-        st: SeqState = chunk.seq.state
+        st = chunk.seq.state
         prompt = chunk.seq.group.prompt_token_ids
         k = chunk.seq.group.params.prompt_logprobs or 0
         first = last - len(chunk.tokens) + 1
@@ -105,12 +102,12 @@ class OutputProcessor:
             return
         logp = log_softmax(logits[first : first + len(positions)])
         for j, pos in enumerate(positions):
-            st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)  # type: ignore[index]
+            st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)
 
     def advance(self, seq: Sequence, token: int, entry: TokenLogprob | None,
                  outputs: Outputs) -> None:
         """Account for one sampled token: stop conditions, new text, and the output to send."""
-        st: SeqState = seq.state
+        st = seq.state
         params = seq.group.params
         st.sampler.record(token)
         st.tokens.append(token)
@@ -162,7 +159,7 @@ class OutputProcessor:
     ) -> None:
         if seq.state.beam is not None:  # a beam cannot end alone (it ran out of cells): end the search
             return self._finish_beams(seq.group, outputs)
-        st: SeqState = seq.state
+        st = seq.state
         if ended_by_token and st.tokens:  # EOS or a stop token is not part of the text: not reported either
             st.tokens.pop()
             if st.logprobs:
@@ -175,7 +172,7 @@ class OutputProcessor:
     def _emit(self, seq: Sequence, text: str, reason: FinishReason | None, stop_reason: str | int | None,
               outputs: Outputs) -> None:
         """Send the sequence's news: its text and the tokens (and logprobs) taken since the last output."""
-        st: SeqState = seq.state
+        st = seq.state
         out = GenerationOutput(
             seq.group.request_id, seq.index, text, st.tokens, finish_reason=reason, stop_reason=stop_reason,
             prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated, cached_tokens=seq.group.cached_tokens,
@@ -189,7 +186,7 @@ class OutputProcessor:
     def _deliver(self, group: SequenceGroup, out: GenerationOutput, outputs: Outputs) -> None:
         if isinstance(outputs.get(group.request_id), BaseException):  # it failed this step: only the error goes
             return
-        first: SeqState = group.seqs[0].state
+        first = group.seqs[0].state
         if first.prompt_logprobs is not None:  # the request's first output carries the prompt's logprobs
             prompt = group.prompt_token_ids
             out.prompt_logprobs = [None, *(first.prompt_logprobs.get(p) for p in range(1, len(prompt)))]
@@ -202,7 +199,8 @@ class OutputProcessor:
         seqs = group.seqs
         if any(s.status is SeqStatus.FINISHED for s in seqs):  # aborted meanwhile
             return
-        search: BeamSearch = seqs[0].state.beam
+        search = seqs[0].state.beam
+        assert search is not None  # a beam step runs for beam-search groups only
         moves = search.step(rows)
         if search.done:
             return self._finish_beams(group, outputs)
@@ -215,7 +213,8 @@ class OutputProcessor:
         search.beams = [search.beams[host.index(j)] for j in range(len(seqs))]
 
     def _finish_beams(self, group: SequenceGroup, outputs: Outputs) -> None:
-        search: BeamSearch = group.seqs[0].state.beam
+        search = group.seqs[0].state.beam
+        assert search is not None  # a beam step runs for beam-search groups only
         if search.closed:
             return
         search.closed = True
@@ -229,6 +228,6 @@ class OutputProcessor:
 
 
 def constraint_failed(seq: Sequence) -> ConstraintFailed:
-    st: SeqState = seq.state
+    st = seq.state
     return ConstraintFailed(f"The output constraint could not be followed after {seq.num_generated} tokens: "
                             f"{plain_error(st.matcher.get_error())}.", st.grammar_param)

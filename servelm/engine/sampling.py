@@ -80,7 +80,8 @@ def seed_entropy(seed: int | None) -> int:
     """A request's seed as the non-negative entropy NumPy takes: any 64-bit integer, a negative one as its two's
     complement (so -1 and 2**64 - 1 draw alike); no seed, fresh entropy."""
     if seed is None:
-        return int(np.random.SeedSequence().entropy)
+        entropy: int = np.random.SeedSequence().entropy  # type: ignore[assignment]  # an int when no entropy is given
+        return entropy
     return seed & (2**64 - 1)
 
 
@@ -126,7 +127,7 @@ def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     out = np.empty(rows, dtype=np.int64)
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.all():  # the common case: no second copy of the rows
-        return np.argmax(logits, axis=1)
+        return np.asarray(np.argmax(logits, axis=1))
     if greedy.any():
         out[greedy] = np.argmax(logits[greedy], axis=1)
     plain = np.fromiter((_plain(st.params) for st in states), dtype=bool, count=rows) & ~greedy
@@ -142,7 +143,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
     x = rows.astype(np.float64)
     m = x.max(axis=1, keepdims=True)
     m[~np.isfinite(m)] = 0.0
-    return x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+    return np.asarray(x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))))
 
 
 def logprob_entry(logp_row: np.ndarray, token: int, k: int) -> TokenLogprob:
@@ -164,13 +165,13 @@ def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int | None]) ->
     ks[i] is how many alternatives row i reports; None: the row only ranks best_of samples, so its entry
     holds the token's logprob alone (float32, no rank, no copy of the row in float64).
     """
-    out: list[TokenLogprob] = [None] * len(tokens)  # type: ignore[list-item]
-    report = [i for i, k in enumerate(ks) if k is not None]
+    out: dict[int, TokenLogprob] = {}  # by row: every row is reported or ranked
+    report = [(i, k) for i, k in enumerate(ks) if k is not None]
     rank_only = [i for i, k in enumerate(ks) if k is None]
     if report:
-        logp = log_softmax(rows[report])
-        for j, i in enumerate(report):
-            out[i] = logprob_entry(logp[j], tokens[i], ks[i])  # type: ignore[arg-type]
+        logp = log_softmax(rows[[i for i, _ in report]])
+        for j, (i, k) in enumerate(report):
+            out[i] = logprob_entry(logp[j], tokens[i], k)
     if rank_only:
         sub = rows[rank_only]
         m = sub.max(axis=1)
@@ -178,7 +179,7 @@ def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int | None]) ->
         chosen = sub[np.arange(len(rank_only)), [tokens[i] for i in rank_only]]
         for j, i in enumerate(rank_only):
             out[i] = TokenLogprob(tokens[i], float(chosen[j] - lse[j]))
-    return out
+    return [out[i] for i in range(len(tokens))]
 
 
 def _apply_masks(logits: np.ndarray, rows: np.ndarray, allowed: np.ndarray, eog_ids: np.ndarray) -> None:
@@ -208,7 +209,7 @@ def _sample_plain(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     cdf = np.cumsum(weights, axis=1, out=weights)
     u = np.array([st.rng.random() for st in states]) * cdf[:, -1]
     picks = [int(np.searchsorted(cdf[i], u[i], side="right")) for i in range(len(states))]
-    return np.minimum(np.asarray(picks, dtype=np.int64), logits.shape[1] - 1)
+    return np.asarray(np.minimum(np.asarray(picks, dtype=np.int64), logits.shape[1] - 1))
 
 
 def _sample_one(row: np.ndarray, st: SamplerState) -> int:
@@ -229,7 +230,7 @@ def _sample_one(row: np.ndarray, st: SamplerState) -> int:
             probs = _softmax(scaled[ids])
     else:
         probs = _softmax(scaled)
-    if p.top_p < 1.0:  # ids is sorted by probability here
+    if p.top_p < 1.0 and ids is not None:  # ids is sorted by probability here (top_p < 1 always sets it)
         keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
         ids, probs = ids[:keep], probs[:keep]
     if p.min_p > 0.0:
@@ -244,11 +245,11 @@ def _sample_one(row: np.ndarray, st: SamplerState) -> int:
 
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - np.max(x))
-    return e / e.sum()
+    return np.asarray(e / e.sum())
 
 
 def _softmax_partial(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Probabilities of ids under the softmax of the whole row x (not renormalized to ids)."""
     m = np.max(x)
     total = np.exp(x - m).sum()
-    return np.exp(x[ids] - m) / total
+    return np.asarray(np.exp(x[ids] - m) / total)

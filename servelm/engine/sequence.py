@@ -10,9 +10,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from servelm.engine.types import SamplingParams
+
+if TYPE_CHECKING:  # the annotation only: engine/output.py makes it when the sequence is admitted
+    from servelm.engine.output import SeqState
 
 
 class SeqStatus(enum.Enum):
@@ -34,7 +37,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV cells are in its slot's stream
     slot: int | None = None  # the llama.cpp sequence id (its own KV stream) while it holds one
     key: int = field(default_factory=lambda: next(_seq_keys))
-    state: Any = None  # the engine loop's own per-sequence state (RNG, detokenizer, counts)
+    # the output processor's per-sequence state (RNG, detokenizer, matcher, logprobs), set when it is admitted
+    state: SeqState = field(init=False)
 
     @property
     def prompt_len(self) -> int:

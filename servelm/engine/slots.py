@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+
+from servelm.engine.sequence import Sequence
 
 MIN_REUSE = 4  # fewer shared tokens than this are not worth keeping a slot's cells for
 MIN_COPY = 8  # nor a stream copy: about 10 ms for a 2,048-cell stream of the default model, reading 8 tokens more
@@ -43,7 +44,7 @@ def common_prefix(a: Seq[int], b: Seq[int], limit: int) -> int:
 @dataclass(eq=False, slots=True)
 class Slot:
     index: int
-    seq: Any = None  # the running Sequence that holds it, or None: at rest
+    seq: Sequence | None = None  # the running Sequence that holds it, or None: at rest
     cached: tuple[int, ...] = ()  # at rest: the tokens whose cells its stream still holds, positions 0..
     scope: str = ""  # whose cells they are
     used: int = 0  # the clock when it last held or lent cells
@@ -151,7 +152,7 @@ class Slots:
         """src's entry now lies in dst (the caller copies the cells)."""
         dst.cached, dst.scope, dst.used = src.cached, src.scope, src.used
 
-    def take(self, slot: Slot, seq: Any, scope: str) -> None:
+    def take(self, slot: Slot, seq: Sequence, scope: str) -> None:
         slot.seq, slot.cached, slot.scope, slot.used = seq, (), scope, self.tick()
 
     def release(self, slot: Slot, keep: Seq[int]) -> None:

@@ -23,7 +23,7 @@ import asyncio
 import inspect
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,7 +211,7 @@ class VllmEngine:
         self.max_num_seqs = max_num_seqs
         self._make_params = make_params  # plain kwargs → vllm.SamplingParams (output_kind DELTA)
         self._seqs: dict[str, int] = {}  # request id → its sequences, while it runs in vLLM
-        self._tasks: set[asyncio.Future] = set()  # aborts on their way
+        self._tasks: set[asyncio.Future[Any]] = set()  # aborts on their way
 
     @classmethod
     def create(cls, options: VllmOptions) -> VllmEngine:
@@ -221,9 +221,11 @@ class VllmEngine:
             from vllm.sampling_params import RequestOutputKind
         except ImportError as exc:
             raise RuntimeError(f"{INSTALL_HINT} ({exc})") from None
-        engine_class = getattr(vllm, "AsyncLLMEngine", None)  # AsyncLLM (v1) in every release since 0.8
+        engine_class: Any = getattr(vllm, "AsyncLLMEngine", None)  # AsyncLLM (v1) in every release since 0.8
         if engine_class is None:
-            from vllm.v1.engine.async_llm import AsyncLLM as engine_class
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            engine_class = AsyncLLM
         llm = engine_class.from_engine_args(vllm.AsyncEngineArgs(**engine_args(options)))
         tokenizer = HfTokenizer(_hf_tokenizer(llm, options))
         config = getattr(llm, "model_config", None)
@@ -242,7 +244,7 @@ class VllmEngine:
         check_supported(params, constrained=False)
         self._vllm_params(params)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         check_supported(request.params, request.constraint is not None)
         params = self._vllm_params(request.params)
         translator = OutputTranslator(request)
@@ -287,7 +289,7 @@ class VllmEngine:
         self._tasks.add(task)
         task.add_done_callback(self._reap)
 
-    def _reap(self, task: asyncio.Future) -> None:
+    def _reap(self, task: asyncio.Future[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("aborting a request in vLLM failed: %s", task.exception())

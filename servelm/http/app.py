@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -25,7 +25,7 @@ from servelm.service.metered import MeteredEngine
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
                on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         if on_start is not None:
             on_start()
         try:

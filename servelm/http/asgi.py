@@ -33,7 +33,8 @@ def header(scope: Scope, name: bytes) -> str | None:
     """A request header's value (the first one), or None."""
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
-            return value.decode("latin-1")
+            text: str = value.decode("latin-1")
+            return text
     return None
 
 

@@ -34,7 +34,7 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[HttpTo
             self._headers_since: float | None = None  # while it reads a request's headers
             self._header_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own signature
             super().connection_made(transport)
             if max_connections and len(self.connections) > max_connections and not self._make_room():
                 transport.write(BUSY % (len(BUSY_BODY), BUSY_BODY))
@@ -78,7 +78,7 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[HttpTo
                     continue
                 if c.transport.is_closing():
                     continue
-                if slowest is None or c._headers_since < slowest._headers_since:  # type: ignore[operator]
+                if slowest is None or slowest._headers_since is None or c._headers_since < slowest._headers_since:
                     slowest = c
             if slowest is None:
                 return False

@@ -63,11 +63,11 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
     azure_headers = [{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
                      {"name": AZURE_DEPLOYMENT_HEADER, "schema": {"type": "string"}}]
 
-    async def azure(request: Request, translate: Callable[[dict, str | None], tuple[dict, list[str]]],
-                    default: Callable[[Deployments], str], run: Callable[[dict], Awaitable[Response]]) -> Response:
+    async def azure(request: Request, translate: Callable[[dict[str, Any], str | None], tuple[dict[str, Any], list[str]]],
+                    default: Callable[[Deployments], str], run: Callable[[dict[str, Any]], Awaitable[Response]]) -> Response:
         """An Azure route: api-version, the extra-parameters rule, the deployment header, Azure's error bodies,
         and the dropped parameters listed in a response header."""
-        data: dict | None = None
+        data: dict[str, Any] | None = None
         try:
             check_api_version(request.query_params.get("api-version"))
             data = load_object(await request.body())
@@ -146,7 +146,7 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
 # -- parsing ----------------------------------------------------------------------------------------
 
 
-def load_object(raw: bytes) -> dict:
+def load_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (a dialect rewrites it before validation); else the usual 400s."""
     try:
         data = json.loads(raw)

@@ -94,7 +94,7 @@ def _bad_request(message: str, param: str | None, code: str | None) -> ApiError:
     return InvalidParameter(message, param, code)
 
 
-def _param(loc: tuple, names: frozenset[str]) -> str:
+def _param(loc: tuple[Any, ...], names: frozenset[str]) -> str:
     out = ""
     last = None
     for part in loc:
@@ -163,13 +163,13 @@ def _azure_parts(exc: ApiError, data: Any) -> tuple[int, dict[str, Any], dict[st
 _PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
 
 
-def _detail(param: str, data: dict | None) -> dict:
+def _detail(param: str, data: dict[str, Any] | None) -> dict[str, Any]:
     """Azure's Detail: loc ["body", "messages", 0, "content", 1] and the value sent there (as text)."""
     loc: list[str | int] = [int(i) if i else name for name, i in _PATH_PART.findall(param)]
     value: Any = data
     for part in loc:
         try:
-            value = value[part]  # type: ignore[index]
+            value = value[part]
         except (KeyError, IndexError, TypeError):
             value = None
             break

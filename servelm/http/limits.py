@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from servelm.errors import PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
-from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
+from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import AuthMiddleware, current_key
 from servelm.http.ratelimit import Charge, RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
 from servelm.keys import KeySpec
@@ -148,7 +148,7 @@ class LimitsMiddleware:
             return
         seen = 0
 
-        async def limited_receive() -> dict:
+        async def limited_receive() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
@@ -194,11 +194,11 @@ class Admission:
         if self.ticket is not None:
             self.ticket.release()
 
-    async def stream(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async def stream(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
         """The chunks, stopped by the deadline (RequestTimeout: the SSE writer turns it into an error event;
         closing the chunks aborts the request in the engine); usage, when a chunk has it, settles the charge."""
         try:
-            async with aclosing(chunks) as it:  # type: ignore[type-var]
+            async with aclosing(chunks) as it:
                 while True:
                     try:
                         chunk = await bounded(self.scope, anext(it))

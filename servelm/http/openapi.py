@@ -70,7 +70,7 @@ def install(app: FastAPI) -> None:
             app.openapi_schema = spec
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to give its own schema
 
 
 def _is_request(model: type[BaseModel]) -> bool:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ModelNotFound
+from servelm.http.asgi import Scope
 from servelm.http.auth import can_use, check_access, current_key
 from servelm.http.errors import validation_error
 from servelm.http.limits import admit, bounded, limits_of
@@ -29,6 +30,7 @@ from servelm.service.embeddings import EmbeddingService
 from servelm.service.params import RequestContext
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 DEPLOYMENT_HEADER = "x-servelm-deployment"
 
 
@@ -47,12 +49,13 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-async def run_unless_disconnected(request: Request, work: asyncio.Future | asyncio.Task) -> object | None:
+async def run_unless_disconnected(request: Request, work: asyncio.Future[T]) -> T | None:
     """Await work; if the client goes away first, cancel it (freeing its sequences) and return None; past
     the request's deadline (504), or when the server's shutdown cuts requests off (503), cancel it and raise."""
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:  # the server may cancel this request too (Ray Serve does on a disconnect)
-        await bounded(request.scope, asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED))
+        pending: set[asyncio.Future[Any]] = {work, watcher}
+        await bounded(request.scope, asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
     except BaseException:
         work.cancel()
         raise
@@ -90,7 +93,7 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
     return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment))
 
 
-def request_context(scope: dict) -> RequestContext:
+def request_context(scope: Scope) -> RequestContext:
     """Who sent the request, as the services see it: the API key's digest (nothing of the key itself)."""
     key = current_key(scope)
     limits = limits_of(scope)
@@ -168,7 +171,7 @@ async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingSe
     return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
 
 
-def _deployment_stats(d: Deployment) -> dict:
+def _deployment_stats(d: Deployment) -> dict[str, Any]:
     """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model."""
     embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
     if not isinstance(d, TextDeployment):

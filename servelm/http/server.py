@@ -19,7 +19,7 @@ from __future__ import annotations
 import signal
 import socket
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -45,12 +45,13 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(app: Any, *, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 10.0,
                 header_timeout: float = 10.0, keep_alive_timeout: float = 5.0, max_connections: int = 1024,
-                lifespan: str = "auto") -> DrainingServer:
+                lifespan: Literal["auto", "on", "off"] = "auto") -> DrainingServer:
+    # uvicorn declares its two timeouts as int; it waits a float just as well, and ours are floats (seconds)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan=lifespan,  # type: ignore[arg-type]
+        app, host=host, port=port, log_level=log_level, lifespan=lifespan,
         access_log=False,  # servelm.http.middleware.RequestLog writes the access lines (with the request id)
-        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]  (uvicorn waits with a float fine)
-        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]  # a float: see above
+        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]  # a float: see above
         http=guarded_protocol(header_timeout, max_connections),
     )
     return DrainingServer(config, app)

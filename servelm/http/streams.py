@@ -5,7 +5,7 @@ task; the cancellation closes the generators down to the engine, which aborts th
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -27,7 +27,7 @@ SSE = Framing("text/event-stream", lambda data: b"data: " + data + b"\n\n", b"da
 JSONLINES = Framing("application/jsonlines", lambda data: data + b"\n")
 
 
-async def frames(chunks: AsyncIterator[BaseModel], framing: Framing) -> AsyncIterator[bytes]:
+async def frames(chunks: AsyncIterator[BaseModel], framing: Framing) -> AsyncGenerator[bytes, None]:
     """The chunks framed; an error once the answer has begun travels in the stream, in the error envelope."""
     try:
         async for chunk in chunks:

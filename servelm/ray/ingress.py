@@ -34,7 +34,7 @@ log = logging.getLogger("servelm.ray")
 class IngressPlan:
     """What the ingress needs, sent to it by value (the keys in `security` are SHA-256 digests only)."""
 
-    specs: list[dict]  # DeploymentSpec, as JSON-ready dicts
+    specs: list[dict[str, Any]]  # DeploymentSpec, as JSON-ready dicts
     aliases: dict[str, str] = field(default_factory=dict)
     endpoints: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     security: SecurityConfig = field(default_factory=SecurityConfig)
@@ -42,7 +42,7 @@ class IngressPlan:
 
 
 class Ingress:
-    async def __init__(self, plan: IngressPlan, handles: dict[str, Any]) -> None:
+    async def __init__(self, plan: IngressPlan, handles: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         logging.basicConfig(level=plan.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._plan = plan
         self._sets: list[ReplicaSet] = []
@@ -115,7 +115,7 @@ class FreshStats:
         self.app = app
         self.sets = sets
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("method") == "GET" and scope.get("path") in self.PATHS:
             await asyncio.gather(*(s.refresh(self.TIMEOUT_S) for s in self.sets))
         await self.app(scope, receive, send)

@@ -17,8 +17,8 @@ import contextvars
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, TypeVar
 
 import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
@@ -47,7 +47,7 @@ class ReplicaSet:
         self.slots_per_replica = slots_per_replica
         self.latest: list[ReplicaStats] = []
         self.polled = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -103,14 +103,17 @@ def _fresh_internal_request_id() -> None:
     _serve_request_context.set(dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex))
 
 
-def _sum(items: list[Any], kind: type) -> Any:
+S = TypeVar("S")
+
+
+def _sum(items: list[Any], kind: type[S]) -> S:
     """Every replica's counts added up, field by field (all zero without replicas); a size per unit (a KV cell's
     bytes) is the replicas' largest, not their sum."""
     def add(name: str) -> Any:
         values = [getattr(i, name) for i in items]
         return max(values, default=0) if name.endswith("_bytes") else sum(values)
 
-    return kind(**{f.name: add(f.name) for f in dataclasses.fields(kind)})
+    return kind(**{f.name: add(f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]  # kind is a dataclass type
 
 
 class RemoteEngine:
@@ -121,7 +124,7 @@ class RemoteEngine:
         self._stream = replicas.handle.options(stream=True, method_name="generate")
         self._streams: dict[str, Any] = {}  # request id → its response stream, for abort()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         seen = False
         for attempt in range(1, ATTEMPTS + 1):
             stream = own_request(self._stream, request)
@@ -186,7 +189,8 @@ class RemoteEmbedder:
         for attempt in range(1, ATTEMPTS + 1):
             call = own_request(self._embed, inputs)
             try:
-                return await call
+                vectors: np.ndarray = await call
+                return vectors
             except _LOST as exc:
                 log.warning("an embedding request lost its replica (%s); try %d of %d", type(exc).__name__,
                             attempt, ATTEMPTS)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from ray import serve
@@ -27,6 +27,9 @@ from ray import serve
 from servelm.config import DeploymentSpec
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 from servelm.service.deployments import TextDeployment, all_alive
+
+if TYPE_CHECKING:
+    from servelm.compose import Built
 
 log = logging.getLogger("servelm.ray")
 
@@ -57,28 +60,29 @@ class ReplicaStats:
 
 def replica_id() -> str:
     """This replica's short id (Ray Serve's unique id; `x-servelm-replica` carries it)."""
-    return serve.get_replica_context().replica_id.unique_id
+    return str(serve.get_replica_context().replica_id.unique_id)
 
 
 class ModelReplica:
-    def __init__(self, spec: dict, verbose_llama: bool = False) -> None:
+    def __init__(self, spec: dict[str, Any], verbose_llama: bool = False) -> None:
         from servelm.compose import build
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._spec = DeploymentSpec.model_validate(spec)
-        self._built = build([self._spec], [], verbose_llama)
-        self._built.start()
-        self._deployment = self._built.deployments.all()[0]
+        built = build([self._spec], [], verbose_llama)
+        built.start()
+        self._built: Built | None = built
+        self._deployment = built.deployments.all()[0]
         self._id = replica_id()
         log.info("replica %s of %r is ready", self._id, self._spec.name)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[str | list[GenerationOutput]]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[str | list[GenerationOutput], None]:
         d = self._deployment
         if not isinstance(d, TextDeployment):
             raise RuntimeError(f"the deployment {self._spec.name!r} does not generate text")
         engine = d.engine
         yield self._id
-        ready: asyncio.Queue = asyncio.Queue()
+        ready: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.ensure_future(_pump(engine.generate(request), ready))
         try:
             while True:
@@ -129,7 +133,7 @@ class ModelReplica:
 _END = object()
 
 
-async def _pump(outputs: AsyncIterator[GenerationOutput], ready: asyncio.Queue) -> None:
+async def _pump(outputs: AsyncGenerator[GenerationOutput, None], ready: asyncio.Queue[Any]) -> None:
     """Move the engine's outputs into `ready`, then _END (or the exception that stopped them)."""
     try:
         async with aclosing(outputs) as it:

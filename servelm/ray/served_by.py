@@ -70,13 +70,13 @@ class ReplicaHeader:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         served = ServedBy()
         SERVED_BY.set(served)  # this request's context (and the tasks it starts) see it
-        held: list[dict] | None = []
+        held: list[dict[str, Any]] | None = []
 
         async def flush() -> None:
             nonlocal held
@@ -84,7 +84,7 @@ class ReplicaHeader:
             for m in messages:
                 await send(_with_headers(m, served) if m["type"] == "http.response.start" else m)
 
-        async def send_when_known(message: dict) -> None:
+        async def send_when_known(message: dict[str, Any]) -> None:
             if held is None:
                 await send(message)
                 return
@@ -101,7 +101,7 @@ class ReplicaHeader:
             await flush()
 
 
-def _with_headers(start: dict, served: ServedBy) -> dict:
+def _with_headers(start: dict[str, Any], served: ServedBy) -> dict[str, Any]:
     """The response's start, its x-request-id left to Ray Serve, with the replicas that served it."""
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
     if served.replicas:

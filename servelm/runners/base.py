@@ -24,7 +24,11 @@ class ModelRunner(Protocol):
     eos_token: str
     description: str
     fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
-    bos_id: int | None  # the BOS token the tokenizer puts first (None when the model asks for none)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS token the tokenizer puts first (None when the model asks for none)."""
+        ...
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 

@@ -101,7 +101,7 @@ class FakeRunner:
                     raise FakeKVError(f"copy of {op.n} cells from slot {op.src}, which holds "
                                       f"{len(self.cells.get(op.src, []))}")
                 self.cells[op.dst] = list(self.cells[op.src][: op.n])
-        rows = []
+        rows: list[np.ndarray] = []
         for chunk in plan.chunks:
             held = self.cells.setdefault(chunk.slot, [])
             if chunk.start != len(held):
@@ -178,7 +178,7 @@ class FakeEmbedder:
     @staticmethod
     def vector_of(tokens: list[int], dim: int) -> np.ndarray:
         t = np.asarray(tokens, dtype=np.float64)[:, None]
-        return (1.0 + np.cos(t * np.arange(1, dim + 1)).mean(axis=0)).astype(np.float32)
+        return np.asarray(1.0 + np.cos(t * np.arange(1, dim + 1)).mean(axis=0), dtype=np.float32)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         if self.delay:

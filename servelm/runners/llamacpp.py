@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import llama_cpp as C
 import numpy as np
@@ -37,41 +38,39 @@ MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's til
 # to 256: from position 256 on); from here on, such a row gets its previous position beside it.
 LONE_ROW_FROM = 240
 _CELL_PAD = 256  # llama.cpp pads each stream to a multiple of this
-_quiet_logs = None
+_quiet_logs: Any = None
 log = logging.getLogger("servelm.runners")
 
 
-def _load_progress(model_path: str | Path) -> C.llama_progress_callback:
+def _load_progress(model_path: str | Path) -> Any:
     """A progress callback for llama_model_load_from_file that logs every tenth of the load, so that a long
     load shows it is moving. The caller keeps it alive while llama.cpp may call it."""
     name = Path(model_path).name
     last = [-1]
 
-    @C.llama_progress_callback
-    def _progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+    def progress(fraction: float, _user: ctypes.c_void_p) -> bool:
         tenth = int(fraction * 10 + 1e-6)
         if tenth > last[0]:
             last[0] = tenth
             log.info("loading model %s: %d%%", name, tenth * 10)
         return True  # go on loading
 
-    return _progress
+    return C.llama_progress_callback(progress)
 
 
 def _silence_llama_logs(verbose: bool) -> None:
     """Keep llama.cpp's warnings and errors on stderr; drop its chatter unless verbose."""
     global _quiet_logs
 
-    @C.llama_log_callback
-    def _log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    def write(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         if verbose or level >= _LOG_LEVEL_WARN and level != 5:  # 5 is GGML_LOG_LEVEL_CONT
             os.write(2, text)
 
-    _quiet_logs = _log  # keep the callback alive as long as llama.cpp may call it
-    C.llama_log_set(_log, ctypes.c_void_p(0))
+    _quiet_logs = C.llama_log_callback(write)  # kept alive as long as llama.cpp may call it
+    C.llama_log_set(_quiet_logs, ctypes.c_void_p(0))
 
 
-def _tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+def _tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool) -> list[int]:
     data = text.encode("utf-8")
     cap = len(data) + 8
     buf = (C.llama_token * cap)()
@@ -83,7 +82,7 @@ def _tokenize(vocab, text: str, add_special: bool, parse_special: bool) -> list[
     return list(buf[:n])
 
 
-def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, C.llama_batch]:
+def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
     """A llama_batch of `size` tokens whose buffers are numpy arrays we fill with vector operations
     (tokens, positions, one sequence id per token, output flags); returns those arrays and the batch."""
     tok = np.zeros(size, dtype=np.int32)
@@ -104,14 +103,14 @@ def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndar
     return tok, pos, seq, out, batch
 
 
-def _free(owner: object) -> None:
+def _free(owner: LlamaCppRunner | LlamaCppEmbedder) -> None:
     """Free an owner's llama.cpp context, then its model if it owns one; a second call does nothing."""
-    if getattr(owner, "_ctx", None):
-        C.llama_free(owner._ctx)  # type: ignore[attr-defined]
-        owner._ctx = None  # type: ignore[attr-defined]
-    if getattr(owner, "_model", None):
-        C.llama_model_free(owner._model)  # type: ignore[attr-defined]
-        owner._model = None  # type: ignore[attr-defined]
+    if owner._ctx:
+        C.llama_free(owner._ctx)
+        owner._ctx = None
+    if owner._model:
+        C.llama_model_free(owner._model)
+        owner._model = None
 
 
 class LlamaCppRunner:
@@ -131,7 +130,7 @@ class LlamaCppRunner:
         mparams = C.llama_model_default_params()
         mparams.vocab_only = vocab_only
         self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
-        self._model = C.llama_model_load_from_file(str(model_path).encode(), mparams)
+        self._model: Any = C.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the model file {model_path}")
         self._vocab = C.llama_model_get_vocab(self._model)
@@ -170,7 +169,8 @@ class LlamaCppRunner:
         self.eos_token = self._token_text(C.llama_vocab_eos(self._vocab))
         self.add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
         fim = (C.llama_vocab_fim_pre(self._vocab), C.llama_vocab_fim_suf(self._vocab), C.llama_vocab_fim_mid(self._vocab))
-        self.fim_tokens = None if -1 in fim else tuple(int(t) for t in fim)  # fill-in-the-middle tokens
+        # fill-in-the-middle tokens
+        self.fim_tokens: tuple[int, int, int] | None = None if -1 in fim else (int(fim[0]), int(fim[1]), int(fim[2]))
         self.description = self._meta("general.name") or Path(model_path).stem
         self._init_batch(self.max_step_tokens + 1)  # + 1: a lone row's previous position
 
@@ -333,11 +333,13 @@ class LlamaCppEmbedder:
     ) -> None:
         if (model_path is None) == (share is None):
             raise ValueError("give either a model path or a runner to share the model of")
-        self._ctx = None
-        self._model = None  # set only when this embedder owns the model
+        self._ctx: Any = None
+        self._model: Any = None  # set only when this embedder owns the model
         if share is not None:
             model = share._model
             self.description = share.description
+        elif model_path is None:
+            raise ValueError("an embedder needs a model file or a runner to share")
         else:
             _silence_llama_logs(verbose)
             C.llama_backend_init()

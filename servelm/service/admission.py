@@ -14,7 +14,7 @@ on a server without keys), so one caller cannot fill the queue for all.
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 
 from servelm.engine.base import Engine
@@ -97,10 +97,10 @@ class QueuedEngine:
         self.inner = inner
         self.queue = queue
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         waiting = True
         try:
-            async with aclosing(self.inner.generate(request)) as outputs:  # type: ignore[type-var]
+            async with aclosing(self.inner.generate(request)) as outputs:
                 async for out in outputs:
                     if waiting:
                         waiting = False

@@ -3,7 +3,7 @@ drive the same way: prepare (every 400 before anything runs), then stream chunks
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
@@ -41,6 +41,6 @@ class GeneratingService(Protocol[Req, P]):
         """Run it to the end: one answer."""
         ...
 
-    def stream(self, p: P) -> AsyncIterator[BaseModel]:
+    def stream(self, p: P) -> AsyncGenerator[BaseModel, None]:
         """Run it, a chunk at a time."""
         ...

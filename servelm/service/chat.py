@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -12,11 +12,12 @@ from typing import Any
 from servelm.chat.template import TemplateError
 from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, TokenLogprob
-from servelm.errors import InvalidParameter
+from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     ChatMessageOut,
     Choice,
     ChunkChoice,
@@ -69,7 +70,7 @@ class ChatService:
         req = from_functions(req)
         check_tool_answers(req)
         output = plan_output(req, dep)
-        messages = template_messages(req, output.system_text, dep.tool_style.native)
+        messages = template_messages(req, output.system_text or "", dep.tool_style.native)
         extra = {"tools": output.template_tools} if output.template_tools else {}
         prompt = prompt_ids(dep, messages, extra)
         ep = EndpointParams(
@@ -117,7 +118,9 @@ class ChatService:
 
     def _choice(self, p: PreparedChat, index: int, r: SeqResult) -> Choice:
         out = r.final
-        reason = out.finish_reason.value
+        if out is None or out.finish_reason is None:
+            raise ServerError("The engine ended a choice without saying why.")
+        reason: str = out.finish_reason.value
         message = ChatMessageOut(content=r.text)
         if p.tools is not None:
             content, calls = parse_tool_calls(p.tools.format, r.text)
@@ -137,12 +140,12 @@ class ChatService:
                       logprobs=self._logprobs(p, r.logprobs))
 
     @staticmethod
-    def _logprobs(p: PreparedChat, entries: list[TokenLogprob] | None) -> dict | None:
+    def _logprobs(p: PreparedChat, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if p.generation.params.logprobs is None:
             return None
         return chat_logprobs(entries or [], p.deployment.vocab.token_bytes)
 
-    async def stream(self, p: PreparedChat) -> AsyncIterator[ChatCompletionChunk]:
+    async def stream(self, p: PreparedChat) -> AsyncGenerator[ChatCompletionChunk, None]:
         def chunk(choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
             extra = {"usage": None} if p.include_usage else {}
             extra.update(usage)
@@ -200,8 +203,8 @@ class ChatService:
         for delta in deltas:
             choices.append(ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None))
             logprobs = None
-        if final:
-            reason = out.finish_reason.value
+        if out is not None and out.finish_reason is not None:
+            reason: str = out.finish_reason.value
             if ts and ts.has_calls and out.finish_reason is FinishReason.STOP:
                 reason = "function_call" if p.legacy_functions else "tool_calls"
             choices.append(ChunkChoice(index=index, delta=Delta(), logprobs=logprobs, finish_reason=reason,
@@ -275,7 +278,7 @@ def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[
     if markers is not None:
         messages, extra = markers.escape(messages), markers.escape(extra)
     try:
-        text = dep.template.render(messages, add_generation_prompt=True, **extra)  # type: ignore[union-attr]
+        text = dep.template.render(messages, add_generation_prompt=True, **extra)
     except TemplateError as exc:
         raise InvalidParameter(str(exc), "messages") from None
     if markers is None:
@@ -303,7 +306,8 @@ def from_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
         raise InvalidParameter("functions cannot be combined with tools or tool_choice; use tools.", "functions")
     if req.function_call is not None and req.functions is None:
         raise InvalidParameter("function_call requires functions.", "function_call")
-    messages, pending = [], {}  # pending: function name -> the id given to its latest call
+    messages: list[ChatMessage] = []
+    pending: dict[str, str] = {}  # function name -> the id given to its latest call
     for m in req.messages:
         if m.function_call is not None:
             call_id = f"call_fn_{len(messages)}"

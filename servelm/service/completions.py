@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +116,7 @@ class CompletionService:
         return Completion(id=p.request_id, created=p.created, model=p.model, system_fingerprint=p.deployment.fingerprint,
                           choices=choices, usage=_usage(p, collectors))
 
-    async def stream(self, p: PreparedCompletion) -> AsyncIterator[Completion]:
+    async def stream(self, p: PreparedCompletion) -> AsyncGenerator[Completion, None]:
         collectors: list[Collector] = []
         async with aclosing(merge([self._stream_one(p, i, job, collectors) for i, job in enumerate(p.jobs)])) as chunks:
             async for chunk in chunks:
@@ -124,7 +124,7 @@ class CompletionService:
         if p.include_usage:
             yield _chunk(p, [], usage=_usage(p, collectors))
 
-    async def _stream_one(self, p: PreparedCompletion, i: int, job: PromptJob, done: list[Collector]) -> AsyncIterator[Completion]:
+    async def _stream_one(self, p: PreparedCompletion, i: int, job: PromptJob, done: list[Collector]) -> AsyncGenerator[Completion, None]:
         params = job.generation.params
         col = Collector(params)
         base = i * params.n
@@ -172,7 +172,7 @@ class _LiveChoice:
         self.length += len(text)
         return CompletionChoice(
             index=index, text=text, logprobs=logprobs,
-            finish_reason=out.finish_reason.value if out.finished else None,
+            finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
             stop_reason=out.stop_reason if out.finished else None,
         )
 
@@ -197,7 +197,7 @@ def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: 
     )
 
 
-def _prompt_logprobs(p: PreparedCompletion, job: PromptJob, col: Collector, text_len: int) -> dict:
+def _prompt_logprobs(p: PreparedCompletion, job: PromptJob, col: Collector, text_len: int) -> dict[str, Any]:
     prompt = job.generation.prompt_token_ids
     entries = col.prompt_logprobs
     if entries is None or len(entries) != len(prompt):
@@ -213,7 +213,7 @@ def _entries(token_ids: list[int], logprobs: list[TokenLogprob] | None) -> list[
     return entries
 
 
-def _join(parts: list[dict]) -> CompletionLogprobs:
+def _join(parts: list[dict[str, Any]]) -> CompletionLogprobs:
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     return CompletionLogprobs(**{k: [v for part in parts for v in part[k]] for k in keys})
 
@@ -233,7 +233,7 @@ def _usage(p: PreparedCompletion, collectors: list[Collector]) -> Usage:
 
 
 # -- prompts --------------------------------------------------------------------------------------
-def _prompts(prompt: str | list) -> list[str | list[int]]:
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     """The batch: a string, a list of strings, a list of token ids, or a list of token-id lists."""
     if isinstance(prompt, str):
         return [prompt]
@@ -267,8 +267,8 @@ def _parts(prompt: str | list[int], req: CompletionRequest, dep: TextDeployment)
         lead = dep.vocab.tokenize("")  # the BOS the model asks for, if any
         head = lead if ids[: len(lead)] == lead else []
         parts = PromptParts(head, ids[len(head):])
-    if req.suffix:  # fill-in-the-middle: [BOS] PRE prompt SUF suffix MID (checked in _reject_unsupported)
-        pre, suf, mid = dep.fim_tokens  # type: ignore[misc]
+    if req.suffix and dep.fim_tokens is not None:  # fill-in-the-middle: [BOS] PRE prompt SUF suffix MID
+        pre, suf, mid = dep.fim_tokens  # (a suffix without them is a 400: _reject_unsupported)
         parts = PromptParts([*parts.head, pre], parts.body, [suf, *bare(req.suffix, not raw), mid])
     if not parts.ids:
         raise InvalidParameter("prompt must contain at least one token; this one has none.", "prompt")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +44,8 @@ def default_embedding_model(deployments: Deployments) -> str:
     raise InvalidParameter("No deployment on this server produces embeddings.", "model", "model_not_found")
 
 
-def route_model(body: dict, header: str | None, header_name: str, deployments: Deployments,
-                default: Callable[[Deployments], str] = default_model) -> dict:
+def route_model(body: dict[str, Any], header: str | None, header_name: str, deployments: Deployments,
+                default: Callable[[Deployments], str] = default_model) -> dict[str, Any]:
     """The body with `model` set: the routing header's deployment, else the body's own `model`, else the
     default deployment. A body `model` that disagrees with the header is a 400 (never a silent choice)."""
     model = body.get("model")
@@ -116,7 +116,7 @@ AZURE_EMBEDDINGS_PARAMS = frozenset({"input", "model", "dimensions", "encoding_f
 AZURE_INPUT_TYPES = ("text", "query", "document")
 
 
-def azure_embeddings_body(body: dict, mode: str | None) -> tuple[dict, list[str]]:
+def azure_embeddings_body(body: dict[str, Any], mode: str | None) -> tuple[dict[str, Any], list[str]]:
     """An Azure AI model inference embeddings body as our EmbeddingRequest's, and the extras dropped."""
     body, dropped = azure_chat_body(body, mode, AZURE_EMBEDDINGS_PARAMS)
     input_type = body.pop("input_type", None)
@@ -126,7 +126,7 @@ def azure_embeddings_body(body: dict, mode: str | None) -> tuple[dict, list[str]
     return body, dropped
 
 
-def azure_chat_body(body: dict, mode: str | None, params: frozenset[str] = AZURE_CHAT_PARAMS) -> tuple[dict, list[str]]:
+def azure_chat_body(body: dict[str, Any], mode: str | None, params: frozenset[str] = AZURE_CHAT_PARAMS) -> tuple[dict[str, Any], list[str]]:
     """Apply the `extra-parameters` header: the body to validate, and the extra parameters dropped.
 
     `pass-through`: everything goes to our ChatCompletionRequest (our extensions work; unknown names are
@@ -150,7 +150,7 @@ def azure_chat_body(body: dict, mode: str | None, params: frozenset[str] = AZURE
 OVMS_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "seed": 0}
 
 
-def ovms_body(body: dict) -> dict:
+def ovms_body(body: dict[str, Any]) -> dict[str, Any]:
     """OVMS's defaults filled in where the body leaves a field out (or null)."""
     return {**body, **{k: v for k, v in OVMS_DEFAULTS.items() if body.get(k) is None}}
 
@@ -160,7 +160,7 @@ def ovms_body(body: dict) -> dict:
 DJL_DEFAULT_MAX_NEW_TOKENS = 30  # DJL LMI's default for the native schema
 
 
-def invocation_kind(body: dict) -> str:
+def invocation_kind(body: dict[str, Any]) -> str:
     """What an /invocations body is: "chat" (messages), "completion" (prompt) or "native" (inputs)."""
     for field, kind in (("messages", "chat"), ("prompt", "completion"), ("inputs", "native")):
         if field in body:
@@ -239,7 +239,7 @@ class NativeService:
         outputs = await gather_all([run(i) for i in range(len(p.completion.jobs))])
         return DjlOutputs(outputs) if p.batch else outputs[0]
 
-    async def stream(self, p: PreparedNative) -> AsyncIterator[DjlStreamLine]:
+    async def stream(self, p: PreparedNative) -> AsyncGenerator[DjlStreamLine, None]:
         dep = p.completion.deployment
         seq = SeqResult()
         async with aclosing(dep.engine.generate(p.completion.jobs[0].generation)) as outputs:
@@ -286,4 +286,5 @@ def _djl_finish(out: GenerationOutput | None) -> str:
         return "length"
     if out.finish_reason is FinishReason.STOP:
         return "stop_sequence" if isinstance(out.stop_reason, str) else "eos_token"
-    return out.finish_reason.value
+    reason: str = out.finish_reason.value
+    return reason

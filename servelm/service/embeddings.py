@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -53,17 +54,15 @@ class EmbeddingService:
 def _tokenize(req: EmbeddingRequest, embedder: Embedder) -> list[list[int]]:
     """Every input as token ids. Texts get the instruction in front and the model's special tokens;
     token ids are used as given."""
-    raw = req.input
-    if isinstance(raw, str):
-        raw = [raw]
+    raw: list[str] | list[int] | list[list[int]] = [req.input] if isinstance(req.input, str) else req.input
     if not raw:
         raise InvalidParameter("'input' must not be empty.", "input", code="invalid_value")
     if len(raw) > MAX_INPUTS:
         raise InvalidParameter(f"'input' may hold at most {MAX_INPUTS} inputs, not {len(raw)}.", "input")
-    if isinstance(raw[0], int):
-        return [list(raw)]  # type: ignore[arg-type]
+    if isinstance(raw[0], int):  # one input as token ids (the wire type allows no mixing)
+        return [[t for t in raw if isinstance(t, int)]]
     out: list[list[int]] = []
-    for i, item in enumerate(raw):
+    for i, item in enumerate(cast(list[str | list[int]], raw)):  # not one list of ids: texts, or lists of ids
         if isinstance(item, list):
             out.append(item)
             continue

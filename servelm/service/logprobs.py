@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from servelm.engine.types import TokenLogprob
 from servelm.errors import ServerError
@@ -34,12 +35,12 @@ def true_logprob(logprob: float) -> float:
 
 
 def vllm_prompt_logprobs(prompt: Sequence[int], entries: Sequence[TokenLogprob | None] | None,
-                         token_bytes: Callable[[int], bytes]) -> list[dict[str, dict] | None]:
+                         token_bytes: Callable[[int], bytes]) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token (None for the first), a map from token id to its logprob, rank
     and text, holding the prompt's own token and the k most likely."""
     if entries is None or len(entries) != len(prompt):
         raise ServerError("The engine did not report the prompt's logprobs.")
-    out: list[dict[str, dict] | None] = []
+    out: list[dict[str, dict[str, Any]] | None] = []
     for token, e in zip(prompt, entries):
         if e is None:
             out.append(None)
@@ -52,7 +53,7 @@ def vllm_prompt_logprobs(prompt: Sequence[int], entries: Sequence[TokenLogprob |
     return out
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> dict:
+def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
     content = []
     for e in entries:
         data = token_bytes(e.token)
@@ -74,13 +75,13 @@ def legacy_logprobs(
     token_bytes: Callable[[int], bytes],
     offset: int = 0,
     text_len: int | None = None,
-) -> tuple[dict, int]:
+) -> tuple[dict[str, Any], int]:
     """The legacy completions form: parallel lists of token texts, logprobs, top alternatives and character
     offsets. `entries[i]` belongs to `tokens[i]`; None (a prompt's first token) has no logprob. Offsets
     count from `offset` (the text before these tokens) and never pass `text_len` (a stop string cut off the
     end of a token's text). Each top dict lists the k most likely tokens and always the token taken (OpenAI:
     up to logprobs + 1 entries). Returns the object and the offset after the last token."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, e in zip(tokens, entries):
         text = token_text(token_bytes(token))
         out["tokens"].append(text)

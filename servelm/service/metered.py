@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Protocol
 
@@ -27,7 +27,7 @@ class MeteredEngine:
         self.inner = inner
         self.meter = meter
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         clock = time.perf_counter
         start = clock()
         last: dict[int, float] = {}  # choice index → when its latest output came
