@@ -1,4 +1,4 @@
-.PHONY: install run lint test test-unit test-e2e test-ray-e2e bench clean
+.PHONY: install run lint docs test test-unit test-e2e test-ray-e2e bench clean
 
 install:
 	@bash scripts/install.sh
@@ -13,6 +13,10 @@ lint: install
 	.venv/bin/ruff check servelm tests bench
 	.venv/bin/mypy
 
+# the reference in docs/ as a MkDocs site, in site/ (strict: a broken link or anchor fails the build)
+docs: install
+	.venv/bin/mkdocs build --strict -d site
+
 test-unit: install
 	.venv/bin/python -m pytest -q -m "not e2e"
 
@@ -24,4 +28,4 @@ bench: install
 	.venv/bin/python -m bench.compare
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build site *.egg-info

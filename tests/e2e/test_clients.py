@@ -1,4 +1,4 @@
-"""The README's client guide, run as written: every snippet under "## Clients", with the server's address put in
+"""The client guide (docs/clients.md), run as written: every snippet, with the server's address put in
 place of http://localhost:8000, in a process of its own (Python snippets with this venv's Python, JavaScript ones
 with Node and the `openai` package scripts/install.sh puts in .venv/node)."""
 
@@ -20,11 +20,10 @@ NODE_DIR = REPO / ".venv" / "node"  # holds node_modules/openai
 
 
 def snippets() -> list[tuple[str, str, str]]:
-    """(client, language, code) of every fenced block in the README's "## Clients" section."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Clients\n", 1)[1].split("\n## ", 1)[0]
+    """(client, language, code) of every fenced block of the guide, by its "## client" section."""
+    guide = (REPO / "docs" / "clients.md").read_text()
     found = []
-    for part in section.split("\n### ")[1:]:
+    for part in guide.split("\n## ")[1:]:
         name = part.splitlines()[0].strip()
         for lang, code in re.findall(r"```(python|js)\n(.*?)```", part, re.S):
             found.append((name, lang, code))
