@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
-from servelm.http.errors import error_response, validation_error
+from servelm.http.errors import error_response, invalid_json, validation_error
 from servelm.http.openapi import doc
 from servelm.http.routes import embed, generate
 from servelm.http.streams import JSONLINES, SSE
@@ -151,9 +151,7 @@ def load_object(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise InvalidParameter(
-            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
-            "HTTP library correctly. The OpenAI API expects a JSON payload.)", None, None) from None
+        raise invalid_json() from None
     if not isinstance(data, dict):
         raise InvalidParameter("The request body must be a JSON object.", None, "invalid_type")
     return data

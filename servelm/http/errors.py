@@ -71,12 +71,7 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     err = exc.errors()[0]
     kind = err["type"]
     if kind == "json_invalid":
-        return _bad_request(
-            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
-            "HTTP library correctly. The OpenAI API expects a JSON payload.)",
-            None,
-            None,
-        )
+        return invalid_json()
     loc = err["loc"]
     names = _field_names(model) | ({loc[-1]} if kind == "extra_forbidden" and loc and isinstance(loc[-1], str) else set())
     param = _param(loc, frozenset(names))
@@ -88,6 +83,12 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
         return _bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
     return _bad_request(f"Invalid value for '{param}': {err['msg']}.", param, code)
+
+
+def invalid_json() -> ApiError:
+    """A body that is not JSON: OpenAI's words for it."""
+    return _bad_request("We could not parse the JSON body of your request. (HINT: This likely means you aren't using "
+                        "your HTTP library correctly. The OpenAI API expects a JSON payload.)", None, None)
 
 
 def _bad_request(message: str, param: str | None, code: str | None) -> ApiError:

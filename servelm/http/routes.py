@@ -101,8 +101,6 @@ def request_context(scope: Scope) -> RequestContext:
                           max_batch_prompts=limits.max_batch_prompts if limits is not None else 128)
 
 
-
-
 def deployment_header(d: Deployment) -> dict[str, str]:
     """Which deployment answered (an alias or a weighted endpoint names several)."""
     return {DEPLOYMENT_HEADER: d.name}
