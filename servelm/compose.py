@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm import __version__
-from servelm.config import DeploymentSpec, EndpointSpec, ServerSettings
-from servelm.constrain.grammars import Grammars
+from servelm.config import DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
+from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
@@ -33,7 +33,7 @@ def build_deployment(
     prefix_cache: bool = True,
     chat_template: str | None = None,
     engine: Engine | None = None,
-    grammar_limits: object | None = None,
+    grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
 ) -> tuple[TextDeployment, Engine]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
@@ -41,11 +41,10 @@ def build_deployment(
     from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import ChatTemplate
     from servelm.chat.tools import detect_style
-    from servelm.constrain.grammars import GrammarLimits
     from servelm.engine.local import LocalEngine
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
-                        limits=grammar_limits if isinstance(grammar_limits, GrammarLimits) else GrammarLimits())
+                        limits=grammar_limits or GrammarLimits())
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars)
     template_source = chat_template or runner.chat_template
     deployment = TextDeployment(
@@ -104,10 +103,8 @@ class RunnerVocabulary:
         return spelled[token] if 0 <= token < len(spelled) else b""
 
 
-def grammar_limits(e: Any) -> Any:
+def grammar_limits(e: EngineSettings) -> GrammarLimits:
     """A deployment's EngineSettings → the GrammarLimits of its grammars."""
-    from servelm.constrain.grammars import GrammarLimits, MiB
-
     return GrammarLimits(max_bytes=e.grammar_max_mib * MiB, cache_bytes=e.grammar_cache_mib * MiB,
                          max_compile_seconds=e.grammar_compile_ms / 1000)
 

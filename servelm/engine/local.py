@@ -152,7 +152,8 @@ class LocalEngine:
             self._wake.wait(0.005)
             self._wake.clear()
             return
-        logits, rows, outputs = self._forward(plan), plan.rows(), Outputs()
+        logits, rows = self._forward(plan), plan.rows()
+        outputs: Outputs = {}
         self._prompt_logprobs(plan, logits, rows, outputs)
         samplers, processed, tokens, beams = self._sample(plan, logits, rows, outputs)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
@@ -278,7 +279,7 @@ class LocalEngine:
             if chunk.all_logits and chunk.seq.state.prompt_logprobs is not None:
                 self._contain(chunk.seq.group, outputs, self.output.score_prompt, chunk, logits, last)
 
-    def _send(self, outputs: dict[str, list[GenerationOutput]] | dict[str, BaseException]) -> None:
+    def _send(self, outputs: Outputs) -> None:
         for request_id, batch in outputs.items():
             client = self._clients.get(request_id)
             if client is None:  # the client went away; its abort is on the way

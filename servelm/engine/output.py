@@ -32,6 +32,8 @@ Outputs = dict[str, Any]  # request id → its outputs this step (a list), or th
 
 @dataclass(eq=False)
 class SeqState:
+    """One sequence's output state, from its admission to its last output."""
+
     sampler: SamplerState
     detok: Detokenizer
     matcher: Any = None  # the llguidance matcher of a constrained choice
@@ -43,6 +45,7 @@ class SeqState:
     cumulative: float = 0.0
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, while the prompt is read
     grammar_param: str | None = None  # the request parameter the matcher's grammar came from
+
 
 class OutputProcessor:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, grammars: Grammars | None) -> None:
@@ -104,8 +107,7 @@ class OutputProcessor:
         for j, pos in enumerate(positions):
             st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)
 
-    def advance(self, seq: Sequence, token: int, entry: TokenLogprob | None,
-                 outputs: Outputs) -> None:
+    def advance(self, seq: Sequence, token: int, entry: TokenLogprob | None, outputs: Outputs) -> None:
         """Account for one sampled token: stop conditions, new text, and the output to send."""
         st = seq.state
         params = seq.group.params
@@ -157,15 +159,15 @@ class OutputProcessor:
         flush: bool = True,
         ended_by_token: bool = False,
     ) -> None:
-        if seq.state.beam is not None:  # a beam cannot end alone (it ran out of cells): end the search
-            return self._finish_beams(seq.group, outputs)
         st = seq.state
+        if st.beam is not None:  # a beam cannot end alone (it ran out of cells): end the search
+            return self._finish_beams(seq.group, outputs)
         if ended_by_token and st.tokens:  # EOS or a stop token is not part of the text: not reported either
             st.tokens.pop()
             if st.logprobs:
                 st.logprobs.pop()
         if flush:
-            text += seq.state.detok.flush()
+            text += st.detok.flush()
         self.scheduler.finish(seq)
         self._emit(seq, text, reason, stop_reason, outputs)
 

@@ -146,6 +146,14 @@ def test_an_identical_prompt_still_computes_its_last_token():
     assert [(c.start, len(c.tokens)) for c in plan.chunks] == [(9, 1)] and plan.chunks[0].wants_logits
 
 
+def arrive(s: Scheduler, rng: random.Random, systems: list[list[int]], request_id: str, ns: list[int] | None = None) -> None:
+    """Random traffic: three times in ten, a conversation over one of the shared system prompts arrives (n drawn
+    from `ns`, when given)."""
+    if rng.random() < 0.3:
+        prompt = [*rng.choice(systems), *[rng.randint(1, 60) for _ in range(rng.randint(1, 12))]]
+        ask(s, request_id, prompt, max_tokens=8, **({"n": rng.choice(ns)} if ns else {}))
+
+
 def test_every_operation_matches_the_runners_cells_under_random_traffic():
     """Conversations over a few shared system prompts, random lengths and finishes, n > 1, few slots: the fake
     runner checks every copy, trim and chunk, and the scheduler's counts are its cells after every step."""
@@ -155,9 +163,7 @@ def test_every_operation_matches_the_runners_cells_under_random_traffic():
     systems = [[20 + k] * rng.randint(5, 40) for k in range(4)]
     hits = 0
     for i in range(400):
-        if rng.random() < 0.3:
-            ask(s, f"r{i}", [*rng.choice(systems), *[rng.randint(1, 60) for _ in range(rng.randint(1, 12))]],
-                max_tokens=8, n=rng.choice([1, 1, 1, 2]))
+        arrive(s, rng, systems, f"r{i}", ns=[1, 1, 1, 2])
         run_step(s, token=rng.randint(1, 60), runner=runner)
         for g in list(s.running):
             for seq in g.live:
@@ -302,9 +308,7 @@ def test_running_slots_stay_in_few_runs_under_random_traffic():
     systems = [[20 + k] * rng.randint(8, 40) for k in range(3)]
     placed = 0
     for i in range(400):
-        if rng.random() < 0.3:
-            ask(s, f"r{i}", [*rng.choice(systems), *[rng.randint(1, 60) for _ in range(rng.randint(1, 12))]],
-                max_tokens=8)
+        arrive(s, rng, systems, f"r{i}")
         held = {sl.index for sl in s.slots.slots if sl.seq is not None}
         could = bool(held) and any(sl.seq is None and (sl.index - 1 in held or sl.index + 1 in held)
                                    for sl in s.slots.slots)
