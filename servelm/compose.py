@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelm import __version__
+from servelm.chat.reasoning import THINK, ReasoningMarkers
 from servelm.config import DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
@@ -35,6 +36,7 @@ def build_deployment(
     engine: Engine | None = None,
     grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
+    reasoning_markers: str = "auto",
 ) -> tuple[TextDeployment, Engine]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
@@ -58,6 +60,7 @@ def build_deployment(
         grammars=grammars,
         tool_style=detect_style(template_source),
         fim_tokens=runner.fim_tokens,
+        reasoning=reasoning_of(reasoning_markers, template_source),
     )
     controls = runner.control_tokens()
     if controls is not None and not special_tokens_in_content:
@@ -103,6 +106,16 @@ class RunnerVocabulary:
         return spelled[token] if 0 <= token < len(spelled) else b""
 
 
+def reasoning_of(setting: str, template_source: str | None) -> ReasoningMarkers | None:
+    """A deployment's reasoning markers: "auto" reads `<think>…</think>` when its chat template speaks of them,
+    "none" reads none, "OPEN,CLOSE" reads that pair."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return ReasoningMarkers(*THINK) if template_source and THINK[0] in template_source else None
+    return ReasoningMarkers.parse(setting)
+
+
 def grammar_limits(e: EngineSettings) -> GrammarLimits:
     """A deployment's EngineSettings → the GrammarLimits of its grammars."""
     return GrammarLimits(max_bytes=e.grammar_max_mib * MiB, cache_bytes=e.grammar_cache_mib * MiB,
@@ -118,7 +131,7 @@ def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
     specs = [DeploymentSpec(
         name=settings.model_id, model=str(settings.resolved_model_path()), kind="chat",
         chat_template=settings.chat_template, embedding_window=settings.chat_embedding_window, engine=settings.engine,
-        special_tokens_in_content=settings.special_tokens_in_content,
+        special_tokens_in_content=settings.special_tokens_in_content, reasoning_markers=settings.reasoning_markers,
     )]
     path = settings.resolved_embedding_model_path()
     if path is not None:
@@ -191,6 +204,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
         grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
+        reasoning_markers=spec.reasoning_markers,
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)
@@ -227,6 +241,7 @@ def _build_vllm(spec: DeploymentSpec, deployments: list[Any], workers: list[Any]
         max_choices=engine.max_num_seqs,
         fingerprint=_fingerprint(f"vllm:{options.model}"),
         tool_style=detect_style(tok.chat_template),
+        reasoning=reasoning_of(spec.reasoning_markers, tok.chat_template),
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)

@@ -76,6 +76,10 @@ class ServerSettings(BaseSettings):
         None, description="a Jinja chat template file to use instead of the one in the model file (tool calls "
         "follow the template: one that renders `tools` in Hermes, Llama 3 or Mistral syntax is used natively)",
     )
+    reasoning_markers: str = Field(
+        "auto", description="how the model marks its thought: 'auto' (<think>…</think> when the chat template speaks "
+        "of them), 'none', or 'OPEN,CLOSE'; the thought is answered as reasoning_content",
+    )
     embedding_model: bool = Field(
         True, description="serve a sentence-embedding model beside the chat model (--no-embedding-model: none)",
     )
@@ -95,6 +99,13 @@ class ServerSettings(BaseSettings):
         "memory while it is read); 0: the chat model answers no embeddings",
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    timings: bool = Field(False, description="every answer carries llama-server's `timings` (prompt and generation "
+                          "times and rates, cached tokens, and the time it waited); a request may ask with "
+                          "timings_per_request")
+    responses_store_entries: int = Field(1000, ge=0, description="stored Responses API answers (store: true) kept "
+                                         "for GET /v1/responses/{id} and previous_response_id; the oldest go first")
+    responses_store_mib: int = Field(64, ge=1, description="memory the stored responses may hold")
+    responses_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
     log_level: str = Field("info", description="log level: debug, info, warning, error")
     # -- security and load control (http/auth.py, http/ratelimit.py, http/limits.py) --
     api_key: Annotated[list[str], NoDecode] = Field(
@@ -212,6 +223,7 @@ class DeploymentSpec(BaseModel):
     embedding_window: int = Field(256, ge=0, description="a chat model's /v1/embeddings window (0: none)")
     special_tokens_in_content: bool = Field(False, description="read control-token text in chat messages as those "
                                             "tokens (the old behaviour; lets a user forge a system turn)")
+    reasoning_markers: str = Field("auto", description="the thought's markers: auto, none, or OPEN,CLOSE")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: DeploymentLimits = Field(default_factory=DeploymentLimits)
     # -- replicas under `servelm serve --ray` (servelm/ray/); one process serves one engine per deployment --

@@ -79,7 +79,8 @@ class LocalEngine:
 
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope)
+        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope,
+                              pin_seconds=request.pin_seconds)
         params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
@@ -233,7 +234,7 @@ class LocalEngine:
                 view = picked[idx[0] : idx[0] + 1]
             alone = True
             chosen = [samplers[i] for i in idx]
-            process_rows(view, [s.state.sampler for s in chosen], self.output.eog, self.output.grammar_masks(chosen))
+            process_rows(view, [s.state.sampler for s in chosen], self.output.eog, self.output.masks(chosen))
             return [True] * len(idx)
 
         self._each(samplers, outputs, process)

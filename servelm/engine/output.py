@@ -9,6 +9,7 @@ calls it under its containment: whatever one request's output raises fails that 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from servelm.engine.plan import ScheduledChunk
 from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from servelm.engine.thinking import ThinkTracker
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ConstraintFailed
 from servelm.runners.base import ModelRunner
@@ -45,6 +47,7 @@ class SeqState:
     cumulative: float = 0.0
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, while the prompt is read
     grammar_param: str | None = None  # the request parameter the matcher's grammar came from
+    think: ThinkTracker | None = None  # a choice that may think: its thought's tokens, and its budget
 
 
 class OutputProcessor:
@@ -68,7 +71,8 @@ class OutputProcessor:
             seq.state = SeqState(sampler, self._detokenizer(params), matcher,
                                  constraint.free_unless if constraint is not None else (), beam=search,
                                  logprobs=[] if params.logprobs is not None else None,
-                                 grammar_param=constraint.param if constraint is not None else None)
+                                 grammar_param=constraint.param if constraint is not None else None,
+                                 think=ThinkTracker(request.thinking) if request.thinking is not None else None)
         if params.prompt_logprobs is not None:
             group.seqs[0].state.prompt_logprobs = {}
 
@@ -82,16 +86,24 @@ class OutputProcessor:
         texts = self.grammars.spelled  # control tokens spelled out
         return lambda token: texts[token] if 0 <= token < len(texts) else b""
 
-    def grammar_masks(self, samplers: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
-        """The allowed tokens of every constrained row in this step, computed in one call."""
-        constrained = [i for i, s in enumerate(samplers) if s.state.matcher is not None]
-        if not constrained or self._masks is None:
+    def masks(self, samplers: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The allowed tokens of every masked row in this step: a grammar's (computed in one call), or the one
+        token a spent thinking budget writes next."""
+        forced = {i: s.state.think.forced[0] for i, s in enumerate(samplers) if s.state.think and s.state.think.forced}
+        constrained = [i for i, s in enumerate(samplers) if s.state.matcher is not None and i not in forced]
+        if not constrained and not forced:
             return None
-        allowed = self._masks.allowed([samplers[i].state.matcher for i in constrained])
-        for i in constrained:
-            if samplers[i].state.matcher.is_error():  # past llguidance's per-step limits: its request fails
-                raise constraint_failed(samplers[i])
-        return np.asarray(constrained), allowed
+        rows = sorted([*constrained, *forced])
+        allowed = np.zeros((len(rows), self.runner.vocab_size), dtype=bool)
+        if constrained and self._masks is not None:
+            allowed[[rows.index(i) for i in constrained]] = self._masks.allowed(
+                [samplers[i].state.matcher for i in constrained])
+            for i in constrained:
+                if samplers[i].state.matcher.is_error():  # past llguidance's per-step limits: its request fails
+                    raise constraint_failed(samplers[i])
+        for i, token in forced.items():
+            allowed[rows.index(i), token] = True
+        return np.asarray(rows), allowed
 
     @staticmethod
     def score_prompt(chunk: ScheduledChunk, logits: np.ndarray, last: int) -> None:
@@ -113,6 +125,8 @@ class OutputProcessor:
         params = seq.group.params
         st.sampler.record(token)
         st.tokens.append(token)
+        if st.think is not None:
+            st.think.step(token, self.runner.token_bytes(token))
         if entry is not None:
             st.cumulative += entry.logprob
             if st.logprobs is not None:
@@ -175,10 +189,16 @@ class OutputProcessor:
               outputs: Outputs) -> None:
         """Send the sequence's news: its text and the tokens (and logprobs) taken since the last output."""
         st = seq.state
+        group = seq.group
+        if not group.first_token_at:
+            group.first_token_at = time.perf_counter()
         out = GenerationOutput(
-            seq.group.request_id, seq.index, text, st.tokens, finish_reason=reason, stop_reason=stop_reason,
-            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated, cached_tokens=seq.group.cached_tokens,
+            group.request_id, seq.index, text, st.tokens, finish_reason=reason, stop_reason=stop_reason,
+            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated, cached_tokens=group.cached_tokens,
             logprobs=st.logprobs, cumulative_logprob=st.cumulative,
+            reasoning_tokens=st.think.reasoning_tokens if st.think is not None else 0,
+            queued_seconds=max(0.0, group.started_at - group.received_at) if group.started_at else 0.0,
+            prompt_seconds=max(0.0, group.first_token_at - group.started_at) if group.started_at else 0.0,
         )
         st.tokens = []
         if st.logprobs is not None:

@@ -15,6 +15,7 @@ prompt logprobs read everything (each prompt token needs its row).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 
@@ -98,7 +99,7 @@ class Scheduler:
             # what the stream holds is made exactly `keep` (a request failed or aborted in the middle of a step
             # has cells computed in it that num_computed does not count yet)
             self._ops.append(Keep(seq.slot, len(keep)) if keep else Clear(seq.slot))
-            self.slots.release(self.slots.slots[seq.slot], keep)
+            self.slots.release(self.slots.slots[seq.slot], keep, seq.group.pin_seconds)
             seq.slot = None
         group = seq.group
         if group.finished:
@@ -166,6 +167,7 @@ class Scheduler:
         return len(head.live) > slots
 
     def _admit(self, group: SequenceGroup) -> None:
+        group.started_at = group.started_at or time.perf_counter()
         first, *others = group.live
         placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group))
         assert placed is not None  # the caller checked that enough slots rest

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,11 @@ class SequenceGroup:
     forked: bool = False  # the others have copies of the first one's prompt cells
     cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache
     scope: str = ""  # the prefix-cache scope it reads and writes (GenerationRequest.cache_scope)
+    pin_seconds: float = 0.0  # its cells at rest are given up after others' for this long (GenerationRequest's)
+    # perf_counter times: received by the engine, first scheduled (its prompt begins), its first token
+    received_at: float = field(default_factory=time.perf_counter)
+    started_at: float = 0.0
+    first_token_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.seqs:

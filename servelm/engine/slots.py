@@ -7,7 +7,7 @@ its prompt already is. An idle slot whose cells the prompt continues (a conversa
 prompt again) is reused in place; a prefix shared with a slot whose entry goes on differently (a shared system
 prompt, then another question), or with a running slot, is copied into another slot, so the entry stays whole (a
 stream copy costs milliseconds, reading the tokens again costs seconds); otherwise a request takes an empty slot,
-or the least recently used one. Entries are scoped: a request reads only cells
+or the least recently used one (an entry pinned by Anthropic's cache_control goes last). Entries are scoped: a request reads only cells
 written under its own scope (its API key and cache_salt).
 
 Where a sequence runs matters for speed as well: llama.cpp decodes consecutive sequence ids in one pass, and
@@ -19,6 +19,7 @@ next to them too.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class Slot:
     cached: tuple[int, ...] = ()  # at rest: the tokens whose cells its stream still holds, positions 0..
     scope: str = ""  # whose cells they are
     used: int = 0  # the clock when it last held or lent cells
+    pinned_until: float = 0.0  # monotonic time: until then its entry is given up only after unpinned ones
 
     @property
     def tokens(self) -> Seq[int]:
@@ -136,9 +138,11 @@ class Slots:
         return Placement(placed.slot, placed.reuse, placed.source, moved=victim)
 
     @staticmethod
-    def _worth(slot: Slot) -> tuple[bool, int]:
-        """Which resting slot to give up first: empty ones (the lowest first), then the least recently used."""
-        return (bool(slot.cached), slot.used if slot.cached else slot.index)
+    def _worth(slot: Slot) -> tuple[bool, bool, int]:
+        """Which resting slot to give up first: empty ones (the lowest first), then the least recently used, pinned
+        entries (Anthropic's cache_control) last."""
+        pinned = bool(slot.cached) and slot.pinned_until > time.monotonic()
+        return (pinned, bool(slot.cached), slot.used if slot.cached else slot.index)
 
     def _nearest(self, idle: list[Slot]) -> list[Slot]:
         """The slots among `idle` with the most running neighbours (a slot that joins two runs of running slots
@@ -150,11 +154,13 @@ class Slots:
 
     def move(self, src: Slot, dst: Slot) -> None:
         """src's entry now lies in dst (the caller copies the cells)."""
-        dst.cached, dst.scope, dst.used = src.cached, src.scope, src.used
+        dst.cached, dst.scope, dst.used, dst.pinned_until = src.cached, src.scope, src.used, src.pinned_until
 
     def take(self, slot: Slot, seq: Sequence, scope: str) -> None:
-        slot.seq, slot.cached, slot.scope, slot.used = seq, (), scope, self.tick()
+        slot.seq, slot.cached, slot.scope, slot.used, slot.pinned_until = seq, (), scope, self.tick(), 0.0
 
-    def release(self, slot: Slot, keep: Seq[int]) -> None:
-        """The sequence is over: the slot rests, keeping the cells of `keep` (what it computed) as a cache entry."""
+    def release(self, slot: Slot, keep: Seq[int], pin_seconds: float = 0.0) -> None:
+        """The sequence is over: the slot rests, keeping the cells of `keep` (what it computed) as a cache entry,
+        pinned for `pin_seconds`."""
         slot.seq, slot.cached, slot.used = None, tuple(keep), self.tick()
+        slot.pinned_until = time.monotonic() + pin_seconds if pin_seconds else 0.0

@@ -69,6 +69,18 @@ class BeamParams:
 
 
 @dataclass(frozen=True, slots=True)
+class Thinking:
+    """A choice that may think first, between two markers: the engine counts its reasoning tokens and, given a
+    budget, closes the thought itself after that many (writing `close_ids`), as SGLang's strict budget does."""
+
+    open: bytes
+    close: bytes
+    close_ids: tuple[int, ...]
+    opened: bool = False  # the prompt opened the thought: the output begins inside it
+    budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -79,6 +91,9 @@ class GenerationRequest:
     cache_scope: str = ""
     # OpenAI's prompt_cache_key, within the scope: the Ray router sends requests of one key to one replica
     cache_hint: str = ""
+    # Anthropic's cache_control: for this long after the request ends its cells are given up only after others
+    pin_seconds: float = 0.0
+    thinking: Thinking | None = None  # reasoning to count, and to bound
 
 
 class FinishReason(str, enum.Enum):
@@ -120,6 +135,11 @@ class GenerationOutput:
     # the prompt's logprobs (None for its first token), once, on the request's first output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cumulative_logprob: float = 0.0  # of the whole choice so far, when params.wants_cumulative
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thought (markers excluded), when thinking is set
+    # where the time went, for llama-server's timings: from the engine's receipt to the first step that read the
+    # prompt, and from then to the first token
+    queued_seconds: float = 0.0
+    prompt_seconds: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from servelm import __version__
 from servelm.http import errors, limits, openapi
+from servelm.http.agents import build_agent_router
 from servelm.http.asgi import ErrorBoundary
 from servelm.http.auth import OPENAPI_PATH
 from servelm.http.dialects import build_dialect_router
@@ -18,12 +19,17 @@ from servelm.http.middleware import RequestLog
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
 from servelm.service.admission import QueuedEngine
+from servelm.service.chat import ChatService
 from servelm.service.deployments import Deployments
 from servelm.service.metered import MeteredEngine
+from servelm.service.store import MemoryStore, ResponseStore
 
 
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
-               on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None) -> FastAPI:
+               on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None,
+               store: ResponseStore | None = None, timings: bool = False) -> FastAPI:
+    """The app over these deployments; `store` keeps the Responses API's stored answers (default: in this process's
+    memory), `timings`: every answer carries llama-server's timings."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         if on_start is not None:
@@ -43,7 +49,10 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                   openapi_url=OPENAPI_PATH)
     openapi.install(app)
     errors.install(app)
-    app.include_router(build_router(deployments))
+    app.state.timings = timings
+    chat = ChatService(deployments)
+    app.include_router(build_router(deployments, chat))
+    app.include_router(build_agent_router(chat, store if store is not None else MemoryStore()))  # Responses, Messages
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
     app.state.metrics = metrics = app_metrics
     app.include_router(build_metrics_router(metrics))

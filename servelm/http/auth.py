@@ -17,21 +17,23 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", OPENAPI_PATH})  # probes
 SCOPE_KEY = "servelm.key"  # the request's KeySpec, set in the ASGI scope by AuthMiddleware
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
-           "Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an api-key header.")
+           "Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an api-key or x-api-key header.")
 WRONG = "Incorrect API key provided."
 
 
 def presented_keys(scope: Scope) -> list[str]:
-    """The keys a request carries: `Authorization: Bearer KEY` (OpenAI) and `api-key: KEY` (Azure)."""
+    """The keys a request carries: `Authorization: Bearer KEY` (OpenAI), `api-key: KEY` (Azure) and
+    `x-api-key: KEY` (Anthropic)."""
     found = []
     auth = header(scope, b"authorization")
     if auth:
         scheme, _, value = auth.strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             found.append(value.strip())
-    api_key = header(scope, b"api-key")
-    if api_key and api_key.strip():
-        found.append(api_key.strip())
+    for name in (b"api-key", b"x-api-key"):
+        key = header(scope, name)
+        if key and key.strip():
+            found.append(key.strip())
     return found
 
 

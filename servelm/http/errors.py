@@ -20,6 +20,8 @@ def error_parts(exc: ApiError, path: str | None = None, data: Any = None) -> tup
     paths Azure ML's shape (`data`: the request body, from which a 422 quotes the value it names)."""
     if path in AZURE_PATHS:
         return _azure_parts(exc, data)
+    if path is not None and is_anthropic(path):
+        return exc.status, anthropic_error(exc), dict(exc.headers)
     return exc.status, exc.body(), dict(exc.headers)
 
 
@@ -53,17 +55,8 @@ def install(app: FastAPI) -> None:
         return error_response(kind, request.url.path)
 
 
-# APIs clients ask for by path that this server does not speak (yet): what to use instead
-_ELSEWHERE = {
-    "/v1/responses": "The Responses API is not served here yet; use POST /v1/chat/completions.",
-    "/v1/messages": "Anthropic's Messages API is not served here yet; use POST /v1/chat/completions.",
-}
-
-
 def unknown_route(method: str, path: str) -> ApiError:
-    hint = next((text for prefix, text in _ELSEWHERE.items() if path == prefix or path.startswith(prefix + "/")), "")
-    return NotFound(f"Unknown request URL: {method} {path}. {hint or 'See /openapi.json for the routes served.'}",
-                    code="not_found")
+    return NotFound(f"Unknown request URL: {method} {path}. See /openapi.json for the routes served.", code="not_found")
 
 
 def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
@@ -179,3 +172,19 @@ def _detail(param: str, data: dict[str, Any] | None) -> dict[str, Any]:
         text = text[:256] + "…"
     return {"loc": ["body", *loc], "value": text}
 
+
+
+# -- Anthropic's error bodies (the Messages API's paths) -----------------------------------------------------
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    504: "timeout_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(exc: ApiError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`, Anthropic's types by status."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}

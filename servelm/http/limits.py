@@ -187,7 +187,8 @@ class Admission:
     def settle(self, usage: Any) -> None:
         """Give back the unused part of the max_tokens reservation, from a response's `usage`."""
         if self.charge is not None and usage is not None:
-            self.charge.settle(int(getattr(usage, "completion_tokens", 0) or 0))
+            generated = getattr(usage, "completion_tokens", None)  # OpenAI's name; the Responses and Messages APIs':
+            self.charge.settle(int(generated if generated is not None else getattr(usage, "output_tokens", 0) or 0))
 
     def release(self) -> None:
         """The request is over: whatever places it still holds in the queue are free."""

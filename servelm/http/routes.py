@@ -97,8 +97,10 @@ def request_context(scope: Scope) -> RequestContext:
     """Who sent the request, as the services see it: the API key's digest (nothing of the key itself)."""
     key = current_key(scope)
     limits = limits_of(scope)
+    app = scope.get("app")
     return RequestContext(owner=key.digest.hex() if key is not None else "",
-                          max_batch_prompts=limits.max_batch_prompts if limits is not None else 128)
+                          max_batch_prompts=limits.max_batch_prompts if limits is not None else 128,
+                          timings=bool(app is not None and getattr(app.state, "timings", False)))
 
 
 def deployment_header(d: Deployment) -> dict[str, str]:
@@ -113,9 +115,8 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
     return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name)
 
 
-def build_router(deployments: Deployments) -> APIRouter:
+def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:
     router = APIRouter()
-    chat = ChatService(deployments)
     completions = CompletionService(deployments)
     embeddings = EmbeddingService(deployments)
 

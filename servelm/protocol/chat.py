@@ -148,7 +148,10 @@ class ChatCompletionRequest(GenerationFields):
     modalities: list[Literal["text", "audio"]] | None = None
     audio: dict[str, Any] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # asks for the model's own default length
+    # reasoning: the template's thinking switch (`none` turns it off) and a budget of reasoning tokens (servelm's:
+    # past it the engine closes the thought itself); low, medium and high have the deployment's budgets
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
 
 
 class FunctionCallOut(ResponseModel):
@@ -175,6 +178,9 @@ class ChatMessageOut(ResponseModel):
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = Field(None, exclude_if=_absent)
     function_call: FunctionCallOut | None = Field(None, exclude_if=_absent)  # the deprecated `functions` answer
+    # a thinking model's thought, under both names in use (vLLM's reasoning_content, and reasoning)
+    reasoning_content: str | None = Field(None, exclude_if=_absent)
+    reasoning: str | None = Field(None, exclude_if=_absent)
 
 
 class Choice(ResponseModel):
@@ -212,6 +218,8 @@ class Delta(ResponseModel):
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
     function_call: DeltaFunction | None = None  # the deprecated `functions` answer
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChunkChoice(ResponseModel):

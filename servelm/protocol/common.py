@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,8 +26,9 @@ class StreamOptions(WireModel):
     continuous_usage_stats: bool | None = None
 
 
-class GenerationFields(WireModel):
-    """The fields every text-generating request shares (chat and legacy completions)."""
+class SamplingExtras(WireModel):
+    """The fields every text-generating request shares (chat, completions, Responses): the model, how tokens are
+    drawn and what stops them, and the annotations."""
 
     model: str
     # sampling
@@ -40,27 +41,16 @@ class GenerationFields(WireModel):
     presence_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
-    # beam search (OpenVINO Model Server, vLLM)
-    use_beam_search: bool | None = None
-    length_penalty: Annotated[float, Field(ge=-LENGTH_PENALTY_LIMIT, le=LENGTH_PENALTY_LIMIT)] | None = None
-    diversity_penalty: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    num_beam_groups: Annotated[int, Field(ge=1)] | None = None
-    early_stopping: bool | None = None
     # stopping
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
-    include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    # vLLM's: the logprob of every prompt token after the first, with this many most likely alternatives
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # output
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
+    # the chat template's switches (vLLM's), e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+    # llama-server's: the answer carries `timings` (prompt and generation times, and the time it waited)
+    timings_per_request: bool | None = None
     # annotations: they describe the request to the platform and change nothing in the answer
     user: str | None = None
     store: bool | None = None
@@ -72,6 +62,26 @@ class GenerationFields(WireModel):
     prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
     # vLLM's: prefix-cache entries are shared only between requests of the same key and the same salt
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+
+class GenerationFields(SamplingExtras):
+    """The fields of the two completion APIs (chat and legacy completions)."""
+
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    # beam search (OpenVINO Model Server, vLLM)
+    use_beam_search: bool | None = None
+    length_penalty: Annotated[float, Field(ge=-LENGTH_PENALTY_LIMIT, le=LENGTH_PENALTY_LIMIT)] | None = None
+    diversity_penalty: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    num_beam_groups: Annotated[int, Field(ge=1)] | None = None
+    early_stopping: bool | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    include_stop_str_in_output: bool | None = None
+    # vLLM's: the logprob of every prompt token after the first, with this many most likely alternatives
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # output
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
 
 
 class ResponseModel(BaseModel):
@@ -87,6 +97,12 @@ class Usage(ResponseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class NamedEvent(ResponseModel):
+    """A stream event whose type names it on the wire (`event: <type>`): the Responses and Messages APIs'."""
+
+    type: str
 
 
 class ModelCard(ResponseModel):

@@ -96,7 +96,8 @@ class Ingress:
         template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
         deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
                                          grammar_limits=grammar_limits(spec.engine),
-                                         special_tokens_in_content=spec.special_tokens_in_content)
+                                         special_tokens_in_content=spec.special_tokens_in_content,
+                                         reasoning_markers=spec.reasoning_markers)
         deployment.context_window = info.context_window  # the replicas' (their KV cache bounds it)
         deployment.max_choices = info.max_choices
         deployment.fingerprint = info.fingerprint

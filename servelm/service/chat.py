@@ -9,9 +9,10 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from servelm.chat.reasoning import ReasoningMarkers, ReasoningParser, split_reasoning
 from servelm.chat.template import TemplateError
 from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
-from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, TokenLogprob
+from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, Thinking, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.chat import (
     ChatCompletion,
@@ -52,6 +53,8 @@ class PreparedChat:
     include_usage: bool
     tools: ToolPlan | None = None  # set when the answer may hold tool calls
     legacy_functions: bool = False  # asked with the deprecated `functions`: a call answers as function_call
+    reasoning: ReasoningMarkers | None = None  # the answer may begin with a thought between these markers
+    timings: bool = False  # the answer carries llama-server's timings
 
     @property
     def generations(self) -> tuple[GenerationRequest, ...]:
@@ -71,7 +74,7 @@ class ChatService:
         check_tool_answers(req)
         output = plan_output(req, dep)
         messages = template_messages(req, output.system_text or "", dep.tool_style.native)
-        extra = {"tools": output.template_tools} if output.template_tools else {}
+        extra = {**template_switches(req, dep), **({"tools": output.template_tools} if output.template_tools else {})}
         prompt = prompt_ids(dep, messages, extra)
         ep = EndpointParams(
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
@@ -83,16 +86,19 @@ class ChatService:
         )
         params = sampling_params(req, dep, len(prompt), ep)
         scope = cache_scope(ctx.owner, req.cache_salt)
+        # a thought is read unless a grammar binds the answer from its first token
+        markers = dep.reasoning if output.constraint is None or output.constraint.free_unless else None
+        thinking = _thinking(req, dep, markers, prompt)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
-                                       scope, cache_hint(scope, req.prompt_cache_key))
+                                       scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools,
-                            legacy)
+                            legacy, markers, bool(req.timings_per_request or ctx.timings))
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedChat) -> ChatCompletion:
         collector = Collector(p.generation.params)
-        watch = ToolCallStream(p.tools.format, p.legacy_functions) if p.tools and _stops_on_repeat(p) else None
+        watch = ToolCallStream(p.tools.format, p.legacy_functions) if _stops_on_repeat(p) and p.tools else None
         async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
             async for out in outputs:
                 collector.add(out)
@@ -102,7 +108,7 @@ class ChatService:
                         collector.stop(0)
                         break
         choices = [self._choice(p, i, r) for i, r in enumerate(collector.chosen())]
-        extra = {}
+        extra: dict[str, Any] = {"timings": collector.timings()} if p.timings else {}
         if p.generation.params.prompt_logprobs is not None:  # vLLM's, at the top as vLLM puts them
             extra["prompt_logprobs"] = vllm_prompt_logprobs(p.generation.prompt_token_ids, collector.prompt_logprobs,
                                                             p.deployment.vocab.token_bytes)
@@ -113,7 +119,7 @@ class ChatService:
             model=p.model,
             system_fingerprint=p.deployment.fingerprint,
             choices=choices,
-            usage=_usage(len(p.generation.prompt_token_ids), collector.completion_tokens, collector.cached_tokens),
+            usage=_usage(p, collector),
         )
 
     def _choice(self, p: PreparedChat, index: int, r: SeqResult) -> Choice:
@@ -121,9 +127,10 @@ class ChatService:
         if out is None or out.finish_reason is None:
             raise ServerError("The engine ended a choice without saying why.")
         reason: str = out.finish_reason.value
-        message = ChatMessageOut(content=r.text)
+        thought, text = split_reasoning(p.reasoning, _opened(p), r.text) if p.reasoning else ("", r.text)
+        message = ChatMessageOut(content=text)
         if p.tools is not None:
-            content, calls = parse_tool_calls(p.tools.format, r.text)
+            content, calls = parse_tool_calls(p.tools.format, text)
             if calls and p.legacy_functions:  # one call (parallel calls are off), content null, as OpenAI
                 name, arguments = calls[0]
                 message = ChatMessageOut(function_call=FunctionCallOut(name=name, arguments=arguments))
@@ -136,6 +143,8 @@ class ChatService:
                 )
                 if out.finish_reason is FinishReason.STOP:
                     reason = "tool_calls"
+        if thought:  # under both names: clients read one or the other
+            message.reasoning_content = message.reasoning = thought
         return Choice(index=index, message=message, finish_reason=reason, stop_reason=out.stop_reason,
                       logprobs=self._logprobs(p, r.logprobs))
 
@@ -162,6 +171,7 @@ class ChatService:
         params = p.generation.params
         n = params.n
         streams = [ToolCallStream(p.tools.format, p.legacy_functions) if p.tools else None for _ in range(n)]
+        thoughts = [ReasoningParser(p.reasoning, _opened(p)) if p.reasoning else None for _ in range(n)]
         for i in range(n):
             # as OpenAI: content "" opens a text answer, null one that may hold calls
             opening = Delta(role="assistant", content=None if p.tools else "")
@@ -173,7 +183,8 @@ class ChatService:
             async for out in outputs:
                 collector.add(out)
                 if live:
-                    for c in self._chunk_choices(p, out.index, streams[out.index], out.text, out.logprobs, out):
+                    for c in self._chunk_choices(p, out.index, streams[out.index], thoughts[out.index], out.text,
+                                                 out.logprobs, out):
                         yield chunk([c])
                 if watch is not None and watch.repeated and not out.finished:  # as complete() does
                     collector.stop(0)
@@ -182,18 +193,27 @@ class ChatService:
                     break
         if not live:  # best_of > n or beam search: a choice is known only once every sequence has ended
             for i, r in enumerate(collector.chosen()):
-                for c in self._chunk_choices(p, i, streams[i], r.text, r.logprobs, r.final):
+                for c in self._chunk_choices(p, i, streams[i], thoughts[i], r.text, r.logprobs, r.final):
                     yield chunk([c])
-        if p.include_usage:
-            usage = _usage(len(p.generation.prompt_token_ids), collector.completion_tokens, collector.cached_tokens)
-            yield chunk([], usage=usage)
+        last: dict[str, Any] = {"usage": _usage(p, collector)} if p.include_usage else {}
+        if p.timings:  # llama-server's, in a last chunk of their own
+            last["timings"] = collector.timings()
+        if last:
+            yield chunk([], **last)
 
-    def _chunk_choices(self, p: PreparedChat, index: int, ts: ToolCallStream | None, text: str,
-                       entries: list[TokenLogprob] | None, out: GenerationOutput | None) -> list[ChunkChoice]:
-        """One piece of a choice as chunk choices: its deltas (the first carries the logprobs), then the
-        finish when `out` is final."""
-        deltas = ts.feed(text) if ts else ([Delta(content=text)] if text else [])
+    def _chunk_choices(self, p: PreparedChat, index: int, ts: ToolCallStream | None, rp: ReasoningParser | None,
+                       text: str, entries: list[TokenLogprob] | None, out: GenerationOutput | None) -> list[ChunkChoice]:
+        """One piece of a choice as chunk choices: its thought and answer deltas (the first carries the logprobs),
+        then the finish when `out` is final."""
         final = out is not None and out.finished
+        thought = ""
+        if rp is not None:
+            thought, text = rp.feed(text)
+            if final:
+                more_thought, more_text = rp.finish()
+                thought, text = thought + more_thought, text + more_text
+        deltas = [Delta(reasoning_content=thought, reasoning=thought)] if thought else []
+        deltas += ts.feed(text) if ts else ([Delta(content=text)] if text else [])
         if final and ts:
             deltas += ts.finish()
         logprobs = self._logprobs(p, entries) if entries else None
@@ -213,10 +233,50 @@ class ChatService:
 
 
 def _stops_on_repeat(p: PreparedChat) -> bool:
-    """Whether the answer ends at the first repeated call: a request of one choice that may make calls (with
-    several choices, one cannot stop alone: repeats are only dropped)."""
+    """Whether the answer ends at the first repeated call: a request of one choice that may make calls and does
+    not think first (with several choices, one cannot stop alone: repeats are only dropped)."""
     params = p.generation.params
-    return p.tools is not None and params.n == 1 and streams_live(params)
+    return p.tools is not None and p.reasoning is None and params.n == 1 and streams_live(params)
+
+
+def _opened(p: PreparedChat) -> bool:
+    """Whether the prompt opened the thought (a template that writes the opening marker itself)."""
+    return p.generation.thinking is not None and p.generation.thinking.opened
+
+
+# what each reasoning_effort allows the thought, in tokens (None: no bound)
+EFFORT_BUDGETS: dict[str, int | None] = {"minimal": 64, "low": 512, "medium": 2048, "high": None}
+_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_switches(req: ChatCompletionRequest, dep: TextDeployment) -> dict[str, Any]:
+    """The chat template's keyword switches: chat_template_kwargs, and the thinking switch (`enable_thinking`)
+    that reasoning_effort sets unless they set it."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    for name in _RESERVED:
+        if name in kwargs:
+            raise InvalidParameter(f"chat_template_kwargs may not set {name!r}.", "chat_template_kwargs")
+    effort = req.reasoning_effort
+    if dep.reasoning is None:  # a model that does not think: effort and budget change nothing (as vLLM takes them)
+        return kwargs
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
+def _thinking(req: ChatCompletionRequest, dep: TextDeployment, markers: ReasoningMarkers | None,
+              prompt: list[int]) -> Thinking | None:
+    """What the engine is told of the thought: its markers, whether the prompt opened it, and its budget
+    (thinking_budget, else reasoning_effort's)."""
+    if markers is None:
+        return None
+    budget = req.thinking_budget
+    if budget is None and req.reasoning_effort is not None:
+        budget = 0 if req.reasoning_effort == "none" else EFFORT_BUDGETS[req.reasoning_effort]
+    tail = b"".join(dep.vocab.token_bytes(t) for t in prompt[-16:]).decode("utf-8", "replace")
+    close_ids = tuple(dep.vocab.tokenize_bare(markers.close, True))
+    return Thinking(markers.open.encode(), markers.close.encode(), close_ids, tail.rstrip().endswith(markers.open),
+                    budget)
 
 
 class ToolCallStream:
@@ -290,12 +350,15 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _usage(prompt: int, completion: int, cached: int) -> Usage:
+def _usage(p: PreparedChat, collector: Collector) -> Usage:
+    prompt, completion = len(p.generation.prompt_token_ids), collector.completion_tokens
+    extra = {"completion_tokens_details": {"reasoning_tokens": collector.reasoning_tokens}} if p.reasoning else {}
     return Usage(
+        **extra,
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=collector.cached_tokens),
     )
 
 

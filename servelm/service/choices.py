@@ -7,7 +7,9 @@ cases a stream can send a choice only once it is chosen (see `streams_live`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelm.engine.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
@@ -43,14 +45,42 @@ class Collector:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.prompt_tokens = 0
+        # for llama-server's timings: when it was asked for (perf_counter), its first and latest output
+        self.started = time.perf_counter()
+        self.first: GenerationOutput | None = None
+        self.first_at = self.last_at = 0.0
 
     def add(self, out: GenerationOutput) -> None:
+        self.last_at = time.perf_counter()
+        if self.first is None:
+            self.first, self.first_at = out, self.last_at
         self.seqs[out.index].add(out)
         self.cached_tokens = out.cached_tokens
+        self.prompt_tokens = out.prompt_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.completion_tokens += out.completion_tokens
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(s.final.reasoning_tokens for s in self.seqs if s.final is not None)
+
+    def timings(self) -> dict[str, Any]:
+        """llama-server's `timings`, with the time the request waited (queue_ms: from its arrival here to the
+        engine's first step for it)."""
+        first = self.first
+        prompt_s = first.prompt_seconds if first is not None else 0.0
+        waited = max(0.0, self.first_at - self.started - prompt_s) if first is not None else 0.0
+        prompt_n = max(0, self.prompt_tokens - self.cached_tokens)
+        predicted_ms = max(0.0, self.last_at - self.first_at) * 1000
+        out: dict[str, Any] = {"cache_n": self.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_s * 1000}
+        out.update(_rates("prompt", prompt_n, prompt_s * 1000))
+        out.update(predicted_n=self.completion_tokens, predicted_ms=predicted_ms)
+        out.update(_rates("predicted", self.completion_tokens, predicted_ms))
+        out["queue_ms"] = waited * 1000
+        return out
 
     def stop(self, index: int) -> None:
         """The caller ended a sequence early (the engine's request is aborted): it counts as stopped there."""
@@ -64,3 +94,7 @@ class Collector:
             return list(self.seqs)
         ranked = sorted(self.seqs, key=lambda s: -(s.final.cumulative_logprob if s.final else float("-inf")))
         return ranked[: self.params.n]
+
+
+def _rates(kind: str, n: int, ms: float) -> dict[str, float]:
+    return {f"{kind}_per_token_ms": ms / n if n else 0.0, f"{kind}_per_second": n * 1000 / ms if ms > 0 else 0.0}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from servelm.chat.markers import ControlMarkers
+from servelm.chat.reasoning import ReasoningMarkers
 from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
@@ -69,6 +70,7 @@ class TextDeployment(Deployment):
     # with special tokens parsed, message text included (the opt-in `special_tokens_in_content`, or no vocabulary)
     markers: ControlMarkers | None = None
     bos_id: int | None = None  # the BOS token a prompt begins with, when the model asks for one
+    reasoning: ReasoningMarkers | None = None  # a model that thinks between these markers (chat/reasoning.py)
 
 
 class Deployments:

@@ -21,6 +21,7 @@ class RequestContext:
 
     owner: str = ""  # the API key's digest (hex); "" on an open server
     max_batch_prompts: int = 128  # prompts one legacy-completions request may carry
+    timings: bool = False  # every answer carries llama-server's timings (the server's --timings)
 
 
 def cache_scope(owner: str, salt: str | None) -> str:

@@ -1,0 +1,285 @@
+"""OpenAI Responses API wire shapes (POST /v1/responses, its stream events, and the stored-response routes)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag
+
+from servelm.protocol.chat import FunctionName
+from servelm.protocol.common import NamedEvent, ResponseModel, SamplingExtras, WireModel
+
+
+# -- input items -------------------------------------------------------------------------------------------
+class InputText(WireModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier answer resent: nothing to do with them
+    logprobs: list[Any] | None = None
+
+
+class Refusal(WireModel):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputMedia(WireModel):
+    """Image, file and audio input: recognised so that the answer can say this model takes text only."""
+
+    model_config = WireModel.model_config | {"extra": "allow"}
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+ContentItem = Annotated[InputText | Refusal | InputMedia, Field(discriminator="type")]
+
+
+class MessageItem(WireModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentItem]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None
+
+
+class FunctionCallItem(WireModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(WireModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentItem]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningText(WireModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItemIn(WireModel):
+    """An earlier answer's reasoning, resent: it is not shown to the model again (as OpenAI drops it)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+def _item_tag(value: Any) -> str:
+    if isinstance(value, dict):
+        return str(value.get("type", "message"))
+    return str(getattr(value, "type", "message"))
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItemIn, Tag("reasoning")],
+    Discriminator(_item_tag, custom_error_type="invalid_item",
+                  custom_error_message="an input item is a message, function_call, function_call_output or reasoning"),
+]
+
+
+# -- tools and formats ---------------------------------------------------------------------------------------
+class FunctionTool(WireModel):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class HostedTool(WireModel):
+    """A tool OpenAI runs itself (web search, file search, code interpreter…): not served here; ignored with a
+    warning in the response, since clients send them by default."""
+
+    model_config = WireModel.model_config | {"extra": "allow"}
+    type: str
+
+
+def _tool_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "function" if kind == "function" else "hosted"
+
+
+ToolParam = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(_tool_tag),
+]
+
+
+class FunctionChoice(WireModel):
+    type: Literal["function"]
+    name: str
+
+
+class AllowedTools(WireModel):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+class TextFormat(WireModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: FunctionName | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextParam(WireModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningParam(WireModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesStreamOptions(WireModel):
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(SamplingExtras):
+    input: str | list[InputItem] = []
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    text: TextParam | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedTools | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    reasoning: ReasoningParam | None = None
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None  # servelm's, as on chat completions
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    prompt_cache_retention: str | None = None
+
+
+# -- output ----------------------------------------------------------------------------------------------------
+class OutputText(ResponseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class OutputMessage(ResponseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = []
+
+
+class FunctionCallOut(ResponseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ReasoningOutText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOut(ResponseModel):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningOutText] = []
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallOut | ReasoningOut
+
+
+class InputTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(ResponseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(ResponseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(ResponseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    completed_at: int | None = None
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict[str, Any] | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] = {"effort": None, "summary": None}
+    store: bool = True
+    temperature: float | None = None
+    text: dict[str, Any] = {"format": {"type": "text"}}
+    tool_choice: Any = "auto"
+    tools: list[dict[str, Any]] = []
+    top_p: float | None = None
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = {}
+    warnings: list[str] | None = Field(None, exclude_if=lambda v: not v)  # tools ignored (not served here)
+
+
+class DeletedResponse(ResponseModel):
+    id: str
+    object: Literal["response.deleted"] = "response.deleted"
+    deleted: bool = True
+
+
+class InputItemList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ResponseEvent(NamedEvent):
+    """One event of a streamed response: its type, its place in the stream, and the fields of that type."""
+
+    model_config = ResponseModel.model_config
+    sequence_number: int

@@ -1,0 +1,460 @@
+"""POST /v1/responses, the OpenAI Responses API, over the chat service: the request's items become a chat request
+(its messages, tools, format and sampling), the chat answer becomes output items, and its stream becomes the
+Responses event sequence. `store` keeps the answer (service/store.py) for GET, DELETE and previous_response_id."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from servelm.errors import InvalidParameter, NotFound
+from servelm.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Delta
+from servelm.protocol.common import SamplingExtras
+from servelm.protocol.responses import (
+    AllowedTools,
+    FunctionCallItem,
+    FunctionCallOut,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionTool,
+    IncompleteDetails,
+    InputItemList,
+    InputMedia,
+    InputTokensDetails,
+    MessageItem,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItemIn,
+    ReasoningOut,
+    ReasoningOutText,
+    Refusal,
+    ResponseEvent,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from servelm.service.chat import ChatService, PreparedChat
+from servelm.service.deployments import TextDeployment
+from servelm.service.params import RequestContext
+from servelm.service.store import ResponseStore, StoredResponse
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+@dataclass(frozen=True)
+class PreparedResponse:
+    chat: PreparedChat
+    request: ResponsesRequest
+    owner: str
+    response_id: str
+    created_at: int
+    input_items: list[dict[str, Any]]
+    history: list[dict[str, Any]]  # the conversation before this input (from previous_response_id)
+    warnings: list[str]
+
+    @property
+    def stream(self) -> bool:
+        return self.chat.stream
+
+    @property
+    def deployment(self) -> TextDeployment:
+        return self.chat.deployment
+
+    @property
+    def generations(self) -> tuple[Any, ...]:
+        return self.chat.generations
+
+
+class ResponsesService:
+    def __init__(self, chat: ChatService, store: ResponseStore) -> None:
+        self.chat = chat
+        self.deployments = chat.deployments
+        self.store = store
+
+    # -- validation and conversion ----------------------------------------------------------------
+    def prepare(self, req: ResponsesRequest, ctx: RequestContext = RequestContext()) -> PreparedResponse:
+        _reject_unsupported(req)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = self.store.get(ctx.owner, req.previous_response_id)
+            if previous is None:
+                raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = previous.history
+        items = input_items(req)
+        tools, warnings = _tools(req)
+        body: dict[str, Any] = req.model_dump(include=set(SamplingExtras.model_fields), exclude_none=True)
+        body["messages"] = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + \
+            chat_messages(history + items, len(history))
+        body["max_completion_tokens"] = req.max_output_tokens
+        if tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in tools]
+            body["tool_choice"] = _tool_choice(req.tool_choice, body["tools"])
+            body["parallel_tool_calls"] = req.parallel_tool_calls is not False and req.max_tool_calls != 1
+        elif isinstance(req.tool_choice, FunctionChoice) or req.tool_choice == "required":
+            raise InvalidParameter("tool_choice asks for a function call, but no function tools were given.",
+                                   "tool_choice")
+        body["response_format"] = _response_format(req)
+        if req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ()):
+            body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
+        body["thinking_budget"] = req.thinking_budget
+        if req.reasoning is not None and req.reasoning.effort is not None:
+            body["reasoning_effort"] = "high" if req.reasoning.effort == "xhigh" else req.reasoning.effort
+        if req.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        try:
+            chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise InvalidParameter(f"Invalid input: {err['msg']}.", "input") from None
+        prepared = self.chat.prepare(chat_req, ctx)
+        return PreparedResponse(prepared, req, ctx.owner, f"resp_{uuid.uuid4().hex}", int(time.time()), items,
+                                history, warnings)
+
+    # -- running ----------------------------------------------------------------------------------
+    async def complete(self, p: PreparedResponse) -> ResponseObject:
+        completion = await self.chat.complete(p.chat)
+        choice = completion.choices[0]
+        response = self._response(p, output_items(choice.message, choice.logprobs), choice.finish_reason, completion)
+        await self._keep(p, response)
+        return response
+
+    async def stream(self, p: PreparedResponse) -> AsyncGenerator[ResponseEvent, None]:
+        events = _EventWriter()
+        shell = self._response(p, [], None, None)
+        yield events.make("response.created", response=shell)
+        yield events.make("response.in_progress", response=shell)
+        finish: str | None = None
+        last: ChatCompletionChunk | None = None
+        async for chunk in self.chat.stream(p.chat):
+            last = chunk
+            for choice in chunk.choices:
+                for event in events.delta(choice.delta, choice.logprobs):
+                    yield event
+                finish = choice.finish_reason or finish
+        if not any(isinstance(i, (OutputMessage, FunctionCallOut)) for i in events.items):
+            for event in events.delta(Delta(content=""), None, force=True):  # an empty answer is an empty message
+                yield event
+        for event in events.close():
+            yield event
+        response = self._response(p, events.items, finish, last)
+        await self._keep(p, response)
+        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        yield events.make(kind, response=response)
+
+    def _response(self, p: PreparedResponse, output: list[OutputItem], finish: str | None,
+                  answer: ChatCompletion | ChatCompletionChunk | None) -> ResponseObject:
+        req = p.request
+        usage = answer.usage if answer is not None else None
+        extra = {}
+        if answer is not None and answer.model_extra and "timings" in answer.model_extra:
+            extra["timings"] = answer.model_extra["timings"]
+        reasoning_tokens = 0
+        if usage is not None and usage.model_extra and usage.model_extra.get("completion_tokens_details"):
+            reasoning_tokens = usage.model_extra["completion_tokens_details"].get("reasoning_tokens", 0)
+        return ResponseObject(
+            **extra,
+            id=p.response_id,
+            created_at=p.created_at,
+            completed_at=int(time.time()) if finish is not None else None,
+            status="in_progress" if finish is None else "incomplete" if finish == "length" else "completed",
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,
+            instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens,
+            model=p.chat.model,
+            output=output,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            previous_response_id=req.previous_response_id,
+            reasoning={"effort": req.reasoning.effort if req.reasoning else None,
+                       "summary": req.reasoning.summary if req.reasoning else None},
+            store=req.store is not False,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if req.text and req.text.format else {"format": {"type": "text"}},
+            tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice or "auto",
+            tools=[t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or ()],
+            top_p=1.0 if req.top_p is None else req.top_p,
+            truncation=req.truncation or "disabled",
+            usage=None if usage is None else ResponseUsage(
+                input_tokens=usage.prompt_tokens,
+                input_tokens_details=InputTokensDetails(
+                    cached_tokens=usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0),
+                output_tokens=usage.completion_tokens,
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+                total_tokens=usage.total_tokens,
+            ),
+            user=req.user,
+            metadata=req.metadata or {},
+            warnings=p.warnings,
+        )
+
+    async def _keep(self, p: PreparedResponse, response: ResponseObject) -> None:
+        if p.request.store is False:
+            return
+        body = response.model_dump(mode="json")
+        output = [_as_input(item) for item in body["output"]]
+        entry = StoredResponse(body, p.input_items, p.history + p.input_items + output)
+        await asyncio.to_thread(self.store.put, p.owner, p.response_id, entry)
+
+    # -- the stored responses -----------------------------------------------------------------------
+    def stored(self, owner: str, response_id: str) -> StoredResponse:
+        found = self.store.get(owner, response_id)
+        if found is None:
+            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+        return found
+
+    def delete(self, owner: str, response_id: str) -> None:
+        if not self.store.delete(owner, response_id):
+            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+
+    def input_item_list(self, owner: str, response_id: str, order: str = "desc", limit: int = 20,
+                        after: str | None = None) -> InputItemList:
+        items = list(self.stored(owner, response_id).input_items)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[:limit]
+        return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                             last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+
+
+# -- request → chat ----------------------------------------------------------------------------------------------
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (JSON), each with an id (a string input is one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}],
+                 "id": f"msg_{uuid.uuid4().hex}"}]
+    out = []
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    for item in req.input:
+        data = item.model_dump(by_alias=True, exclude_none=True)
+        data.setdefault("id", f"{prefix[data['type']]}_{uuid.uuid4().hex}")
+        if data["type"] == "message" and isinstance(data["content"], str):  # as OpenAI lists it: a text part
+            kind = "output_text" if data["role"] == "assistant" else "input_text"
+            data["content"] = [{"type": kind, "text": data["content"]}]
+        out.append(data)
+    return out
+
+
+def chat_messages(items: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
+    """Items (JSON) as chat messages: function calls join the assistant message before them, outputs become tool
+    messages, reasoning is left out. `first`: how many items came from previous_response_id (errors name input
+    positions after them)."""
+    messages: list[dict[str, Any]] = []
+    for n, data in enumerate(items):
+        kind = data.get("type", "message")
+        where = f"input[{n - first}]" if n >= first else "previous_response_id"
+        if kind == "message":
+            item = MessageItem.model_validate(data)
+            messages.append({"role": item.role, "content": _text(item.content, where)})
+        elif kind == "function_call":
+            call = FunctionCallItem.model_validate(data)
+            tool_call = {"id": call.call_id, "type": "function",
+                         "function": {"name": call.name, "arguments": call.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(tool_call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+        elif kind == "function_call_output":
+            result = FunctionCallOutputItem.model_validate(data)
+            output = result.output if isinstance(result.output, str) else _text(result.output, where)
+            messages.append({"role": "tool", "tool_call_id": result.call_id, "content": output})
+        else:
+            ReasoningItemIn.model_validate(data)
+    return messages
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, InputMedia) or isinstance(part, dict) and part.get("type") in ("input_image", "input_file",
+                                                                                             "input_audio"):
+            raise InvalidParameter("This model takes text input only; send input_text parts.", f"{where}.content[{j}]",
+                                   "unsupported_content")
+        if isinstance(part, Refusal):
+            parts.append(part.refusal)
+        elif isinstance(part, dict):
+            parts.append(part.get("text") or part.get("refusal") or "")
+        else:
+            parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _tools(req: ResponsesRequest) -> tuple[list[FunctionTool], list[str]]:
+    functions = [t for t in req.tools or () if isinstance(t, FunctionTool)]
+    ignored = sorted({t.type for t in req.tools or () if not isinstance(t, FunctionTool)})
+    warnings = [f"The {kind} tool is not served here; it was ignored." for kind in ignored]
+    if isinstance(req.tool_choice, AllowedTools):
+        allowed = {t.get("name") for t in req.tool_choice.tools if t.get("type") == "function"}
+        functions = [t for t in functions if t.name in allowed]
+    return functions, warnings
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedTools):
+        return choice.mode
+    return choice
+
+
+def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.name is None:
+        raise InvalidParameter("Missing required parameter: 'text.format.name'.", "text.format.name",
+                               "missing_required_parameter")
+    if fmt.schema_ is None:
+        raise InvalidParameter("Missing required parameter: 'text.format.schema'.", "text.format.schema",
+                               "missing_required_parameter")
+    schema = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+
+
+def _reject_unsupported(req: ResponsesRequest) -> None:
+    if req.background:
+        raise InvalidParameter("Background responses are not supported; leave out background.", "background",
+                               "unsupported_parameter")
+    if req.truncation == "auto":
+        raise InvalidParameter("truncation 'auto' is not supported: an input longer than the context window is a "
+                               "400; leave out truncation or send 'disabled'.", "truncation", "unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidParameter("stream_options is only allowed when stream is true.", "stream_options")
+    if isinstance(req.input, list) and not req.input and req.previous_response_id is None:
+        raise InvalidParameter("Missing required parameter: 'input'.", "input", "missing_required_parameter")
+
+
+# -- chat → output items ---------------------------------------------------------------------------------------
+def output_items(message: ChatMessageOut, logprobs: Any = None) -> list[OutputItem]:
+    items: list[OutputItem] = []
+    if message.reasoning_content:
+        items.append(ReasoningOut(id=f"rs_{uuid.uuid4().hex}",
+                                  content=[ReasoningOutText(text=message.reasoning_content)]))
+    if message.content or not message.tool_calls:
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        items.append(OutputMessage(id=f"msg_{uuid.uuid4().hex}",
+                                   content=[OutputText(text=message.content or "", logprobs=entries or [])]))
+    for call in message.tool_calls or ():
+        items.append(FunctionCallOut(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=call.function.name,
+                                     arguments=call.function.arguments))
+    return items
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item (JSON) as the input item that resends it."""
+    if item["type"] == "message":
+        return {"type": "message", "role": "assistant", "id": item["id"],
+                "content": [{"type": "output_text", "text": c["text"]} for c in item["content"]]}
+    if item["type"] == "function_call":
+        return {k: item[k] for k in ("type", "id", "call_id", "name", "arguments")}
+    return {"type": "reasoning", "id": item["id"], "summary": []}
+
+
+class _EventWriter:
+    """Chat chunk deltas → Responses events: each output item opens (output_item.added, and a message's
+    content_part.added), grows by deltas, and closes (the .done events) when the next begins or the answer ends."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.items: list[OutputItem] = []
+        self._open: OutputItem | None = None
+        self._calls: dict[int, FunctionCallOut] = {}
+
+    def make(self, kind: str, **fields: Any) -> ResponseEvent:
+        # nested objects as they are now (an item grows after its added event)
+        fields = {k: v.model_dump(mode="json", by_alias=True) if isinstance(v, BaseModel) else v for k, v in fields.items()}
+        event = ResponseEvent(type=kind, sequence_number=self.sequence, **fields)
+        self.sequence += 1
+        return event
+
+    @property
+    def _index(self) -> int:
+        return len(self.items) - 1
+
+    def delta(self, delta: Delta, logprobs: Any, force: bool = False) -> list[ResponseEvent]:
+        events: list[ResponseEvent] = []
+        if delta.reasoning_content:
+            if not isinstance(self._open, ReasoningOut):
+                events += self._begin(ReasoningOut(id=f"rs_{uuid.uuid4().hex}", status="in_progress",
+                                                   content=[ReasoningOutText(text="")]))
+            assert isinstance(self._open, ReasoningOut)
+            thought = delta.reasoning_content
+            self._open.content[0].text += thought
+            events.append(self.make("response.reasoning_text.delta", item_id=self._open.id, output_index=self._index,
+                                    content_index=0, delta=thought))
+        if delta.content or force:
+            if not isinstance(self._open, OutputMessage):
+                events += self._begin(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress"))
+                assert isinstance(self._open, OutputMessage)
+                self._open.content.append(OutputText(text=""))
+                events.append(self.make("response.content_part.added", item_id=self._open.id,
+                                        output_index=self._index, content_index=0, part=OutputText(text="")))
+            assert isinstance(self._open, OutputMessage)
+            entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+            part = self._open.content[0]
+            text = delta.content or ""
+            part.text += text
+            part.logprobs += entries or []
+            if text:
+                events.append(self.make("response.output_text.delta", item_id=self._open.id,
+                                        output_index=self._index, content_index=0, delta=text,
+                                        logprobs=entries or []))
+        for call in delta.tool_calls or ():
+            if call.id is not None:  # a new call
+                name = call.function.name if call.function is not None else None
+                item = FunctionCallOut(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=name or "",
+                                       arguments="", status="in_progress")
+                self._calls[call.index] = item
+                events += self._begin(item)
+            item = self._calls[call.index]
+            if call.function is not None and call.function.arguments:
+                item.arguments += call.function.arguments
+                events.append(self.make("response.function_call_arguments.delta", item_id=item.id,
+                                        output_index=self.items.index(item), delta=call.function.arguments))
+        return events
+
+    def _begin(self, item: OutputItem) -> list[ResponseEvent]:
+        events = self.close()
+        self.items.append(item)
+        self._open = item
+        return events + [self.make("response.output_item.added", output_index=self._index,
+                                   item=item)]
+
+    def close(self) -> list[ResponseEvent]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        item.status = "completed"
+        events = []
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            events += [self.make("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                                 text=part.text, logprobs=part.logprobs),
+                       self.make("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                                 part=part)]
+        elif isinstance(item, FunctionCallOut):
+            events.append(self.make("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                    name=item.name, arguments=item.arguments))
+        else:
+            events.append(self.make("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                    content_index=0, text=item.content[0].text))
+        events.append(self.make("response.output_item.done", output_index=index, item=item))
+        return events
