@@ -73,6 +73,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     from servelm.http.limits import SecurityConfig
     from servelm.http.server import run as run_server
     from servelm.keys import load_keys
+    from servelm.service.store import MemoryStore, StoreLimits
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -84,8 +85,10 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         built = build(specs, config.endpoints if config else [], verbose_llama)
     except (ValueError, OSError, RuntimeError) as exc:  # a bad file, a missing model: say which, no traceback
         raise SystemExit(f"servelm: {exc}") from None
+    limits = StoreLimits.from_settings(settings)
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
-                     security=SecurityConfig.from_settings(settings, keys))
+                     security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
+                     store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s))
     names = ", ".join(repr(d.name) for d in built.deployments.all())
     log.info("serving %s on http://%s:%s", names, settings.host, settings.port)
     try:
@@ -104,8 +107,11 @@ def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[An
         from servelm.ray.application import build_application, serve_on_ray
     except ImportError as exc:
         raise SystemExit(f"servelm: --ray needs Ray Serve (pip install 'servelm[ray]'): {exc}") from None
+    from servelm.service.store import StoreLimits
+
     app = build_application(specs, endpoints, SecurityConfig.from_settings(settings, keys), verbose_llama=verbose_llama,
-                            log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout)
+                            log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout,
+                            store=StoreLimits.from_settings(settings), timings=settings.timings)
     serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
 
 

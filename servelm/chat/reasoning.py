@@ -35,6 +35,7 @@ class ReasoningParser:
         self.markers = markers
         self.state = "thinking" if opened else "start"  # start → thinking → answer (or start → answer)
         self._held = ""
+        self._trim = "\n" if opened else ""  # what a section that has just begun drops from its front
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text
@@ -43,19 +44,24 @@ class ReasoningParser:
             if self.state == "start":
                 head = self._held.lstrip()
                 if head.startswith(self.markers.open):
-                    self._held = head[len(self.markers.open):].lstrip("\n")
-                    self.state = "thinking"
+                    self._held = head[len(self.markers.open):]
+                    self.state, self._trim = "thinking", "\n"
                     continue
                 if head and not self.markers.open.startswith(head) or len(head) >= len(self.markers.open):
                     self.state = "answer"  # no thought
                     continue
                 return thought, answer  # whitespace, or part of the opening marker: wait
+            if self._trim:
+                self._held = self._held.lstrip(self._trim)
+                if not self._held:
+                    return thought, answer
+                self._trim = ""
             if self.state == "thinking":
                 i = self._held.find(self.markers.close)
                 if i >= 0:
                     thought += self._held[:i]
-                    self._held = self._held[i + len(self.markers.close):].lstrip()
-                    self.state = "answer"
+                    self._held = self._held[i + len(self.markers.close):]
+                    self.state, self._trim = "answer", " \t\r\n"
                     continue
                 keep = _partial_suffix(self._held, self.markers.close)
                 thought += self._held[: len(self._held) - keep]

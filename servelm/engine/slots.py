@@ -117,6 +117,8 @@ class Slots:
         if best in near and (continues or near == [best]):
             return Placement(best, n)  # the prompt continues the entry (or no other slot will do): nothing is lost
         other = self.spare(besides=best)
+        if self._worth(other)[0] and not self._worth(best)[0]:
+            return Placement(best, n)  # the only other slot holds a pinned entry: this unpinned one's tail goes
         return self._make_room(Placement(other, n, best) if n >= MIN_COPY else Placement(other), besides=best)
 
     def spare(self, besides: Slot | None = None) -> Slot:

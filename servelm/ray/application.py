@@ -16,6 +16,7 @@ from typing import Any
 
 from servelm.config import DeploymentSpec, EndpointSpec
 from servelm.http.limits import SecurityConfig
+from servelm.service.store import StoreLimits
 
 log = logging.getLogger("servelm.ray")
 
@@ -31,7 +32,8 @@ CONSTRUCTOR_TRIES = 3  # a replica that cannot start (a missing model file) fail
 
 def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec],
                       security: SecurityConfig | None = None, *, verbose_llama: bool = False,
-                      log_level: str = "info", shutdown_timeout: float = 10.0) -> Any:
+                      log_level: str = "info", shutdown_timeout: float = 10.0, store: StoreLimits | None = None,
+                      timings: bool = False) -> Any:
     """The bound Ray Serve application (pass it to serve.run). `shutdown_timeout`: seconds requests in flight
     may take to finish when the application stops (ServerSettings.shutdown_timeout)."""
     from ray import serve
@@ -49,6 +51,8 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints},
         security=security or SecurityConfig(),
         log_level=log_level,
+        store=store or StoreLimits(),
+        timings=timings,
     )
     ingress = serve.deployment(IngressDeployment).options(
         name=INGRESS_NAME, num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,

@@ -26,6 +26,7 @@ from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaSet
 from servelm.ray.replica import ReplicaInfo
 from servelm.ray.served_by import ReplicaHeader
 from servelm.service.deployments import Deployment, Deployments
+from servelm.service.store import StoreLimits
 
 log = logging.getLogger("servelm.ray")
 
@@ -39,6 +40,8 @@ class IngressPlan:
     endpoints: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     log_level: str = "info"
+    store: StoreLimits = field(default_factory=StoreLimits)  # the Responses API's stored answers (a Ray actor)
+    timings: bool = False
 
 
 class Ingress:
@@ -62,8 +65,10 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> Any:
         from servelm.http.app import create_app
+        from servelm.ray.store import RayStore
 
-        app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security)
+        app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security,
+                         store=RayStore(self._plan.store), timings=self._plan.timings)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:

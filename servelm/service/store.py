@@ -27,6 +27,20 @@ class StoredResponse:
         return len(json.dumps([self.response, self.input_items, self.history]))
 
 
+@dataclass(frozen=True)
+class StoreLimits:
+    """The store's bounds (ServerSettings' responses_store_*)."""
+
+    max_entries: int = 1000
+    max_bytes: int = 64 * 1024 * 1024
+    max_age_s: float = 3600.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> StoreLimits:
+        return cls(settings.responses_store_entries, settings.responses_store_mib * 1024 * 1024,
+                   settings.responses_store_ttl)
+
+
 class ResponseStore(Protocol):
     def put(self, owner: str, response_id: str, entry: StoredResponse) -> None: ...
 
@@ -38,8 +52,8 @@ class ResponseStore(Protocol):
 class MemoryStore:
     """The store in this process's memory: thread-safe (services read it from worker threads)."""
 
-    def __init__(self, max_entries: int = 1000, max_bytes: int = 64 * 1024 * 1024, max_age_s: float = 3600.0,
-                 clock: Any = time.monotonic) -> None:
+    def __init__(self, max_entries: int = StoreLimits.max_entries, max_bytes: int = StoreLimits.max_bytes,
+                 max_age_s: float = StoreLimits.max_age_s, clock: Any = time.monotonic) -> None:
         self.max_entries, self.max_bytes, self.max_age_s = max_entries, max_bytes, max_age_s
         self._clock = clock
         self._entries: OrderedDict[tuple[str, str], tuple[float, int, StoredResponse]] = OrderedDict()

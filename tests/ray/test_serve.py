@@ -208,3 +208,20 @@ async def _two_live_replicas(victim: str, timeout: float) -> set[str]:
             break
         await asyncio.sleep(1.0)
     return live
+
+
+def test_stored_responses_live_in_the_shared_actor(ray_server: RayServer) -> None:
+    import ray
+
+    from servelm.ray.store import ACTOR_NAME, ACTOR_NAMESPACE
+
+    base = ray_server.base_url
+    r = httpx.post(f"{base}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3},
+                   timeout=60).json()
+    assert httpx.get(f"{base}/v1/responses/{r['id']}", timeout=10).json()["id"] == r["id"]
+    # any replica reaches the store by name: here, this test's own Ray driver
+    actor = ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE)
+    assert ray.get(actor.get.remote("", r["id"])).response["id"] == r["id"]
+    follow = httpx.post(f"{base}/v1/responses", json={"model": MODEL, "input": "more", "max_output_tokens": 3,
+                                                       "previous_response_id": r["id"]}, timeout=60)
+    assert follow.status_code == 200 and follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
