@@ -306,6 +306,12 @@ def _echo_text(prompt: str | list[int], parts: PromptParts, dep: TextDeployment)
 
 
 def _reject_unsupported(req: CompletionRequest, dep: TextDeployment) -> None:
+    if req.chat_template_kwargs is not None:
+        raise InvalidParameter("chat_template_kwargs applies to chat requests: a completion's prompt is not rendered "
+                               "with the chat template.", "chat_template_kwargs", "unsupported_parameter")
+    if req.timings_per_request:
+        raise InvalidParameter("timings_per_request is served on chat completions, Responses and Messages.",
+                               "timings_per_request", "unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise InvalidParameter("stream_options is only allowed when stream is true.", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:

@@ -80,3 +80,9 @@ def test_cache_control_pins_the_prompt(fake_server_factory):
     again = httpx.post(server.base_url + "/v1/messages", json=body).json()
     assert first["usage"]["cache_read_input_tokens"] == 0
     assert again["usage"]["cache_read_input_tokens"] >= first["usage"]["input_tokens"] - 1
+
+
+@pytest.mark.parametrize("field", [{"chat_template_kwargs": {"enable_thinking": False}}, {"timings_per_request": True}])
+def test_chat_only_fields_are_a_400_on_completions(fake_server, field):
+    r = httpx.post(fake_server.base_url + "/v1/completions", json={"model": "fake-model", "prompt": "hi", **field})
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(field))
