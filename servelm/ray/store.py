@@ -32,9 +32,8 @@ class RayStore:
     from worker threads (the services prepare off the event loop), so its calls may block on the actor."""
 
     def __init__(self, limits: StoreLimits) -> None:
-        actor = StoreActor.options(name=ACTOR_NAME, namespace=ACTOR_NAMESPACE, get_if_exists=True,
-                                   lifetime="detached")  # type: ignore[attr-defined]  # ray.remote adds it
-        self._actor = actor.remote(limits)
+        options = {"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
+        self._actor = StoreActor.options(**options).remote(limits)  # type: ignore[attr-defined]  # ray.remote adds it
 
     def put(self, owner: str, response_id: str, entry: StoredResponse) -> None:
         ray.get(self._actor.put.remote(owner, response_id, entry))
