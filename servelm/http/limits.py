@@ -187,8 +187,9 @@ class Admission:
     def settle(self, usage: Any) -> None:
         """Give back the unused part of the max_tokens reservation, from a response's `usage`."""
         if self.charge is not None and usage is not None:
-            generated = getattr(usage, "completion_tokens", None)  # OpenAI's name; the Responses and Messages APIs':
-            self.charge.settle(int(generated if generated is not None else getattr(usage, "output_tokens", 0) or 0))
+            fields = usage if isinstance(usage, dict) else vars(usage) | (getattr(usage, "model_extra", None) or {})
+            generated = fields.get("completion_tokens")  # OpenAI's name; the Responses and Messages APIs':
+            self.charge.settle(int(generated if generated is not None else fields.get("output_tokens") or 0))
 
     def release(self) -> None:
         """The request is over: whatever places it still holds in the queue are free."""
@@ -206,6 +207,9 @@ class Admission:
                     except StopAsyncIteration:
                         return
                     usage = getattr(chunk, "usage", None)
+                    response = getattr(chunk, "response", None)  # a Responses event carries the response
+                    if usage is None and isinstance(response, dict):
+                        usage = response.get("usage")
                     if usage is not None:
                         self.settle(usage)
                     yield chunk

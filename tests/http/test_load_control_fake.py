@@ -190,3 +190,17 @@ def test_one_key_cannot_fill_the_queue_for_all(fake_server_factory):
     for t in threads:
         t.join(30)
     assert results == [200] * 4 and wait_idle(server)
+
+
+@pytest.mark.parametrize("usage", [{"output_tokens": 10},  # an Anthropic message_delta event's usage
+                                   {"input_tokens": 5, "output_tokens": 10, "total_tokens": 15}])
+def test_every_api_settles_the_charge_from_its_usage(usage):
+    # a streamed Messages or Responses answer carries its usage as a plain object: it settles like chat's
+    from servelm.http.limits import Admission
+
+    clock = Clock()
+    b = TokenBucket(60, clock)
+    b.take_on_credit(100)
+    admission = Admission({}, charge=Charge(b, reserved=30))
+    admission.settle(usage)
+    assert b.take_on_credit(1) == pytest.approx(20.0)  # 20 of the 30 reserved came back, not 30
