@@ -35,7 +35,9 @@ class ReasoningParser:
         self.markers = markers
         self.state = "thinking" if opened else "start"  # start → thinking → answer (or start → answer)
         self._held = ""
-        self._trim = "\n" if opened else ""  # what a section that has just begun drops from its front
+        # what a section that has just begun drops from its front: the line break after an opening marker the
+        # output wrote (a thought the prompt opened is taken whole: the engine counts its every token)
+        self._trim = ""
 
     def feed(self, text: str) -> tuple[str, str]:
         self._held += text

@@ -61,3 +61,8 @@ def test_markers_of_a_deployment_of_its_own():
     assert split_reasoning(m, False, "[THINK]x[/THINK]y") == ("x", "y")
     with pytest.raises(ValueError):
         ReasoningMarkers.parse("<think>")
+
+
+def test_a_thought_the_prompt_opened_is_taken_whole():
+    # the engine counts every token of it against the budget: a leading line break is part of the thought
+    assert feed_all(["\n", "x</think>y"], opened=True) == ("\nx", "y")
