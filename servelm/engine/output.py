@@ -91,18 +91,19 @@ class OutputProcessor:
         token a spent thinking budget writes next."""
         forced = {i: s.state.think.forced[0] for i, s in enumerate(samplers) if s.state.think and s.state.think.forced}
         constrained = [i for i, s in enumerate(samplers) if s.state.matcher is not None and i not in forced]
-        if not constrained and not forced:
-            return None
-        rows = sorted([*constrained, *forced])
-        allowed = np.zeros((len(rows), self.runner.vocab_size), dtype=bool)
+        grammar = None
         if constrained and self._masks is not None:
-            allowed[[rows.index(i) for i in constrained]] = self._masks.allowed(
-                [samplers[i].state.matcher for i in constrained])
+            grammar = self._masks.allowed([samplers[i].state.matcher for i in constrained])
             for i in constrained:
                 if samplers[i].state.matcher.is_error():  # past llguidance's per-step limits: its request fails
                     raise constraint_failed(samplers[i])
-        for i, token in forced.items():
-            allowed[rows.index(i), token] = True
+        if not forced:  # the common case: the grammar's rows as they are
+            return (np.asarray(constrained), grammar) if grammar is not None else None
+        rows = list(forced) + (constrained if grammar is not None else [])
+        allowed = np.zeros((len(rows), self.runner.vocab_size), dtype=bool)
+        allowed[np.arange(len(forced)), list(forced.values())] = True
+        if grammar is not None:
+            allowed[len(forced):] = grammar
         return np.asarray(rows), allowed
 
     @staticmethod

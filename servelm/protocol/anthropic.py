@@ -186,5 +186,3 @@ class TokenCount(ResponseModel):
 
 class MessageEvent(NamedEvent):
     """One event of a streamed message: its type and the fields of that type."""
-
-    model_config = ResponseModel.model_config

@@ -281,5 +281,4 @@ class InputItemList(ResponseModel):
 class ResponseEvent(NamedEvent):
     """One event of a streamed response: its type, its place in the stream, and the fields of that type."""
 
-    model_config = ResponseModel.model_config
     sequence_number: int

@@ -33,8 +33,8 @@ from servelm.protocol.anthropic import (
 )
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessageOut, Delta
 from servelm.protocol.common import Usage
+from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
-from servelm.service.deployments import TextDeployment
 from servelm.service.params import RequestContext
 
 PIN_SECONDS = {"5m": 300.0, "1h": 3600.0}
@@ -42,22 +42,14 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 
 
 @dataclass(frozen=True)
-class PreparedMessage:
+class PreparedMessage(Translated):
     chat: PreparedChat
     message_id: str
     stop_sequences: tuple[str, ...]
 
     @property
-    def stream(self) -> bool:
-        return self.chat.stream
-
-    @property
-    def deployment(self) -> TextDeployment:
-        return self.chat.deployment
-
-    @property
-    def generations(self) -> tuple[Any, ...]:
-        return self.chat.generations
+    def inner(self) -> PreparedChat:
+        return self.chat
 
 
 class MessagesService:
@@ -86,14 +78,14 @@ class MessagesService:
         completion = await self.chat.complete(p.chat)
         choice = completion.choices[0]
         extra = completion.model_extra or {}
+        reason = _stop_reason(choice.finish_reason, choice.stop_reason, p.stop_sequences)
         return MessageResponse(
             **({"timings": extra["timings"]} if "timings" in extra else {}),
             id=p.message_id,
             model=completion.model,
             content=content_blocks(choice.message),
-            stop_reason=_stop_reason(choice.finish_reason, choice.stop_reason, p.stop_sequences),
-            stop_sequence=choice.stop_reason if _stop_reason(choice.finish_reason, choice.stop_reason,
-                                                             p.stop_sequences) == "stop_sequence" else None,
+            stop_reason=reason,
+            stop_sequence=choice.stop_reason if reason == "stop_sequence" else None,
             usage=_usage(completion.usage),
         )
 

@@ -26,6 +26,27 @@ class Prepared(Protocol):
     def generations(self) -> tuple[GenerationRequest, ...]: ...
 
 
+class Translated:
+    """A request prepared as another service's request (the Responses and Messages APIs over chat, DJL's schema
+    over completions): that one's stream flag, deployment and generations are its own."""
+
+    @property
+    def inner(self) -> Prepared:
+        raise NotImplementedError
+
+    @property
+    def stream(self) -> bool:
+        return self.inner.stream
+
+    @property
+    def deployment(self) -> TextDeployment:
+        return self.inner.deployment
+
+    @property
+    def generations(self) -> tuple[GenerationRequest, ...]:
+        return self.inner.generations
+
+
 Req = TypeVar("Req", bound=BaseModel, contravariant=True)
 P = TypeVar("P", bound=Prepared)
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelm.aio import gather_all
-from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest
+from servelm.engine.types import FinishReason, GenerationOutput
 from servelm.errors import InvalidParameter, UnprocessableContent
 from servelm.protocol.completions import CompletionRequest
 from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequest, DjlStreamLine, DjlToken
+from servelm.service.base import Translated
 from servelm.service.choices import Collector, SeqResult
 from servelm.service.completions import CompletionService, PreparedCompletion
 from servelm.service.deployments import Deployments, TextDeployment
@@ -170,7 +171,7 @@ def invocation_kind(body: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
-class PreparedNative:
+class PreparedNative(Translated):
     completion: PreparedCompletion
     inputs: list[str]
     batch: bool  # `inputs` was a list: the answer is a list
@@ -178,16 +179,8 @@ class PreparedNative:
     full_text: bool
 
     @property
-    def stream(self) -> bool:
-        return self.completion.stream
-
-    @property
-    def deployment(self) -> TextDeployment:
-        return self.completion.deployment
-
-    @property
-    def generations(self) -> tuple[GenerationRequest, ...]:
-        return self.completion.generations
+    def inner(self) -> PreparedCompletion:
+        return self.completion
 
 
 class NativeService:

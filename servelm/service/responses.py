@@ -41,8 +41,8 @@ from servelm.protocol.responses import (
     ResponsesRequest,
     ResponseUsage,
 )
+from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
-from servelm.service.deployments import TextDeployment
 from servelm.service.params import RequestContext
 from servelm.service.store import ResponseStore, StoredResponse
 
@@ -50,7 +50,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 @dataclass(frozen=True)
-class PreparedResponse:
+class PreparedResponse(Translated):
     chat: PreparedChat
     request: ResponsesRequest
     owner: str
@@ -61,16 +61,8 @@ class PreparedResponse:
     warnings: list[str]
 
     @property
-    def stream(self) -> bool:
-        return self.chat.stream
-
-    @property
-    def deployment(self) -> TextDeployment:
-        return self.chat.deployment
-
-    @property
-    def generations(self) -> tuple[Any, ...]:
-        return self.chat.generations
+    def inner(self) -> PreparedChat:
+        return self.chat
 
 
 class ResponsesService:
@@ -98,7 +90,7 @@ class ResponsesService:
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in tools]
-            body["tool_choice"] = _tool_choice(req.tool_choice, body["tools"])
+            body["tool_choice"] = _tool_choice(req.tool_choice)
             body["parallel_tool_calls"] = req.parallel_tool_calls is not False and req.max_tool_calls != 1
         elif isinstance(req.tool_choice, FunctionChoice) or req.tool_choice == "required":
             raise InvalidParameter("tool_choice asks for a function call, but no function tools were given.",
@@ -276,21 +268,15 @@ def chat_messages(items: list[dict[str, Any]], first: int = 0) -> list[dict[str,
     return messages
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: str | list[Any], where: str) -> str:
     if isinstance(content, str):
         return content
     parts = []
     for j, part in enumerate(content):
-        if isinstance(part, InputMedia) or isinstance(part, dict) and part.get("type") in ("input_image", "input_file",
-                                                                                             "input_audio"):
+        if isinstance(part, InputMedia):
             raise InvalidParameter("This model takes text input only; send input_text parts.", f"{where}.content[{j}]",
                                    "unsupported_content")
-        if isinstance(part, Refusal):
-            parts.append(part.refusal)
-        elif isinstance(part, dict):
-            parts.append(part.get("text") or part.get("refusal") or "")
-        else:
-            parts.append(part.text)
+        parts.append(part.refusal if isinstance(part, Refusal) else part.text)
     return "\n".join(parts)
 
 
@@ -304,7 +290,7 @@ def _tools(req: ResponsesRequest) -> tuple[list[FunctionTool], list[str]]:
     return functions, warnings
 
 
-def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
+def _tool_choice(choice: Any) -> Any:
     if isinstance(choice, FunctionChoice):
         return {"type": "function", "function": {"name": choice.name}}
     if isinstance(choice, AllowedTools):
