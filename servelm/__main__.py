@@ -68,7 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = False,
           ray_address: str | None = None) -> None:
-    from servelm.compose import build, default_specs
+    from servelm.compose import build, default_specs, image_sources
     from servelm.http.app import create_app
     from servelm.http.limits import SecurityConfig
     from servelm.http.server import run as run_server
@@ -80,9 +80,11 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         config = load_config_file(settings.config) if settings.config else None
         keys = load_keys(settings, config.keys if config else [])  # hashed here: the keys themselves go no further
         specs = config.deployments if config and config.deployments else default_specs(settings)
+        if ray and any(s.mmproj for s in specs):
+            raise ValueError("--mmproj (images) is not served under --ray yet; serve the vision model without --ray")
         if ray:
             return _serve_on_ray(settings, specs, config.endpoints if config else [], keys, verbose_llama, ray_address)
-        built = build(specs, config.endpoints if config else [], verbose_llama)
+        built = build(specs, config.endpoints if config else [], verbose_llama, image_sources(settings))
     except (ValueError, OSError, RuntimeError) as exc:  # a bad file, a missing model: say which, no traceback
         raise SystemExit(f"servelm: {exc}") from None
     limits = StoreLimits.from_settings(settings)

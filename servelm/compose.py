@@ -21,6 +21,7 @@ from servelm.engine.base import Embedder, Engine
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
+from servelm.service.media import ImageInput, ImageSources
 
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
@@ -37,6 +38,7 @@ def build_deployment(
     grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
     reasoning_markers: str = "auto",
+    image_sources: ImageSources = ImageSources(),
 ) -> tuple[TextDeployment, Engine]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
@@ -62,6 +64,9 @@ def build_deployment(
         fim_tokens=runner.fim_tokens,
         reasoning=reasoning_of(reasoning_markers, template_source),
     )
+    projector = getattr(runner, "projector", None)  # a vision projector: images in prompts
+    if projector is not None:
+        deployment.images = ImageInput(projector, image_sources)
     controls = runner.control_tokens()
     if controls is not None and not special_tokens_in_content:
         deployment.markers = ControlMarkers([ControlToken(*c) for c in controls])
@@ -132,6 +137,7 @@ def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
         name=settings.model_id, model=str(settings.resolved_model_path()), kind="chat",
         chat_template=settings.chat_template, embedding_window=settings.chat_embedding_window, engine=settings.engine,
         special_tokens_in_content=settings.special_tokens_in_content, reasoning_markers=settings.reasoning_markers,
+        mmproj=settings.mmproj,
     )]
     path = settings.resolved_embedding_model_path()
     if path is not None:
@@ -162,7 +168,14 @@ class Built:
             c.close()
 
 
-def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_llama: bool = False) -> Built:
+def image_sources(settings: ServerSettings) -> ImageSources:
+    """Where the server fetches images from, and how much (its --allowed-media-domains and limits)."""
+    return ImageSources(tuple(d.lower().strip(".") for d in settings.allowed_media_domains), settings.max_image_bytes,
+                        settings.media_fetch_timeout)
+
+
+def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_llama: bool = False,
+          images: ImageSources = ImageSources()) -> Built:
     """Load every deployment's model (several models run in one server, each with its own engine)."""
     deployments: list[Deployment] = []
     built = Built(Deployments([]))
@@ -173,7 +186,7 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
             if spec.kind == "chat" and spec.backend == "vllm":
                 _build_vllm(spec, deployments, built.workers)
             elif spec.kind == "chat":
-                _build_chat(spec, verbose_llama, deployments, built.workers, embedders, runners)
+                _build_chat(spec, verbose_llama, deployments, built.workers, embedders, runners, images)
             else:
                 _build_embedding(spec, verbose_llama, deployments, built.workers, embedders)
     except BaseException:
@@ -188,7 +201,7 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
 
 
 def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any],
-                runners: list[Any]) -> None:
+                runners: list[Any], images: ImageSources) -> None:
     from servelm.engine.embedding import EmbeddingEngine
     from servelm.runners.llamacpp import LlamaCppEmbedder, LlamaCppRunner
 
@@ -197,14 +210,14 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     log.info("loading %s for %r", path, spec.name)
     runner = LlamaCppRunner(
         path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
-        context_window=e.context_window, threads=e.threads, verbose=verbose,
+        context_window=e.context_window, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
     )
     runners.append(runner)
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
         grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
-        reasoning_markers=spec.reasoning_markers,
+        reasoning_markers=spec.reasoning_markers, image_sources=images,
     )
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)

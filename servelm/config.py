@@ -80,6 +80,18 @@ class ServerSettings(BaseSettings):
         "auto", description="how the model marks its thought: 'auto' (<think>…</think> when the chat template speaks "
         "of them), 'none', or 'OPEN,CLOSE'; the thought is answered as reasoning_content",
     )
+    mmproj: Path | None = Field(
+        None, description="a vision projector GGUF (mmproj) for the chat model: image_url parts in chat messages are "
+        "read through llama.cpp's libmtmd (without one, an image is a 400, Azure ML's 404 on its path)",
+    )
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="hosts (and their subdomains) whose http(s) image URLs the server fetches; "
+        "repeatable, or comma-separated in SERVELM_ALLOWED_MEDIA_DOMAINS; none by default: images come as data: URLs",
+    )
+    max_image_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="largest image accepted in a request "
+                                 "(decoded bytes; a larger one is a 400 naming its part)")
+    media_fetch_timeout: float = Field(5.0, gt=0, description="seconds an image URL fetch may take (an unreachable "
+                                       "one is a 400)")
     embedding_model: bool = Field(
         True, description="serve a sentence-embedding model beside the chat model (--no-embedding-model: none)",
     )
@@ -132,7 +144,7 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 
-    @field_validator("api_key", "cors_allow_origins", mode="before")
+    @field_validator("api_key", "cors_allow_origins", "allowed_media_domains", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -224,6 +236,7 @@ class DeploymentSpec(BaseModel):
     special_tokens_in_content: bool = Field(False, description="read control-token text in chat messages as those "
                                             "tokens (the old behaviour; lets a user forge a system turn)")
     reasoning_markers: str = Field("auto", description="the thought's markers: auto, none, or OPEN,CLOSE")
+    mmproj: Path | None = Field(None, description="a vision projector GGUF for this model: images in chat messages")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: DeploymentLimits = Field(default_factory=DeploymentLimits)
     # -- replicas under `servelm serve --ray` (servelm/ray/); one process serves one engine per deployment --
@@ -270,6 +283,8 @@ class DeploymentSpec(BaseModel):
             raise ValueError(f"deployment {self.name!r}: the vllm engine serves chat models only")
         if self.vllm is not None and self.backend != "vllm":
             raise ValueError(f"deployment {self.name!r}: a vllm table needs engine = \"vllm\"")
+        if self.mmproj is not None and (self.backend != "llamacpp" or self.kind != "chat"):
+            raise ValueError(f"deployment {self.name!r}: mmproj is for chat models on the llamacpp engine")
         return self
 
 

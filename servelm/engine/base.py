@@ -1,5 +1,5 @@
-"""The protocols the service layer talks to: Engine (LocalEngine generates text) and Embedder
-(EmbeddingEngine pools vectors)."""
+"""The protocols the service layer talks to: Engine (LocalEngine generates text), Embedder (EmbeddingEngine
+pools vectors) and MediaReader (a runner's vision projector reads images)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, MediaChunk, SamplingParams
 
 
 class Engine(Protocol):
@@ -50,3 +50,12 @@ class Embedder(Protocol):
 
     @property
     def alive(self) -> bool: ...
+
+
+class MediaReader(Protocol):
+    """What a prompt holds in an image's place, from a deployment's vision projector (runners/media.py)."""
+
+    def read(self, data: bytes) -> list[tuple[int, ...] | MediaChunk]:
+        """The image's tokens and media chunks in order (its markers' token ids, then its embedding positions).
+        Raises ValueError for bytes that are not an image it can decode, or one it cannot take."""
+        ...

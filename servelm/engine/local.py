@@ -80,7 +80,7 @@ class LocalEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope,
-                              pin_seconds=request.pin_seconds)
+                              pin_seconds=request.pin_seconds, media=request.media)
         params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
@@ -153,14 +153,24 @@ class LocalEngine:
             self._wake.wait(0.005)
             self._wake.clear()
             return
-        logits, rows = self._forward(plan), plan.rows()
         outputs: Outputs = {}
+        self._encode_media(plan, outputs)
+        logits, rows = self._forward(plan), plan.rows()
         self._prompt_logprobs(plan, logits, rows, outputs)
         samplers, processed, tokens, beams = self._sample(plan, logits, rows, outputs)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
         self._record(samplers, processed, tokens, beams, outputs)
         self._send(outputs)
         self.step_seconds += time.perf_counter() - start
+
+    def _encode_media(self, plan: StepPlan, outputs: Outputs) -> None:
+        """The step's image, encoded before the pass (the runner keeps its embeddings): should that fail, its
+        request alone fails and leaves the plan."""
+        for chunk in plan.chunks:
+            if chunk.media is not None and chunk.offset == 0:
+                self._contain(chunk.seq.group, outputs, self.runner.encode_media, chunk.media)
+        if outputs:
+            plan.chunks = [c for c in plan.chunks if c.seq.status is not SeqStatus.FINISHED]
 
     def _forward(self, plan: StepPlan) -> np.ndarray:
         """The model's pass; its failure is every request's in the step (_run fails them)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelm.engine.types import MediaChunk as MediaChunk  # what a runner reads an image chunk as
+
 
 @dataclass(frozen=True, slots=True)
 class Clear:
@@ -48,6 +50,9 @@ class ScheduledChunk:
     prev_token: int | None = None  # the token at start - 1, which a runner may read again beside a lone row
     samplers: tuple[Any, ...] = ()  # the engine's sequences that sample from the chunk's last row
     all_logits: bool = False  # a logits row for every token (prompt logprobs), not only the last
+    # an image's positions: their inputs are its embeddings from `offset` on (tokens hold its placeholders)
+    media: MediaChunk | None = None
+    offset: int = 0
 
     @property
     def wants_logits(self) -> bool:
@@ -62,6 +67,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.tokens) for c in self.chunks)
+
+    @property
+    def has_media(self) -> bool:
+        return any(c.media is not None for c in self.chunks)
 
     @property
     def has_work(self) -> bool:
@@ -85,10 +94,12 @@ class StepPlan:
     def calls(self) -> list[list[int]]:
         """The chunks (by index) cut into forward passes that llama.cpp's micro-batching leaves whole: runs of
         consecutive slots whose chunks have the same length (a decode step's one-token chunks, mostly one run).
-        A pass computes each of its rows with the same kernels whatever else it holds (docs/exactness.md)."""
+        A pass computes each of its rows with the same kernels whatever else it holds (docs/exactness.md). An
+        image's chunk is a pass of its own, last (llama.cpp takes a batch of embeddings or of tokens, not both)."""
         out: list[list[int]] = []
         chunks = self.chunks
-        order = sorted(range(len(chunks)), key=lambda i: (len(chunks[i].tokens) > 1, len(chunks[i].tokens), chunks[i].slot))
+        text = [i for i, c in enumerate(chunks) if c.media is None]
+        order = sorted(text, key=lambda i: (len(chunks[i].tokens) > 1, len(chunks[i].tokens), chunks[i].slot))
         for i in order:
             last = out[-1][-1] if out else None
             if last is not None and len(chunks[last].tokens) == len(chunks[i].tokens) \
@@ -96,4 +107,4 @@ class StepPlan:
                 out[-1].append(i)
             else:
                 out.append([i])
-        return out
+        return out + [[i] for i, c in enumerate(chunks) if c.media is not None]

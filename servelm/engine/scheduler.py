@@ -11,10 +11,16 @@ grow to the window and nothing is ever preempted. A slot at rest keeps its cells
 (engine/slots.py): a new request starts from the longest prefix of its prompt held by a slot of its scope,
 reused in place or copied, and reads only the rest. `cached_tokens` counts what it did not read. Requests for
 prompt logprobs read everything (each prompt token needs its row).
+
+An image in a prompt (a MediaSpan) is read as a chunk of its own, at most one image chunk a step, so that an image
+delays the other sequences' steps by one image's forward pass at most: whole when its positions attend to each
+other both ways, else in pieces of up to `max_rows`. Text stops where an image begins, and a cached prefix that
+ends inside an image is cut back to the image's start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -22,6 +28,7 @@ from collections.abc import Mapping
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, ScheduledChunk, StepPlan
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.slots import Slot, Slots, common_prefix
+from servelm.engine.types import MediaSpan
 
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
@@ -115,16 +122,15 @@ class Scheduler:
         for group in self.running:
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
-                    plan.chunks.append(self._chunk(seq, 1))
+                    span = seq.group.span_at(seq.num_computed) if seq.group.media else None
+                    plan.chunks.append(self._chunk(seq, 1, span))
                     budget -= 1
         for group in self.running:
             for seq in group.seqs:
                 if budget <= 0:
                     break
                 if seq.status is SeqStatus.RUNNING and seq.num_pending > 1:
-                    take = min(self._pending(seq), budget)
-                    plan.chunks.append(self._chunk(seq, take))
-                    budget -= take
+                    budget -= self._read(seq, budget, plan)
         readers = self._prompt_readers()
         blocked = False  # a group ahead did not fit, and the ones behind may overtake it
         for group in list(self.waiting):
@@ -143,18 +149,34 @@ class Scheduler:
                 readers.append(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
-                    take = min(self._pending(seq), budget)
-                    plan.chunks.append(self._chunk(seq, take))
-                    budget -= take
+                    budget -= self._read(seq, budget, plan)
         plan.ops, self._ops = self._ops, []
         return plan
 
+    def _read(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Put the sequence's next chunk in the plan, within the step's token budget; returns its length (0: none
+        this step). An image goes whole when it must, whatever is left of the budget, and only as the step's one
+        image chunk."""
+        pos = seq.num_computed
+        span = seq.group.span_at(pos) if seq.group.media else None
+        if span is None:
+            take = min(self._pending(seq), budget)
+        elif plan.has_media:
+            return 0
+        else:
+            take = span.end - pos if not span.chunk.causal else min(span.end - pos, self.max_rows, budget)
+        plan.chunks.append(self._chunk(seq, take, span))
+        return take
+
     def _pending(self, seq: Sequence) -> int:
-        """Tokens the sequence may read this step: all pending, up to max_rows; a prompt read for its logprobs
-        goes in chunks of PROMPT_LOGPROBS_CHUNK (each of its tokens is a vocabulary-wide logits row)."""
+        """Tokens the sequence may read this step: all pending, up to max_rows and up to its next image; a prompt
+        read for its logprobs goes in chunks of PROMPT_LOGPROBS_CHUNK (each of its tokens is a vocabulary-wide
+        logits row)."""
+        n = min(seq.num_pending, self.max_rows)
         if seq.group.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
-            return min(seq.num_pending, PROMPT_LOGPROBS_CHUNK, self.max_rows)
-        return min(seq.num_pending, self.max_rows)
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
+        span = seq.group.next_span(seq.num_computed) if seq.group.media else None
+        return min(n, span.start - seq.num_computed) if span is not None else n
 
     def _may_overtake(self, head: SequenceGroup) -> bool:
         """Whether groups behind a head that does not fit may go first: only while it could not fit even if every
@@ -171,6 +193,8 @@ class Scheduler:
         first, *others = group.live
         placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group))
         assert placed is not None  # the caller checked that enough slots rest
+        if group.media and group.whole(placed.reuse) != placed.reuse:
+            placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
         slot = placed.slot
         if placed.moved is not None:  # the slot's own entry is kept elsewhere first
             self._ops.append(Copy(slot.index, placed.moved.index, len(slot.cached)))
@@ -227,7 +251,7 @@ class Scheduler:
         return False
 
     # -- after the forward pass -------------------------------------------------------------------
-    def _chunk(self, seq: Sequence, take: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, take: int, span: MediaSpan | None = None) -> ScheduledChunk:
         assert seq.slot is not None
         start = seq.num_computed
         tokens = tuple(seq.token_ids[start : start + take])
@@ -236,7 +260,9 @@ class Scheduler:
             pending = [s for s in seq.group.seqs if s.status is SeqStatus.FORK_PENDING]
             samplers = (seq, *pending)
         all_logits = seq.group.params.prompt_logprobs is not None and start < seq.prompt_len
-        prev = seq.token_ids[start - 1] if start > 0 else None
+        prev = seq.token_ids[start - 1] if start > 0 and seq.token_ids[start - 1] >= 0 else None  # not an image's
+        if span is not None:
+            return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits, span.chunk, start - span.start)
         return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits)
 
     def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from servelm.engine.types import SamplingParams
+from servelm.engine.types import MediaSpan, SamplingParams
 
 if TYPE_CHECKING:  # the annotation only: engine/output.py makes it when the sequence is admitted
     from servelm.engine.output import SeqState
@@ -70,6 +70,7 @@ class SequenceGroup:
     cached_tokens: int = 0  # prompt tokens whose cells came from the prefix cache
     scope: str = ""  # the prefix-cache scope it reads and writes (GenerationRequest.cache_scope)
     pin_seconds: float = 0.0  # its cells at rest are given up after others' for this long (GenerationRequest's)
+    media: tuple[MediaSpan, ...] = ()  # images in the prompt, in position order
     # perf_counter times: received by the engine, first scheduled (its prompt begins), its first token
     received_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0
@@ -90,6 +91,23 @@ class SequenceGroup:
     @property
     def finished(self) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    def span_at(self, pos: int) -> MediaSpan | None:
+        """The image whose positions include `pos`, if any."""
+        for span in self.media:
+            if span.start <= pos < span.end:
+                return span
+        return None
+
+    def next_span(self, pos: int) -> MediaSpan | None:
+        """The first image at or after `pos`."""
+        return next((span for span in self.media if span.start >= pos), None)
+
+    def whole(self, n: int) -> int:
+        """n leading prompt positions, cut back to the start of an image they would end inside: an image's cells
+        are reused whole or read again whole (its positions are read in the same pieces every time)."""
+        span = self.span_at(n)
+        return span.start if span is not None and span.start < n else n
 
     def holds_kv(self) -> bool:
         return any(s.holds_slot for s in self.seqs)

@@ -7,6 +7,7 @@ protocol request, and the engine answers with GenerationOutput values.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 from servelm.constrain.constraint import Constraint
@@ -81,6 +82,40 @@ class Thinking:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaChunk:
+    """An image in a prompt (or one piece of an image a tiling model cuts up): `length` positions whose inputs are
+    embeddings the runner makes from the image file's bytes (libmtmd's chunk `index` of them), not tokens."""
+
+    data: bytes = field(repr=False)  # the image file as sent (png, jpeg, ...), checked by the runner's reader
+    index: int  # which of the image's media chunks this is
+    length: int  # the positions it takes in the prompt (and KV cells)
+    causal: bool = True  # False: its positions attend to each other both ways, so it is read in one forward pass
+    key: str = ""  # what makes it the same image for the prefix cache: set from data and index when empty
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", hashlib.sha256(self.data).hexdigest() + f":{self.index}")
+
+    @property
+    def placeholder(self) -> int:
+        """The token id its positions carry in the prompt: negative (no vocabulary id), the same for the same image,
+        so that the prefix cache matches an image only where the same image was read."""
+        return -1 - int(hashlib.sha256(self.key.encode()).hexdigest()[:14], 16)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """Where a MediaChunk sits in a prompt: positions start .. start + chunk.length."""
+
+    start: int
+    chunk: MediaChunk
+
+    @property
+    def end(self) -> int:
+        return self.start + self.chunk.length
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -94,6 +129,7 @@ class GenerationRequest:
     # Anthropic's cache_control: for this long after the request ends its cells are given up only after others
     pin_seconds: float = 0.0
     thinking: Thinking | None = None  # reasoning to count, and to bound
+    media: tuple[MediaSpan, ...] = ()  # images in the prompt, in order; their positions hold their placeholders
 
 
 class FinishReason(str, enum.Enum):

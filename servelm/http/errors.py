@@ -140,6 +140,8 @@ def _azure_parts(exc: ApiError, data: Any) -> tuple[int, dict[str, Any], dict[st
     `message`, and for a 422 `detail: {loc, value}` naming the parameter (`details`: every one, when the
     extra-parameters check found several). The `x-ms-error-code` header carries the code."""
     status = 422 if exc.status == 400 and exc.code in AZURE_422_CODES else exc.status
+    if exc.code == "modality_not_supported":  # an image for a model that reads text: Azure ML's 404
+        status = 404
     code = exc.code or _AZURE_CODES.get(status, exc.type)
     body = exc.body()
     body["error"]["status"] = status

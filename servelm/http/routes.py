@@ -112,7 +112,9 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
     """A model id: a deployment, an alias (root: its deployment), or a weighted endpoint (root: null)."""
     if d is None:
         return ModelCard(id=name, created=0, root=None)
-    return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name)
+    vision = isinstance(d, TextDeployment) and d.images is not None
+    modalities = {"vision": vision, "audio": False} if isinstance(d, TextDeployment) else None
+    return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name, modalities=modalities)
 
 
 def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:

@@ -112,6 +112,8 @@ class ModelCard(ResponseModel):
     owned_by: str = "servelm"
     max_model_len: int | None = None
     root: str | None = None  # the deployment an id names (itself, or an alias's); null for a weighted endpoint
+    # what the model reads, as llama-server's /props says it: {"vision": true} with a projector (--mmproj)
+    modalities: dict[str, bool] | None = None
 
 
 class ErrorDetail(ResponseModel):

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from servelm.engine.plan import StepPlan
+from servelm.engine.plan import MediaChunk, StepPlan
 
 
 class ModelRunner(Protocol):
@@ -47,6 +47,11 @@ class ModelRunner(Protocol):
 
     def token_table(self) -> list[bytes]:
         """Every token's bytes, for grammar masks; control tokens as b"\\xff" followed by their text."""
+        ...
+
+    def encode_media(self, media: MediaChunk) -> None:
+        """Make an image chunk's embeddings ahead of the step that reads it (kept until the step reads them); raises
+        for a runner without a projector or an image its projector cannot encode."""
         ...
 
     def step(self, plan: StepPlan) -> np.ndarray:

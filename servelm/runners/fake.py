@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from servelm.engine.plan import Clear, Copy, Keep, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, StepPlan
 
 EOS = 0
 FIRST_WORD = 1
@@ -37,6 +37,7 @@ class FakeRunner:
         max_rows: int = 63,
         step_delay: float = 0.0,
         fim_tokens: tuple[int, int, int] | None = None,
+        projector: FakeProjector | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.num_slots = num_slots
@@ -60,6 +61,8 @@ class FakeRunner:
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
         self.steps: list[StepPlan] = []
         self.max_cells_seen = 0
+        self.projector = projector  # reads images (FakeProjector); None: a text-only model
+        self.encoded: list[str] = []  # the media chunks' keys, in the order they were encoded
 
     # -- text -------------------------------------------------------------------------------------
     def control_tokens(self) -> None:
@@ -85,8 +88,35 @@ class FakeRunner:
         return token + 1 if token + 1 < self.vocab_size else FIRST_WORD
 
     # -- the forward pass -------------------------------------------------------------------------
+    def encode_media(self, media: MediaChunk) -> None:
+        if self.projector is None:
+            raise FakeKVError("an image chunk for a model without a projector")
+        if media.data.startswith(b"fail"):
+            raise ValueError("scripted encoding failure")
+        self.encoded.append(media.key)
+
+    def _check_media(self, calls: list[list[int]], plan: StepPlan) -> None:
+        """An image's chunk is a pass of its own, holds its placeholders, and is whole unless it is causal."""
+        for call in calls:
+            if any(plan.chunks[i].media is not None for i in call) and len(call) > 1:
+                raise FakeKVError("an image chunk shares a forward pass")
+        for chunk in plan.chunks:
+            media = chunk.media
+            if media is None:
+                if any(t < 0 for t in chunk.tokens):
+                    raise FakeKVError("a text chunk holds an image's placeholder")
+                continue
+            if media.key not in self.encoded:
+                raise FakeKVError("an image read before it was encoded")
+            if set(chunk.tokens) != {media.placeholder}:
+                raise FakeKVError("an image chunk whose tokens are not its placeholder")
+            if not media.causal and (chunk.offset or len(chunk.tokens) != media.length):
+                raise FakeKVError("a non-causal image read in pieces")
+
     def step(self, plan: StepPlan) -> np.ndarray:
-        self.forward_calls += len(plan.calls())  # the passes the llama.cpp runner would make
+        calls = plan.calls()
+        self._check_media(calls, plan)
+        self.forward_calls += len(calls)  # the passes the llama.cpp runner would make
         for op in plan.ops:
             if isinstance(op, Clear):
                 self.cells.pop(op.slot, None)
@@ -106,7 +136,7 @@ class FakeRunner:
             held = self.cells.setdefault(chunk.slot, [])
             if chunk.start != len(held):
                 raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
-            if len(chunk.tokens) > self.max_rows:
+            if len(chunk.tokens) > self.max_rows and (chunk.media is None or chunk.media.causal):
                 raise FakeKVError(f"a chunk of {len(chunk.tokens)} tokens: more than {self.max_rows} rows of a stream")
             if chunk.start and chunk.prev_token != held[-1]:
                 raise FakeKVError(f"chunk at {chunk.start} of slot {chunk.slot}: prev_token {chunk.prev_token}, "
@@ -130,7 +160,8 @@ class FakeRunner:
         """The fake model's row after `token`: its successor is far more likely than anything else, and
         the next few tokens after that a little more likely than the rest (so logprobs have an order)."""
         row = np.full(self.vocab_size, -10.0, dtype=np.float32)
-        nxt = self.next_token(token)
+        # after an image (a negative placeholder) comes a word that depends on the image
+        nxt = self.next_token(token) if token >= 0 else FIRST_WORD + 1 + (-token) % (END_TOKEN - FIRST_WORD - 1)
         for k in range(1, 4):
             row[(nxt + k) % self.vocab_size] = -10.0 + (4 - k)
         row[nxt] = 10.0
@@ -141,6 +172,21 @@ class FakeRunner:
 
     def close(self) -> None:
         self.cells.clear()
+
+
+class FakeProjector:
+    """Reads an "image" for the fake model: any bytes that begin with b"IMG" (else a ValueError), as the marker
+    tokens of "[" and "]" around one media chunk of `length` positions (causal or not)."""
+
+    def __init__(self, *, length: int = 6, causal: bool = False) -> None:
+        self.length = length
+        self.causal = causal
+
+    def read(self, data: bytes) -> list[tuple[int, ...] | MediaChunk]:
+        if not data.startswith((b"IMG", b"fail")):
+            raise ValueError("not an image the fake projector reads")
+        return [(FIRST_WORD + ord("[") % 63,), MediaChunk(data, 0, self.length, self.causal),
+                (FIRST_WORD + ord("]") % 63,)]
 
 
 class FakeEmbedder:

@@ -29,8 +29,9 @@ from typing import Any
 import llama_cpp as C
 import numpy as np
 
-from servelm.engine.plan import Clear, Copy, Keep, ScheduledChunk, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, ScheduledChunk, StepPlan
 from servelm.runners.base import KVCacheFull
+from servelm.runners.media import Projector
 
 _LOG_LEVEL_WARN = 3
 MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's tiled kernel (64)
@@ -82,10 +83,11 @@ def _tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool) -> 
     return list(buf[:n])
 
 
-def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
-    """A llama_batch of `size` tokens whose buffers are numpy arrays we fill with vector operations
-    (tokens, positions, one sequence id per token, output flags); returns those arrays and the batch."""
-    tok = np.zeros(size, dtype=np.int32)
+def _batch(size: int, *, outputs: bool, embd: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
+    """A llama_batch of `size` tokens (or, with `embd`, of `size` embeddings that wide) whose buffers are numpy
+    arrays we fill with vector operations (tokens or embeddings, positions, one sequence id per token, output
+    flags); returns those arrays and the batch."""
+    tok = np.zeros((size, embd) if embd else size, dtype=np.float32 if embd else np.int32)
     pos = np.zeros(size, dtype=np.int32)
     nseq = np.ones(size, dtype=np.int32)
     seq = np.zeros(size, dtype=np.int32)
@@ -93,8 +95,8 @@ def _batch(size: int, *, outputs: bool) -> tuple[np.ndarray, np.ndarray, np.ndar
     i32p = ctypes.POINTER(ctypes.c_int32)
     seq_ptrs = (i32p * size)(*[ctypes.cast(seq.ctypes.data + 4 * i, i32p) for i in range(size)])
     batch = C.llama_batch()
-    batch.token = tok.ctypes.data_as(i32p)
-    batch.embd = ctypes.POINTER(ctypes.c_float)()
+    batch.token = i32p() if embd else tok.ctypes.data_as(i32p)
+    batch.embd = tok.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if embd else ctypes.POINTER(ctypes.c_float)()
     batch.pos = pos.ctypes.data_as(i32p)
     batch.n_seq_id = nseq.ctypes.data_as(i32p)
     batch.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(i32p))
@@ -124,6 +126,7 @@ class LlamaCppRunner:
         threads: int | None = None,
         verbose: bool = False,
         vocab_only: bool = False,  # the tokenizer and metadata only: no weights, no context (servelm/ray's ingress)
+        mmproj: str | Path | None = None,  # a vision projector GGUF for this model: images in prompts
     ) -> None:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
@@ -143,6 +146,16 @@ class LlamaCppRunner:
         self.max_rows = MAX_ROWS
         self.forward_calls = 0  # llama_decode calls since start
 
+        n_threads = threads or os.cpu_count() or 1
+        self.projector: Projector | None = None
+        if mmproj is not None and not vocab_only:
+            try:
+                self.projector = Projector(mmproj, self._model, threads=n_threads, verbose=verbose)
+            except Exception:
+                C.llama_model_free(self._model)
+                raise
+            # an image whose positions attend both ways is one micro-batch: as many as fit a step's batch
+            self.projector.max_whole = self.max_step_tokens
         cparams = C.llama_context_default_params()
         stream = -(-max(self.context_window, 1) // _CELL_PAD) * _CELL_PAD
         cparams.n_ctx = stream * num_slots
@@ -151,13 +164,12 @@ class LlamaCppRunner:
         cparams.n_seq_max = num_slots
         cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
         cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        n_threads = threads or os.cpu_count() or 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
         self._ctx = None if vocab_only else C.llama_init_from_model(self._model, cparams)
         if not self._ctx and not vocab_only:
-            C.llama_model_free(self._model)
+            self.close()
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self._mem = C.llama_get_memory(self._ctx) if self._ctx else None
 
@@ -242,6 +254,14 @@ class LlamaCppRunner:
     def _init_batch(self, size: int) -> None:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)
         self._logits = np.empty((size, self.vocab_size), dtype=np.float32)
+        self._media_batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any] | None = None
+        if self.projector is not None:
+            self._media_batch = _batch(self.max_step_tokens, outputs=False, embd=self.projector.n_embd)
+
+    def encode_media(self, media: MediaChunk) -> None:
+        if self.projector is None:
+            raise ValueError("this model has no vision projector")
+        self.projector.embeddings(media)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         for op in plan.ops:
@@ -264,6 +284,9 @@ class LlamaCppRunner:
 
     def _decode(self, chunks: list[ScheduledChunk], call: list[int], first: list[int]) -> None:
         """One llama_decode over the chunks `call` names; their logits rows go to self._logits at their places."""
+        if chunks[call[0]].media is not None:
+            self._decode_media(chunks[call[0]], first[call[0]])
+            return
         lone = len(call) == 1 and len(chunks[call[0]].tokens) == 1 and chunks[call[0]].start >= LONE_ROW_FROM
         n, places = 0, []  # places: (row in self._logits, rows) per chunk that wants logits, in batch order
         for i in call:
@@ -287,8 +310,33 @@ class LlamaCppRunner:
         if n > len(self._tok):
             raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")
         self._batch.n_tokens = n
+        self._run(self._batch, places)
+
+    def _decode_media(self, chunk: ScheduledChunk, row: int) -> None:
+        """An image's positions, their embeddings as input, in a pass of their own; a non-causal image (whole, by
+        the scheduler) with causal attention off for the pass, as libmtmd's helper does."""
+        media = chunk.media
+        assert media is not None and self.projector is not None and self._media_batch is not None
+        embd, pos, seq, out, batch = self._media_batch
+        k = len(chunk.tokens)
+        embd[:k] = self.projector.embeddings(media)[chunk.offset : chunk.offset + k]
+        pos[:k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
+        seq[:k] = chunk.slot
+        out[:k] = 0
+        out[k - 1] = 1 if chunk.wants_logits else 0
+        batch.n_tokens = k
+        if not media.causal:
+            C.llama_set_causal_attn(self._ctx, False)
+        try:
+            self._run(batch, [(row, 1)] if chunk.wants_logits else [])
+        finally:
+            if not media.causal:
+                C.llama_set_causal_attn(self._ctx, True)
+
+    def _run(self, batch: Any, places: list[tuple[int, int]]) -> None:
+        """llama_decode, then the logits rows it made to their places in self._logits: (row, rows) per chunk."""
         self.forward_calls += 1
-        rc = C.llama_decode(self._ctx, self._batch)
+        rc = C.llama_decode(self._ctx, batch)
         if rc == 1:
             raise KVCacheFull("llama.cpp found no KV cache slot for the batch")
         if rc != 0:
@@ -305,6 +353,8 @@ class LlamaCppRunner:
         C.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
+        if self.projector is not None:
+            self.projector.close()
         _free(self)
 
 

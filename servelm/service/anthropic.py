@@ -167,6 +167,7 @@ def _messages(i: int, role: str, content: Any) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts: list[str] = []
+    images: list[tuple[int, str]] = []  # (texts before it, url)
     results: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -185,15 +186,32 @@ def _messages(i: int, role: str, content: Any) -> list[dict[str, Any]]:
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input)}})
         elif isinstance(block, MediaBlock):
-            raise InvalidParameter("This model takes text only; send text blocks.", where, "unsupported_content")
+            images.append((len(texts), _image_url(block, where)))
         else:
             assert isinstance(block, ThinkingBlock)
     out = list(results)
     if calls:
         out.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
+    elif images:
+        parts: list[dict[str, Any]] = [{"type": "text", "text": t} for t in texts]
+        for before, url in reversed(images):
+            parts.insert(before, {"type": "image_url", "image_url": {"url": url}})
+        out.append({"role": role, "content": parts})
     elif texts or not results:
         out.append({"role": role, "content": "\n".join(texts)})
     return out
+
+
+def _image_url(block: MediaBlock, where: str) -> str:
+    """An image block's source as a URL chat reads: base64 data as a data: URL, or its url."""
+    source = getattr(block, "source", None)
+    if block.type == "image" and isinstance(source, dict):
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+        if source.get("type") == "url" and isinstance(source.get("url"), str):
+            return str(source["url"])
+    raise InvalidParameter("This model reads text and images (base64 or url sources) only; send text or image "
+                           "blocks.", where, "unsupported_content")
 
 
 def _chat_request(body: dict[str, Any]) -> ChatCompletionRequest:

@@ -12,7 +12,7 @@ from typing import Any
 from servelm.chat.reasoning import ReasoningMarkers, ReasoningParser, split_reasoning
 from servelm.chat.template import TemplateError
 from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
-from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, Thinking, TokenLogprob
+from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, MediaChunk, MediaSpan, Thinking, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.chat import (
     ChatCompletion,
@@ -36,7 +36,8 @@ from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
-from servelm.service.messages import template_messages
+from servelm.service.media import ModalityNotSupported, Piece
+from servelm.service.messages import image_parts, template_messages
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 from servelm.service.structured import ToolPlan, plan_output
 
@@ -73,9 +74,11 @@ class ChatService:
         req = from_functions(req)
         check_tool_answers(req)
         output = plan_output(req, dep)
-        messages = template_messages(req, output.system_text or "", dep.tool_style.native)
+        images = read_images(dep, req)
+        mark = f"\ue002{uuid.uuid4().hex}\ue003" if images else ""  # where each image goes, found again once rendered
+        messages = template_messages(req, output.system_text or "", dep.tool_style.native, mark)
         extra = {**template_switches(req, dep), **({"tools": output.template_tools} if output.template_tools else {})}
-        prompt = prompt_ids(dep, messages, extra)
+        prompt, media = prompt_ids(dep, messages, extra, mark, images)
         ep = EndpointParams(
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
             max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
@@ -85,12 +88,15 @@ class ChatService:
             constrained=output.constraint is not None,
         )
         params = sampling_params(req, dep, len(prompt), ep)
+        if media and params.prompt_logprobs is not None:
+            raise InvalidParameter("prompt_logprobs cannot score a prompt with images (their positions are no "
+                                   "tokens).", "prompt_logprobs", "unsupported_parameter")
         scope = cache_scope(ctx.owner, req.cache_salt)
         # a thought is read unless a grammar binds the answer from its first token
         markers = dep.reasoning if output.constraint is None or output.constraint.free_unless else None
         thinking = _thinking(req, dep, markers, prompt)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
-                                       scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking)
+                                       scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools,
                             legacy, markers, bool(req.timings_per_request or ctx.timings))
@@ -331,9 +337,19 @@ class ToolCallStream:
         return Delta(tool_calls=[DeltaToolCall(index=index, function=DeltaFunction(arguments=text))])
 
 
-def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[str, Any]) -> list[int]:
+def read_images(dep: TextDeployment, req: ChatCompletionRequest) -> list[list[Piece]]:
+    """Each image part's bytes read by the deployment's projector (a 400 naming the part for a bad one)."""
+    parts = image_parts(req)
+    if parts and dep.images is None:
+        raise ModalityNotSupported(dep.name, parts[0][0])
+    return [dep.images.read(url, where) for where, url in parts] if dep.images is not None else []
+
+
+def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[str, Any], image_mark: str = "",
+               images: list[list[Piece]] | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
     """The chat prompt's token ids: the messages rendered with the deployment's template, its control tokens the
-    template's own (the request's text stays text: chat/markers.py)."""
+    template's own (the request's text stays text: chat/markers.py); and where each image's pieces go in place of
+    its mark: their tokens, and media spans whose positions hold the image's placeholder ids."""
     markers = dep.markers
     if markers is not None:
         messages, extra = markers.escape(messages), markers.escape(extra)
@@ -341,9 +357,27 @@ def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[
         text = dep.template.render(messages, add_generation_prompt=True, **extra)
     except TemplateError as exc:
         raise InvalidParameter(str(exc), "messages") from None
-    if markers is None:
-        return dep.vocab.tokenize(text)
-    return markers.tokenize(text, lambda piece: dep.vocab.tokenize_bare(piece, False), dep.bos_id)
+    texts = text.split(image_mark) if images else [text]
+    if len(texts) != len(images or ()) + 1:
+        raise InvalidParameter("The model's chat template did not place every image of the messages in the prompt.",
+                               "messages")
+    ids: list[int] = []
+    spans: list[MediaSpan] = []
+    for n, piece in enumerate(texts):
+        if n:
+            for part in (images or [])[n - 1]:
+                if isinstance(part, MediaChunk):
+                    spans.append(MediaSpan(len(ids), part))
+                    ids.extend([part.placeholder] * part.length)
+                else:
+                    ids.extend(part)
+        if markers is not None:
+            ids.extend(markers.tokenize(piece, lambda t: dep.vocab.tokenize_bare(t, False), dep.bos_id if not n else None))
+        elif n:
+            ids.extend(dep.vocab.tokenize_bare(piece, True))
+        else:
+            ids.extend(dep.vocab.tokenize(piece))
+    return ids, tuple(spans)
 
 
 def new_call_id() -> str:

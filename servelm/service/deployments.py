@@ -16,6 +16,7 @@ from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.service.admission import WaitingQueue
+from servelm.service.media import ImageInput
 
 
 class Vocabulary(Protocol):
@@ -71,6 +72,7 @@ class TextDeployment(Deployment):
     markers: ControlMarkers | None = None
     bos_id: int | None = None  # the BOS token a prompt begins with, when the model asks for one
     reasoning: ReasoningMarkers | None = None  # a model that thinks between these markers (chat/reasoning.py)
+    images: ImageInput | None = None  # reads images in prompts (a vision projector); None: text only
 
 
 class Deployments:

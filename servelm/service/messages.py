@@ -7,16 +7,17 @@ import json
 from typing import Any
 
 from servelm.chat.tools import HERMES, tool_response_text
-from servelm.errors import InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart
 
 
-def template_messages(req: ChatCompletionRequest, system_text: str, native: bool) -> list[dict[str, Any]]:
+def template_messages(req: ChatCompletionRequest, system_text: str, native: bool,
+                      image_mark: str = "") -> list[dict[str, Any]]:
     """The request's messages as the chat template takes them, with tool calls and results rendered (natively,
     or as Hermes-style text for a template that knows no tools) and `system_text` (the tools' instructions)
-    joined to the system message."""
+    joined to the system message. Each image part becomes `image_mark` in its message's text, where the prompt
+    takes the image (image_parts lists them in the same order)."""
     names = {c.id: c.function.name for m in req.messages for c in (m.tool_calls or ())}
-    messages = [_message(i, m, native, names) for i, m in enumerate(req.messages)]
+    messages = [_message(m, native, names, image_mark) for m in req.messages]
     if system_text:
         if messages and messages[0]["role"] == "system":
             messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{system_text}".lstrip()}
@@ -25,8 +26,15 @@ def template_messages(req: ChatCompletionRequest, system_text: str, native: bool
     return messages
 
 
-def _message(i: int, m: ChatMessage, native: bool, names: dict[str, str]) -> dict[str, Any]:
-    content = _text(i, m)
+def image_parts(req: ChatCompletionRequest) -> list[tuple[str, str]]:
+    """(where, url) of every image part, in message order: `messages[1].content[0]`."""
+    return [(f"messages[{i}].content[{j}]", part.image_url.url)
+            for i, m in enumerate(req.messages) if isinstance(m.content, list)
+            for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+
+
+def _message(m: ChatMessage, native: bool, names: dict[str, str], image_mark: str) -> dict[str, Any]:
+    content = _text(m, image_mark)
     role = "system" if m.role == "developer" else m.role
     msg: dict[str, Any] = {"role": role, "content": content}
     if m.name is not None:
@@ -50,19 +58,10 @@ def _message(i: int, m: ChatMessage, native: bool, names: dict[str, str]) -> dic
     return msg
 
 
-def _text(i: int, m: ChatMessage) -> str:
+def _text(m: ChatMessage, image_mark: str) -> str:
     if not isinstance(m.content, list):
         return m.content or ""
-    parts = []
-    for j, part in enumerate(m.content):
-        if isinstance(part, ImagePart):
-            raise InvalidParameter(
-                "This model does not accept image input; send text parts only.",
-                f"messages[{i}].content[{j}]",
-                "unsupported_content",
-            )
-        parts.append(part.text)
-    return "\n".join(parts)
+    return "\n".join(image_mark if isinstance(part, ImagePart) else part.text for part in m.content)
 
 
 def _args_value(arguments: str) -> Any:

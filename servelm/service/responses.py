@@ -262,22 +262,32 @@ def chat_messages(items: list[dict[str, Any]], first: int = 0) -> list[dict[str,
         elif kind == "function_call_output":
             result = FunctionCallOutputItem.model_validate(data)
             output = result.output if isinstance(result.output, str) else _text(result.output, where)
+            if not isinstance(output, str):
+                raise InvalidParameter("A function call's output is text; send images in a message.", where)
             messages.append({"role": "tool", "tool_call_id": result.call_id, "content": output})
         else:
             ReasoningItemIn.model_validate(data)
     return messages
 
 
-def _text(content: str | list[Any], where: str) -> str:
+def _text(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat's: its text, or text and image_url parts when it holds input_image parts."""
     if isinstance(content, str):
         return content
-    parts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         if isinstance(part, InputMedia):
-            raise InvalidParameter("This model takes text input only; send input_text parts.", f"{where}.content[{j}]",
-                                   "unsupported_content")
-        parts.append(part.refusal if isinstance(part, Refusal) else part.text)
-    return "\n".join(parts)
+            url = getattr(part, "image_url", None)
+            if part.type != "input_image" or not isinstance(url, str):
+                raise InvalidParameter("This model reads text and images given by image_url only; send input_text "
+                                       "parts, or input_image with an image_url.", f"{where}.content[{j}]",
+                                       "unsupported_content")
+            parts.append({"type": "image_url", "image_url": {"url": url, "detail": getattr(part, "detail", None)}})
+        else:
+            parts.append({"type": "text", "text": part.refusal if isinstance(part, Refusal) else part.text})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _tools(req: ResponsesRequest) -> tuple[list[FunctionTool], list[str]]:

@@ -131,15 +131,18 @@ def test_bad_extra_parameters_header_is_400(fake_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "extra-parameters"
 
 
-def test_image_part_is_a_422_that_says_so(fake_server):
+def test_image_for_a_text_model_is_azures_404_modality_not_supported(fake_server):
+    """The Azure seed: 404 "Modality not supported by the model" for content the model cannot read, naming the
+    part; elsewhere OpenAI's 400."""
     content = [{"type": "text", "text": "what is this?"},
                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
     r = post(fake_server, AZURE, {"messages": [{"role": "user", "content": content}]})
-    assert r.status_code == 422
+    assert r.status_code == 404 and r.headers["x-ms-error-code"] == "modality_not_supported"
     body = r.json()
-    assert "image" in body["message"] and body["code"] == "unsupported_content"
-    assert body["detail"]["loc"] == ["body", "messages", 0, "content", 1]
-    assert "image_url" in body["detail"]["value"]
+    assert body["message"].startswith("Modality not supported by the model") and body["status"] == 404
+    assert body["error"]["param"] == "messages[0].content[1]"
+    r = post(fake_server, "/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]"
 
 
 def test_unknown_deployment_is_404_with_status(fake_server):
