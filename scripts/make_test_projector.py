@@ -57,10 +57,15 @@ def _token_embeddings(model: Path, words: list[str]) -> tuple[np.ndarray, int]:
 
 
 def build(out: Path, model: Path) -> None:
-    targets, n_embd = _token_embeddings(model, list(COLOURS))
+    targets, _ = _token_embeddings(model, list(COLOURS))
     inputs = np.stack([_features(rgb) for rgb in COLOURS.values()])
     proj, *_ = np.linalg.lstsq(inputs, targets, rcond=None)  # (WIDTH, n_embd): features @ proj ≈ the word
+    write(out, proj.astype(np.float32))
 
+
+def write(out: Path, proj: np.ndarray) -> None:
+    """The projector file with this projection (WIDTH x the text model's width)."""
+    n_embd = proj.shape[1]
     patch = np.zeros((WIDTH, 3, PATCH, PATCH), dtype=np.float32)  # ggml conv kernel [KW, KH, C_in, C_out]
     for c in range(3):
         patch[c, c] = 1.0 / (PATCH * PATCH)
@@ -85,7 +90,7 @@ def build(out: Path, model: Path) -> None:
     w.add_tensor("v.patch_embd.weight", patch)
     w.add_tensor("v.patch_embd.bias", bias)
     w.add_tensor("mm.soft_emb_norm.weight", np.ones(WIDTH, dtype=np.float32))
-    w.add_tensor("mm.input_projection.weight", proj.astype(np.float32))
+    w.add_tensor("mm.input_projection.weight", proj)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

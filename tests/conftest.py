@@ -16,6 +16,7 @@ from servelm.http.app import create_app
 from servelm.http.server import make_server
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments
+from servelm.service.media import ImageSources
 
 
 @contextmanager
@@ -60,11 +61,13 @@ class FakeServer:
 def fake_server_factory() -> Iterator:
     with ExitStack() as stack:
 
-        def start(*, security=None, extra_deployments=(), prefix_cache=False, **runner_kw) -> FakeServer:
+        def start(*, security=None, extra_deployments=(), prefix_cache=False, image_sources=ImageSources(),
+                  **runner_kw) -> FakeServer:
             """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app;
-            prefix_cache turns the first deployment's cache on."""
+            prefix_cache turns the first deployment's cache on; image_sources are where it may fetch images."""
             runner = FakeRunner(**runner_kw)
-            deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache)
+            deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache,
+                                                  image_sources=image_sources)
             others = [build_deployment(name, FakeRunner(**runner_kw)) for name in extra_deployments]
             engines = [engine, *(e for _, e in others)]
             app = create_app(Deployments([deployment, *(d for d, _ in others)]),

@@ -138,7 +138,7 @@ class FakeRunner:
                 raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
             if len(chunk.tokens) > self.max_rows and (chunk.media is None or chunk.media.causal):
                 raise FakeKVError(f"a chunk of {len(chunk.tokens)} tokens: more than {self.max_rows} rows of a stream")
-            if chunk.start and chunk.prev_token != held[-1]:
+            if chunk.start and chunk.prev_token != (held[-1] if held[-1] >= 0 else None):  # none after an image
                 raise FakeKVError(f"chunk at {chunk.start} of slot {chunk.slot}: prev_token {chunk.prev_token}, "
                                   f"cell {held[-1]}")
             held.extend(chunk.tokens)

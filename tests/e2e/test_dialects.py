@@ -55,11 +55,11 @@ def test_azure_unknown_extra_is_422(azure: ChatCompletionsClient) -> None:
     assert exc.value.status_code == 422 and "no_such_knob" in str(exc.value)
 
 
-def test_azure_image_is_422(azure: ChatCompletionsClient) -> None:
+def test_azure_image_for_a_text_model_is_404_modality_not_supported(azure: ChatCompletionsClient) -> None:
     content = [TextContentItem(text="What is this?"), ImageContentItem(image_url=ImageUrl(url="data:image/png;base64,AA=="))]
     with pytest.raises(HttpResponseError) as exc:
         azure.complete(messages=[UserMessage(content)], max_tokens=4)
-    assert exc.value.status_code == 422 and "image" in str(exc.value)
+    assert exc.value.status_code == 404 and "Modality not supported" in str(exc.value)
 
 
 def test_azure_embeddings_client(base_url: str, client) -> None:
