@@ -1,6 +1,6 @@
 """Write a small vision projector GGUF for the embedded SmolLM2-135M-Instruct: a TEST FIXTURE, not a vision model.
 
-    .venv/bin/python scripts/make_test_projector.py OUT [--model MODEL.gguf]
+    .venv/bin/python scripts/make_test_projector.py OUT [--model MODEL.gguf] [--side N]
 
 No package on the registries these machines reach ships a vision-language model, so the tests of servelm's image
 path (data URL → libmtmd → the engine → an answer) run on this: a projector of llama.cpp's `gemma3` type (its
@@ -11,8 +11,9 @@ transformer layers. What it computes, by construction:
 - gemma3's pooling averages 2 x 2 patches, then an RMS norm;
 - the projection maps those 4 features to SmolLM2's 576-wide input, fitted by least squares so that a solid red,
   green, blue or white image lands exactly on the embedding of the word " red", " green", " blue" or " white".
-So an image of 32 x 32 pixels (after llama.cpp's resize) becomes 4 tokens that read like the colour's name: the
-model can tell solid colours apart. Anything else it sees is a blend of those four words.
+So an image (resized by llama.cpp to 32 x 32 pixels) becomes 2 x 2 = 4 tokens that read like the colour's name:
+the model can tell solid colours apart. Anything else it sees is a blend of those four words. `--side N` makes an
+image N x N tokens instead (bench/images.py measures what a large image's decode costs the other streams).
 
 The weights are written with the `gguf` package; the model's token embeddings are read from the model file (Q8_0,
 dequantized with gguf's own code).
@@ -27,9 +28,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-IMAGE_SIZE = 32  # llama.cpp resizes every image to this square
-PATCH = 8  # 4 x 4 patches
-MERGE = 2  # gemma3's average pooling: 2 x 2 patches a token, so 4 image tokens
+PATCH = 8  # pixels a patch side
+MERGE = 2  # gemma3's average pooling: 2 x 2 patches a token
 WIDTH = 4  # the vision side's features: r, g, b, 1
 COLOURS = {" red": (1, 0, 0), " green": (0, 1, 0), " blue": (0, 0, 1), " white": (1, 1, 1)}
 EPS = 1e-6
@@ -56,15 +56,15 @@ def _token_embeddings(model: Path, words: list[str]) -> tuple[np.ndarray, int]:
     return embd[rows].astype(np.float64), int(table.shape[0])
 
 
-def build(out: Path, model: Path) -> None:
+def build(out: Path, model: Path, side: int = 2) -> None:
     targets, _ = _token_embeddings(model, list(COLOURS))
     inputs = np.stack([_features(rgb) for rgb in COLOURS.values()])
     proj, *_ = np.linalg.lstsq(inputs, targets, rcond=None)  # (WIDTH, n_embd): features @ proj ≈ the word
-    write(out, proj.astype(np.float32))
+    write(out, proj.astype(np.float32), side)
 
 
-def write(out: Path, proj: np.ndarray) -> None:
-    """The projector file with this projection (WIDTH x the text model's width)."""
+def write(out: Path, proj: np.ndarray, side: int = 2) -> None:
+    """The projector file with this projection (WIDTH x the text model's width); an image is side x side tokens."""
     n_embd = proj.shape[1]
     patch = np.zeros((WIDTH, 3, PATCH, PATCH), dtype=np.float32)  # ggml conv kernel [KW, KH, C_in, C_out]
     for c in range(3):
@@ -76,7 +76,7 @@ def write(out: Path, proj: np.ndarray) -> None:
     w.add_string("clip.projector_type", "gemma3")
     w.add_bool("clip.has_vision_encoder", True)
     w.add_bool("clip.use_gelu", True)
-    w.add_uint32("clip.vision.image_size", IMAGE_SIZE)
+    w.add_uint32("clip.vision.image_size", PATCH * MERGE * side)  # llama.cpp resizes every image to this square
     w.add_uint32("clip.vision.patch_size", PATCH)
     w.add_uint32("clip.vision.projector.scale_factor", MERGE)
     w.add_uint32("clip.vision.embedding_length", WIDTH)
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="where to write the projector GGUF")
     ap.add_argument("--model", type=Path, default=None, help="the text model (default: the embedded SmolLM2)")
+    ap.add_argument("--side", type=int, default=2, help="an image is side x side tokens (default 2)")
     args = ap.parse_args(argv)
     model = args.model
     if model is None:
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = embedded_model_path()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    build(args.out, model)
+    build(args.out, model, args.side)
     print(args.out)
     return 0
 
