@@ -122,8 +122,7 @@ class Scheduler:
         for group in self.running:
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
-                    span = seq.group.span_at(seq.num_computed) if seq.group.media else None
-                    plan.chunks.append(self._chunk(seq, 1, span))
+                    plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
                     budget -= 1
         for group in self.running:
             for seq in group.seqs:
@@ -158,7 +157,7 @@ class Scheduler:
         this step). An image goes whole when it must, whatever is left of the budget, and only as the step's one
         image chunk."""
         pos = seq.num_computed
-        span = seq.group.span_at(pos) if seq.group.media else None
+        span = seq.group.span_at(pos)
         if span is None:
             take = min(self._pending(seq), budget)
         elif plan.has_media:
@@ -175,7 +174,7 @@ class Scheduler:
         n = min(seq.num_pending, self.max_rows)
         if seq.group.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
-        span = seq.group.next_span(seq.num_computed) if seq.group.media else None
+        span = seq.group.next_span(seq.num_computed)
         return min(n, span.start - seq.num_computed) if span is not None else n
 
     def _may_overtake(self, head: SequenceGroup) -> bool:
@@ -193,7 +192,7 @@ class Scheduler:
         first, *others = group.live
         placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group))
         assert placed is not None  # the caller checked that enough slots rest
-        if group.media and group.whole(placed.reuse) != placed.reuse:
+        if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
             placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
         slot = placed.slot
         if placed.moved is not None:  # the slot's own entry is kept elsewhere first
@@ -261,9 +260,8 @@ class Scheduler:
             samplers = (seq, *pending)
         all_logits = seq.group.params.prompt_logprobs is not None and start < seq.prompt_len
         prev = seq.token_ids[start - 1] if start > 0 and seq.token_ids[start - 1] >= 0 else None  # not an image's
-        if span is not None:
-            return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits, span.chunk, start - span.start)
-        return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits)
+        media, offset = (span.chunk, start - span.start) if span is not None else (None, 0)
+        return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits, media, offset)
 
     def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> None:
         """Record a finished forward pass: computed cells, sampled tokens, and forks of fresh siblings."""

@@ -20,6 +20,7 @@ from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, StepPlan
 EOS = 0
 FIRST_WORD = 1
 END_TOKEN = 40
+OPEN_IMAGE, CLOSE_IMAGE = 27, 29  # the fake projector's markers around an image
 
 
 class FakeKVError(AssertionError):
@@ -175,8 +176,8 @@ class FakeRunner:
 
 
 class FakeProjector:
-    """Reads an "image" for the fake model: any bytes that begin with b"IMG" (else a ValueError), as the marker
-    tokens of "[" and "]" around one media chunk of `length` positions (causal or not)."""
+    """Reads an "image" for the fake model: any bytes that begin with b"IMG" (b"fail" too: its encoding fails;
+    anything else is a ValueError), as a marker token on each side of one media chunk of `length` positions."""
 
     def __init__(self, *, length: int = 6, causal: bool = False) -> None:
         self.length = length
@@ -185,8 +186,7 @@ class FakeProjector:
     def read(self, data: bytes) -> list[tuple[int, ...] | MediaChunk]:
         if not data.startswith((b"IMG", b"fail")):
             raise ValueError("not an image the fake projector reads")
-        return [(FIRST_WORD + ord("[") % 63,), MediaChunk(data, 0, self.length, self.causal),
-                (FIRST_WORD + ord("]") % 63,)]
+        return [(OPEN_IMAGE,), MediaChunk(data, 0, self.length, self.causal), (CLOSE_IMAGE,)]
 
 
 class FakeEmbedder:
