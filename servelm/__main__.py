@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
+from servelm.errors import ApiError
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
@@ -68,7 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = False,
           ray_address: str | None = None) -> None:
-    from servelm.compose import build, default_specs, image_sources
+    from servelm.compose import build, default_specs, image_sources, with_blocklist
     from servelm.http.app import create_app
     from servelm.http.limits import SecurityConfig
     from servelm.http.server import run as run_server
@@ -79,13 +80,14 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     try:
         config = load_config_file(settings.config) if settings.config else None
         keys = load_keys(settings, config.keys if config else [])  # hashed here: the keys themselves go no further
-        specs = config.deployments if config and config.deployments else default_specs(settings)
+        specs = with_blocklist(config.deployments if config and config.deployments else default_specs(settings),
+                               settings.content_blocklist)
         if ray and any(s.mmproj for s in specs):
             raise ValueError("--mmproj (images) is not served under --ray yet; serve the vision model without --ray")
         if ray:
             return _serve_on_ray(settings, specs, config.endpoints if config else [], keys, verbose_llama, ray_address)
         built = build(specs, config.endpoints if config else [], verbose_llama, image_sources(settings))
-    except (ValueError, OSError, RuntimeError) as exc:  # a bad file, a missing model: say which, no traceback
+    except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
         raise SystemExit(f"servelm: {exc}") from None
     limits = StoreLimits.from_settings(settings)
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,

@@ -11,17 +11,21 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from servelm import __version__
 from servelm.chat.reasoning import THINK, ReasoningMarkers
-from servelm.config import DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
+from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
 from servelm.service.media import ImageInput, ImageSources
+
+if TYPE_CHECKING:
+    from servelm.service.content_filter import ContentFilter
 
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
@@ -121,6 +125,52 @@ def reasoning_of(setting: str, template_source: str | None) -> ReasoningMarkers 
     return ReasoningMarkers.parse(setting)
 
 
+def content_filter_of(spec: ContentFilterSpec | None) -> ContentFilter | None:
+    """A deployment's content policy from its config (its lists read, its guard's template read)."""
+    from servelm.service.blocklist import Blocklist
+    from servelm.service.content_filter import ContentFilter, Rule
+    from servelm.service.guard import LLAMA_GUARD_LABELS, LLAMA_GUARD_TEMPLATE, Guard, GuardLabel
+
+    if spec is None:
+        return None
+    lists = [Blocklist.read(path) for path in spec.blocklist]
+    if spec.terms:
+        lists.append(Blocklist(spec.terms, "terms"))
+    guard = None
+    if spec.guard is not None:
+        g = spec.guard
+        labels = tuple(GuardLabel(lab.label, lab.name, lab.category) for lab in g.labels) if g.labels \
+            else LLAMA_GUARD_LABELS
+        template = g.template.read_text(encoding="utf-8") if g.template else LLAMA_GUARD_TEMPLATE
+        guard = Guard(g.deployment, template, labels, g.timeout, g.max_tokens)
+    rules = {name: Rule(rule.action, rule.severity) for name, rule in spec.rules().items()}
+    return ContentFilter(input=spec.input, output=spec.output, window=spec.window, lists=lists, guard=guard,
+                         rules=rules, fail_open=spec.on_guard_error == "open", blocked_message=spec.blocked_message)
+
+
+def with_blocklist(specs: list[DeploymentSpec], blocklist: Path | None) -> list[DeploymentSpec]:
+    """`--content-blocklist FILE`: the file's terms blocked in every chat deployment's prompts and answers (added
+    to a policy a deployment has, else its policy)."""
+    if blocklist is None:
+        return specs
+    out = []
+    for spec in specs:
+        if spec.kind == "chat":
+            policy = spec.content_filter or ContentFilterSpec(blocklist=[blocklist])
+            if blocklist not in policy.blocklist:
+                policy = policy.model_copy(update={"blocklist": [*policy.blocklist, blocklist]})
+            spec = spec.model_copy(update={"content_filter": policy})
+        out.append(spec)
+    return out
+
+
+def check_guards(deployments: Deployments) -> None:
+    """Every policy's guard names a deployment that can judge (a ValueError saying which cannot)."""
+    for d in deployments.generators():
+        if d.content_filter is not None:
+            d.content_filter.check_guard(deployments)
+
+
 def grammar_limits(e: EngineSettings) -> GrammarLimits:
     """A deployment's EngineSettings → the GrammarLimits of its grammars."""
     return GrammarLimits(max_bytes=e.grammar_max_mib * MiB, cache_bytes=e.grammar_cache_mib * MiB,
@@ -197,6 +247,11 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
     aliases = {a: s.name for s in specs for a in s.aliases}
     routes = {e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints}
     built.deployments = Deployments(deployments, aliases=aliases, endpoints=routes)
+    try:
+        check_guards(built.deployments)
+    except BaseException:
+        built.close()
+        raise
     return built
 
 
@@ -220,6 +275,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
         reasoning_markers=spec.reasoning_markers, image_sources=images,
     )
     deployment.max_waiting = spec.limits.max_waiting
+    deployment.content_filter = content_filter_of(spec.content_filter)
     workers.append(engine)
     if spec.embedding_window:
         window = min(spec.embedding_window, runner.context_window)
@@ -257,6 +313,7 @@ def _build_vllm(spec: DeploymentSpec, deployments: list[Any], workers: list[Any]
         reasoning=reasoning_of(spec.reasoning_markers, tok.chat_template),
     )
     deployment.max_waiting = spec.limits.max_waiting
+    deployment.content_filter = content_filter_of(spec.content_filter)
     workers.append(engine)
     deployments.append(deployment)
 

@@ -92,6 +92,11 @@ class ServerSettings(BaseSettings):
                                  "(decoded bytes; a larger one is a 400 naming its part)")
     media_fetch_timeout: float = Field(5.0, gt=0, description="seconds an image URL fetch may take (an unreachable "
                                        "one is a 400)")
+    content_blocklist: Path | None = Field(
+        None, description="a file of terms (one a line; `re:` before a regular expression) blocked in the prompts "
+        "and answers of every chat deployment: a prompt is a 400 content_filter, an answer stops with finish_reason "
+        "content_filter (case-insensitive, Unicode-normalized; a config file's content_filter tables say more)",
+    )
     embedding_model: bool = Field(
         True, description="serve a sentence-embedding model beside the chat model (--no-embedding-model: none)",
     )
@@ -237,6 +242,7 @@ class DeploymentSpec(BaseModel):
                                             "tokens (the old behaviour; lets a user forge a system turn)")
     reasoning_markers: str = Field("auto", description="the thought's markers: auto, none, or OPEN,CLOSE")
     mmproj: Path | None = Field(None, description="a vision projector GGUF for this model: images in chat messages")
+    content_filter: ContentFilterSpec | None = Field(None, description="its content policy (none by default)")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: DeploymentLimits = Field(default_factory=DeploymentLimits)
     # -- replicas under `servelm serve --ray` (servelm/ray/); one process serves one engine per deployment --
@@ -285,7 +291,71 @@ class DeploymentSpec(BaseModel):
             raise ValueError(f"deployment {self.name!r}: a vllm table needs engine = \"vllm\"")
         if self.mmproj is not None and (self.backend != "llamacpp" or self.kind != "chat"):
             raise ValueError(f"deployment {self.name!r}: mmproj is for chat models on the llamacpp engine")
+        if self.content_filter is not None and self.kind != "chat":
+            raise ValueError(f"deployment {self.name!r}: a content_filter is for chat deployments")
         return self
+
+
+class GuardLabelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(min_length=1, pattern=r"^[^,\n]+$", description="what the guard writes (S1)")
+    name: str = Field(min_length=1, description="what the template tells the guard it means (Violent Crimes)")
+    category: str = Field(min_length=1, pattern=r"^[a-z][a-z0-9_]*$", description="what a flag counts as: hate, "
+                          "sexual, violence, self_harm (Azure's), or another name")
+
+
+class GuardSpec(BaseModel):
+    """A guard model: another chat deployment of this server judges each prompt (and answer window)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deployment: str = Field(min_length=1, description="the chat deployment that judges (a Llama Guard GGUF)")
+    template: Path | None = Field(None, description="a Jinja file rendering the guard's whole prompt from "
+                                  "`messages`, `role` (User or Agent) and `categories` (label, name); default: "
+                                  "Llama Guard 3's")
+    labels: list[GuardLabelSpec] | None = Field(None, min_length=1, description="the labels the guard may answer "
+                                                "and their categories (default: Llama Guard 3's S1-S14)")
+    timeout: float = Field(10.0, gt=0, description="seconds the guard may take to answer")
+    max_tokens: int = Field(64, ge=4, description="longest answer it may give")
+
+
+class CategoryRule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["block", "annotate", "off"] = "block"
+    severity: Literal["low", "medium", "high"] = Field("low", description="the least severity that blocks")
+
+
+class ContentFilterSpec(BaseModel):
+    """A deployment's content policy: what is checked, by which lists and guard, and what each category does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: bool = Field(True, description="check prompts: a flagged one is a 400 content_filter")
+    output: bool = Field(True, description="check answers as they are made: a flagged one stops with "
+                         "finish_reason content_filter")
+    window: int = Field(32, ge=1, description="tokens of an answer checked at once; a stream runs at most this "
+                        "many tokens (and one check) behind the engine")
+    blocklist: list[Path] = Field(default_factory=list, description="files of terms (one a line, `re:` regexes)")
+    terms: list[str] = Field(default_factory=list, description="terms (and `re:` regexes) written inline")
+    guard: GuardSpec | None = None
+    categories: dict[str, CategoryRule | Literal["block", "annotate", "off"]] = Field(
+        default_factory=dict, description="per category (hate, sexual, violence, self_harm, a guard's other "
+        "categories, blocklist): block (the default), annotate or off, or a table {action, severity}",
+    )
+    on_guard_error: Literal["closed", "open"] = Field("closed", description="a guard that is down or busy: "
+                                                      "closed answers 503, open lets the request through annotated")
+    blocked_message: str = Field("", description="text put where a blocked answer's withheld window was")
+
+    @model_validator(mode="after")
+    def _checks_something(self) -> ContentFilterSpec:
+        if not (self.blocklist or self.terms or self.guard):
+            raise ValueError("a content_filter needs a blocklist, terms or a guard")
+        return self
+
+    def rules(self) -> dict[str, CategoryRule]:
+        return {k: v if isinstance(v, CategoryRule) else CategoryRule(action=v) for k, v in self.categories.items()}
 
 
 class EndpointRoute(BaseModel):
@@ -321,6 +391,11 @@ class ConfigFile(BaseModel):
                     raise ValueError(f"the model name {n!r} is declared twice")
                 names.add(n)
         deployed = {d.name for d in self.deployments}
+        chat = {d.name for d in self.deployments if d.kind == "chat"}
+        for d in self.deployments:
+            guard = d.content_filter.guard if d.content_filter is not None else None
+            if guard is not None and guard.deployment not in chat:
+                raise ValueError(f"deployment {d.name!r}: its guard {guard.deployment!r} is not a chat deployment here")
         for e in self.endpoints:
             if e.name in names:
                 raise ValueError(f"the endpoint {e.name!r} has the name of a deployment or alias")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -44,6 +45,21 @@ class ConstraintFailed(ClientError):
 
     def __init__(self, message: str, param: str | None) -> None:
         super().__init__(message, param=param, code="grammar_too_complex")
+
+
+class ContentFiltered(ClientError):
+    """A prompt the policy blocks (the seed's ContentFilterError): 400 `content_filter`, `param` naming it, and
+    Azure OpenAI's innererror with the filter's results."""
+
+    def __init__(self, param: str, categories: Sequence[str], results: dict[str, Any]) -> None:
+        super().__init__(f"The prompt was filtered by this deployment's content policy ({', '.join(categories)}). "
+                         "Modify the prompt and try again.", param=param, code="content_filter")
+        self.results = results
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"]["innererror"] = {"code": "ResponsibleAIPolicyViolation", "content_filter_result": self.results}
+        return body
 
 
 class UnprocessableContent(ClientError):

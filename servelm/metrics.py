@@ -104,11 +104,17 @@ class Metrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("servelm_e2e_request_latency_seconds", "from a request reaching the engine to its last output",
                              ["model"], buckets=_E2E_BUCKETS, registry=r)
+        self.filtered = Counter("servelm_content_filtered", "requests a content filter blocked, by deployment, "
+                                "direction (input, output) and category", ["model", "direction", "category"], registry=r)
         r.register(_EngineCollector(engine_gauges))
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()
         self.request_seconds.labels(route, method).observe(seconds)
+
+    def content_filtered(self, model: str, direction: str, categories: Iterable[str]) -> None:
+        for category in categories:
+            self.filtered.labels(model, direction, category).inc()
 
     def meter(self, model: str) -> GenerationMeter:
         return GenerationMeter(self, model)

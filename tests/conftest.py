@@ -62,13 +62,15 @@ def fake_server_factory() -> Iterator:
     with ExitStack() as stack:
 
         def start(*, security=None, extra_deployments=(), prefix_cache=False, image_sources=ImageSources(),
-                  **runner_kw) -> FakeServer:
-            """runner_kw go to FakeRunner; security (a SecurityConfig) and extra deployment names to create_app;
-            prefix_cache turns the first deployment's cache on; image_sources are where it may fetch images."""
+                  content_filter=None, other_runner_kw=None, **runner_kw) -> FakeServer:
+            """runner_kw go to FakeRunner (other_runner_kw, when given, to the extra deployments'); security (a
+            SecurityConfig) and extra deployment names to create_app; prefix_cache turns the first deployment's
+            cache on; image_sources are where it may fetch images; content_filter is its policy."""
             runner = FakeRunner(**runner_kw)
             deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache,
                                                   image_sources=image_sources)
-            others = [build_deployment(name, FakeRunner(**runner_kw)) for name in extra_deployments]
+            deployment.content_filter = content_filter
+            others = [build_deployment(name, FakeRunner(**(other_runner_kw or runner_kw))) for name in extra_deployments]
             engines = [engine, *(e for _, e in others)]
             app = create_app(Deployments([deployment, *(d for d, _ in others)]),
                              on_start=lambda: [e.start() for e in engines],

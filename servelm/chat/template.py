@@ -37,16 +37,16 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         self.source = source or CHATML
         self._template = env.from_string(self.source)
-        self._bos = bos_token
-        self._eos = eos_token
+        self.bos_token = bos_token
+        self.eos_token = eos_token
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos,
-                eos_token=self._eos,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
                 **extra,
             )
         except TemplateError:

@@ -136,6 +136,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    CONTENT_FILTER = "content_filter"  # never the engine's: a content filter withheld the rest (service layer)
 
 
 @dataclass(frozen=True, slots=True)

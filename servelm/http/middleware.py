@@ -17,6 +17,7 @@ log = logging.getLogger("servelm.access")
 
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,%d}" % MAX_REQUEST_ID)
+FILTERED_NOTE = "content_filter"  # scope state a content filter's block leaves ("input:hate"), logged here
 OTHER_ROUTE = "other"  # a path no route matched: never a raw path, which would make labels unbounded
 
 
@@ -79,5 +80,8 @@ class RequestLog:
         seconds = time.perf_counter() - start
         method = scope.get("method", "")
         self.metrics.observe_request(route_template(scope), method, status, seconds)
+        filtered = scope.get("state", {}).get(FILTERED_NOTE)
+        if filtered:  # that a request was filtered, and why; never what it said
+            note += f" filtered={filtered}"
         log.info("%s %s %d %.1fms request_id=%s%s", method, scope.get("path", ""), status, seconds * 1000, rid, note,
                  extra={"request_id": rid, "status": status, "duration_ms": round(seconds * 1000, 1)})

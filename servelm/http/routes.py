@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -15,6 +16,7 @@ from servelm.http.asgi import Scope
 from servelm.http.auth import can_use, check_access, current_key
 from servelm.http.errors import validation_error
 from servelm.http.limits import admit, bounded, limits_of
+from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
 from servelm.http.streams import SSE, Framing, frames
@@ -25,6 +27,7 @@ from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.base import GeneratingService, P, Req
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
+from servelm.service.content_filter import FilterEvents
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
 from servelm.service.embeddings import EmbeddingService
 from servelm.service.params import RequestContext
@@ -77,6 +80,12 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
     dep = prepared.deployment
     admission = admit(request.scope, dep.queue, [g.request_id for g in gens], sum(len(g.prompt_token_ids) for g in gens),
                       sum(g.params.max_tokens * g.params.num_seqs for g in gens), dep.max_waiting)
+    if prepared.screening is not None:  # the deployment's content policy on the prompt: a 400 before anything runs
+        try:
+            await bounded(request.scope, prepared.screening.check_prompt())
+        except BaseException:
+            admission.release()
+            raise
     if prepared.stream:
         return StreamingResponse(
             frames(admission.stream(service.stream(prepared)), framing),
@@ -100,7 +109,22 @@ def request_context(scope: Scope) -> RequestContext:
     app = scope.get("app")
     return RequestContext(owner=key.digest.hex() if key is not None else "",
                           max_batch_prompts=limits.max_batch_prompts if limits is not None else 128,
-                          timings=bool(app is not None and getattr(app.state, "timings", False)))
+                          timings=bool(app is not None and getattr(app.state, "timings", False)),
+                          on_filtered=_filtered(scope))
+
+
+def _filtered(scope: Scope) -> FilterEvents:
+    """What a content filter's block leaves: a count in /metrics, and a note (never the content) for the access
+    log (http/middleware.py)."""
+    app = scope.get("app")
+    metrics = getattr(app.state, "metrics", None) if app is not None else None
+
+    def note(deployment: str, direction: str, categories: Sequence[str]) -> None:
+        if metrics is not None:
+            metrics.content_filtered(deployment, direction, categories)
+        scope.setdefault("state", {})[FILTERED_NOTE] = f"{direction}:{','.join(categories)}"
+
+    return note
 
 
 def deployment_header(d: Deployment) -> dict[str, str]:

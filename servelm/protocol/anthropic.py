@@ -175,7 +175,7 @@ class MessageResponse(ResponseModel):
     role: Literal["assistant"] = "assistant"
     model: str
     content: list[TextOut | ToolUseOut | ThinkingOut]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "refusal"] | None
     stop_sequence: str | None = None
     usage: AnthropicUsage
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ray import serve
 
+from servelm.compose import check_guards, content_filter_of
 from servelm.config import DeploymentSpec
 from servelm.http.limits import SecurityConfig
 from servelm.models import resolve_model_source
@@ -61,6 +62,7 @@ class Ingress:
             deployments.append(deployment)
             self._sets.append(replicas)
         self._deployments = Deployments(deployments, aliases=plan.aliases, endpoints=plan.endpoints)
+        check_guards(self._deployments)
         log.info("ingress ready for %s", ", ".join(repr(d.name) for d in deployments))
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -107,6 +109,7 @@ class Ingress:
         deployment.max_choices = info.max_choices
         deployment.fingerprint = info.fingerprint
         deployment.embedder = embedder
+        deployment.content_filter = content_filter_of(spec.content_filter)
         return deployment
 
 

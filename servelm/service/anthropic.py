@@ -38,7 +38,8 @@ from servelm.service.chat import ChatService, PreparedChat
 from servelm.service.params import RequestContext
 
 PIN_SECONDS = {"5m": 300.0, "1h": 3600.0}
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# a content filter's stop is Anthropic's `refusal` (its own classifiers' stop reason)
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "content_filter": "refusal"}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel
 
 from servelm.engine.types import GenerationRequest
+from servelm.service.content_filter import Screening
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.params import RequestContext
 
@@ -24,6 +25,11 @@ class Prepared(Protocol):
 
     @property
     def generations(self) -> tuple[GenerationRequest, ...]: ...
+
+    @property
+    def screening(self) -> Screening | None:
+        """Its deployment's content policy on this request (None: no policy)."""
+        ...
 
 
 class Translated:
@@ -45,6 +51,10 @@ class Translated:
     @property
     def generations(self) -> tuple[GenerationRequest, ...]:
         return self.inner.generations
+
+    @property
+    def screening(self) -> Screening | None:
+        return self.inner.screening
 
 
 Req = TypeVar("Req", bound=BaseModel, contravariant=True)

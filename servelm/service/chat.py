@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelm.chat.reasoning import ReasoningMarkers, ReasoningParser, split_reasoning
-from servelm.chat.template import TemplateError
 from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
-from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, MediaChunk, MediaSpan, Thinking, TokenLogprob
+from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, Thinking, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.chat import (
     ChatCompletion,
@@ -28,16 +27,18 @@ from servelm.protocol.chat import (
     FunctionCallOut,
     NamedFunction,
     NamedToolChoice,
+    TextPart,
     Tool,
     ToolCallIn,
     ToolCallOut,
 )
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
+from servelm.service.content_filter import PromptText, Screening, generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
 from servelm.service.media import ModalityNotSupported, Piece
-from servelm.service.messages import image_parts, template_messages
+from servelm.service.messages import image_parts, prompt_ids, template_messages
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
 from servelm.service.structured import ToolPlan, plan_output
 
@@ -56,6 +57,7 @@ class PreparedChat:
     legacy_functions: bool = False  # asked with the deprecated `functions`: a call answers as function_call
     reasoning: ReasoningMarkers | None = None  # the answer may begin with a thought between these markers
     timings: bool = False  # the answer carries llama-server's timings
+    screening: Screening | None = None  # its deployment's content policy, applied to this request
 
     @property
     def generations(self) -> tuple[GenerationRequest, ...]:
@@ -98,14 +100,15 @@ class ChatService:
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
                                        scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        screening = Screening.of(dep, self.deployments, [prompt_texts(req)], scope, ctx.on_filtered)
         return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools,
-                            legacy, markers, bool(req.timings_per_request or ctx.timings))
+                            legacy, markers, bool(req.timings_per_request or ctx.timings), screening)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedChat) -> ChatCompletion:
         collector = Collector(p.generation.params)
         watch = ToolCallStream(p.tools.format, p.legacy_functions) if _stops_on_repeat(p) and p.tools else None
-        async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
+        async with aclosing(generate(p.deployment.engine, p.generation, p.screening)) as outputs:
             async for out in outputs:
                 collector.add(out)
                 if watch is not None and not out.finished:
@@ -115,6 +118,8 @@ class ChatService:
                         break
         choices = [self._choice(p, i, r) for i, r in enumerate(collector.chosen())]
         extra: dict[str, Any] = {"timings": collector.timings()} if p.timings else {}
+        if p.screening is not None:
+            extra["prompt_filter_results"] = p.screening.prompt_results
         if p.generation.params.prompt_logprobs is not None:  # vLLM's, at the top as vLLM puts them
             extra["prompt_logprobs"] = vllm_prompt_logprobs(p.generation.prompt_token_ids, collector.prompt_logprobs,
                                                             p.deployment.vocab.token_bytes)
@@ -152,7 +157,7 @@ class ChatService:
         if thought:  # under both names: clients read one or the other
             message.reasoning_content = message.reasoning = thought
         return Choice(index=index, message=message, finish_reason=reason, stop_reason=out.stop_reason,
-                      logprobs=self._logprobs(p, r.logprobs))
+                      logprobs=self._logprobs(p, r.logprobs), **_filter_results(p, out.index))
 
     @staticmethod
     def _logprobs(p: PreparedChat, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -176,6 +181,8 @@ class ChatService:
 
         params = p.generation.params
         n = params.n
+        if p.screening is not None:  # as Azure OpenAI: the prompt's results in a first chunk of no choices
+            yield chunk([], prompt_filter_results=p.screening.prompt_results)
         streams = [ToolCallStream(p.tools.format, p.legacy_functions) if p.tools else None for _ in range(n)]
         thoughts = [ReasoningParser(p.reasoning, _opened(p)) if p.reasoning else None for _ in range(n)]
         for i in range(n):
@@ -185,7 +192,7 @@ class ChatService:
         collector = Collector(params)
         live = streams_live(params)
         watch = streams[0] if _stops_on_repeat(p) else None
-        async with aclosing(p.deployment.engine.generate(p.generation)) as outputs:
+        async with aclosing(generate(p.deployment.engine, p.generation, p.screening)) as outputs:
             async for out in outputs:
                 collector.add(out)
                 if live:
@@ -226,16 +233,35 @@ class ChatService:
         if logprobs is not None and not deltas and not final:
             deltas = [Delta()]  # tokens that add no text yet still report their logprobs
         choices = []
+        annotated = _filter_results(p, out.index if out is not None else index)
         for delta in deltas:
-            choices.append(ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None))
+            choices.append(ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None, **annotated))
             logprobs = None
         if out is not None and out.finish_reason is not None:
             reason: str = out.finish_reason.value
             if ts and ts.has_calls and out.finish_reason is FinishReason.STOP:
                 reason = "function_call" if p.legacy_functions else "tool_calls"
             choices.append(ChunkChoice(index=index, delta=Delta(), logprobs=logprobs, finish_reason=reason,
-                                       stop_reason=out.stop_reason))
+                                       stop_reason=out.stop_reason, **annotated))
         return choices
+
+
+def _filter_results(p: PreparedChat, index: int) -> dict[str, Any]:
+    """A choice's content_filter_results (Azure OpenAI's annotation), when its deployment has a policy."""
+    results = p.screening.results(index) if p.screening is not None else None
+    return {"content_filter_results": results} if results is not None else {}
+
+
+def prompt_texts(req: ChatCompletionRequest) -> list[PromptText]:
+    """What an input check reads of a chat request: each message's text, named `messages[i].content`."""
+    texts = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        text = "\n".join(part.text for part in content if isinstance(part, TextPart)) if isinstance(content, list) \
+            else content or ""
+        if text:
+            texts.append(PromptText(f"messages[{i}].content", m.role, text))
+    return texts
 
 
 def _stops_on_repeat(p: PreparedChat) -> bool:
@@ -343,41 +369,6 @@ def read_images(dep: TextDeployment, req: ChatCompletionRequest) -> list[list[Pi
     if parts and dep.images is None:
         raise ModalityNotSupported(dep.name, parts[0][0])
     return [dep.images.read(url, where) for where, url in parts] if dep.images is not None else []
-
-
-def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[str, Any], image_mark: str = "",
-               images: list[list[Piece]] | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
-    """The chat prompt's token ids: the messages rendered with the deployment's template, its control tokens the
-    template's own (the request's text stays text: chat/markers.py); and where each image's pieces go in place of
-    its mark: their tokens, and media spans whose positions hold the image's placeholder ids."""
-    markers = dep.markers
-    if markers is not None:
-        messages, extra = markers.escape(messages), markers.escape(extra)
-    try:
-        text = dep.template.render(messages, add_generation_prompt=True, **extra)
-    except TemplateError as exc:
-        raise InvalidParameter(str(exc), "messages") from None
-    texts = text.split(image_mark) if images else [text]
-    if len(texts) != len(images or ()) + 1:
-        raise InvalidParameter("The model's chat template did not place every image of the messages in the prompt.",
-                               "messages")
-    ids: list[int] = []
-    spans: list[MediaSpan] = []
-    for n, piece in enumerate(texts):
-        if n:
-            for part in (images or [])[n - 1]:
-                if isinstance(part, MediaChunk):
-                    spans.append(MediaSpan(len(ids), part))
-                    ids.extend([part.placeholder] * part.length)
-                else:
-                    ids.extend(part)
-        if markers is not None:
-            ids.extend(markers.tokenize(piece, lambda t: dep.vocab.tokenize_bare(t, False), dep.bos_id if not n else None))
-        elif n:
-            ids.extend(dep.vocab.tokenize_bare(piece, True))
-        else:
-            ids.extend(dep.vocab.tokenize(piece))
-    return ids, tuple(spans)
 
 
 def new_call_id() -> str:

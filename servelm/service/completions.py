@@ -16,6 +16,7 @@ from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from servelm.service.choices import Collector, SeqResult, streams_live
+from servelm.service.content_filter import PromptText, Screening, generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
@@ -43,6 +44,7 @@ class PreparedCompletion:
     echo: bool
     logprobs: int | None
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for: each choice carries them
+    screening: Screening | None = None  # its deployment's content policy, applied to this request
 
     @property
     def generations(self) -> tuple[GenerationRequest, ...]:
@@ -95,29 +97,34 @@ class CompletionService:
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
                                                     cache_hint=cache_hint(scope, req.prompt_cache_key)), echo))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        texts = [_prompt_texts(prompt, i if len(prompts) > 1 else None, req.suffix, dep) for i, prompt in enumerate(prompts)]
+        screening = Screening.of(dep, self.deployments, texts, cache_scope(ctx.owner, req.cache_salt), ctx.on_filtered)
         return PreparedCompletion(dep, request_id, tuple(jobs), dep.name, int(time.time()), bool(req.stream),
-                                  include_usage, bool(req.echo), req.logprobs, req.prompt_logprobs is not None)
+                                  include_usage, bool(req.echo), req.logprobs, req.prompt_logprobs is not None, screening)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedCompletion) -> Completion:
-        async def run(job: PromptJob) -> Collector:
+        async def run(i: int, job: PromptJob) -> Collector:
             col = Collector(job.generation.params)
-            async with aclosing(p.deployment.engine.generate(job.generation)) as outputs:
+            async with aclosing(generate(p.deployment.engine, job.generation, p.screening, i)) as outputs:
                 async for out in outputs:
                     col.add(out)
             return col
 
-        collectors = await gather_all([run(job) for job in p.jobs])
+        collectors = await gather_all([run(i, job) for i, job in enumerate(p.jobs)])
         choices = []
         for i, (job, col) in enumerate(zip(p.jobs, collectors)):
             n = job.generation.params.n
             for j, seq in enumerate(col.chosen()):
-                choices.append(_whole_choice(p, job, col, i * n + j, seq))
+                choices.append(_whole_choice(p, job, col, i * n + j, seq, _filter_results(p, i, seq.final)))
+        extra = {"prompt_filter_results": p.screening.prompt_results} if p.screening is not None else {}
         return Completion(id=p.request_id, created=p.created, model=p.model, system_fingerprint=p.deployment.fingerprint,
-                          choices=choices, usage=_usage(p, collectors))
+                          choices=choices, usage=_usage(p, collectors), **extra)
 
     async def stream(self, p: PreparedCompletion) -> AsyncGenerator[Completion, None]:
         collectors: list[Collector] = []
+        if p.screening is not None:  # as Azure OpenAI: the prompts' results in a first chunk of no choices
+            yield _chunk(p, [], prompt_filter_results=p.screening.prompt_results)
         async with aclosing(merge([self._stream_one(p, i, job, collectors) for i, job in enumerate(p.jobs)])) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -130,16 +137,16 @@ class CompletionService:
         base = i * params.n
         live = streams_live(params)
         states = [_LiveChoice() for _ in col.seqs]
-        async with aclosing(p.deployment.engine.generate(job.generation)) as outputs:
+        async with aclosing(generate(p.deployment.engine, job.generation, p.screening, i)) as outputs:
             async for out in outputs:
                 col.add(out)
                 if live:
-                    choice = states[out.index].feed(p, job, col, base + out.index, out)
+                    choice = states[out.index].feed(p, job, col, base + out.index, out, _filter_results(p, i, out))
                     if choice is not None:
                         yield _chunk(p, [choice])
         if not live:  # best_of > n or beam search: a choice is known only once every sequence has ended
             for j, seq in enumerate(col.chosen()):
-                yield _chunk(p, [_whole_choice(p, job, col, base + j, seq)])
+                yield _chunk(p, [_whole_choice(p, job, col, base + j, seq, _filter_results(p, i, seq.final))])
         done.append(col)
 
 
@@ -152,7 +159,8 @@ class _LiveChoice:
     offset: int = 0  # the text offset of the choice's next token
     length: int = 0  # characters sent so far
 
-    def feed(self, p: PreparedCompletion, job: PromptJob, col: Collector, index: int, out: GenerationOutput) -> CompletionChoice | None:
+    def feed(self, p: PreparedCompletion, job: PromptJob, col: Collector, index: int, out: GenerationOutput,
+             extra: dict[str, Any]) -> CompletionChoice | None:
         first = not self.started
         if not first and not out.text and not out.token_ids and not out.finished:
             return None
@@ -173,11 +181,12 @@ class _LiveChoice:
         return CompletionChoice(
             index=index, text=text, logprobs=logprobs,
             finish_reason=out.finish_reason.value if out.finish_reason is not None else None,
-            stop_reason=out.stop_reason if out.finished else None,
+            stop_reason=out.stop_reason if out.finished else None, **extra,
         )
 
 
-def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: int, seq: SeqResult) -> CompletionChoice:
+def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: int, seq: SeqResult,
+                  annotated: dict[str, Any] | None = None) -> CompletionChoice:
     text = job.echo + seq.text
     logprobs = None
     if p.logprobs is not None:
@@ -186,7 +195,7 @@ def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: 
         gen, _ = legacy_logprobs(seq.token_ids, entries, p.deployment.vocab.token_bytes, len(job.echo), len(text))
         logprobs = _join([*parts, gen])
     final = seq.final
-    extra = {}
+    extra = dict(annotated or {})
     if p.prompt_logprobs:
         extra["prompt_logprobs"] = vllm_prompt_logprobs(job.generation.prompt_token_ids, col.prompt_logprobs,
                                                         p.deployment.vocab.token_bytes)
@@ -195,6 +204,20 @@ def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: 
         finish_reason=final.finish_reason.value if final and final.finish_reason else None,
         stop_reason=final.stop_reason if final else None, **extra,
     )
+
+
+def _filter_results(p: PreparedCompletion, prompt: int, out: GenerationOutput | None) -> dict[str, Any]:
+    """A choice's content_filter_results (Azure OpenAI's annotation), when its deployment has a policy."""
+    results = p.screening.results(out.index, prompt) if p.screening is not None and out is not None else None
+    return {"content_filter_results": results} if results is not None else {}
+
+
+def _prompt_texts(prompt: str | list[int], index: int | None, suffix: str | None, dep: TextDeployment) -> list[PromptText]:
+    """What an input check reads of one prompt of the batch (token ids as their text), and the suffix."""
+    text = prompt if isinstance(prompt, str) else b"".join(dep.vocab.token_bytes(t) for t in prompt).decode(
+        "utf-8", errors="replace")
+    texts = [PromptText("prompt" if index is None else f"prompt[{index}]", "user", text)]
+    return texts + [PromptText("suffix", "user", suffix)] if suffix else texts
 
 
 def _prompt_logprobs(p: PreparedCompletion, job: PromptJob, col: Collector, text_len: int) -> dict[str, Any]:

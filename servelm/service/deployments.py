@@ -6,7 +6,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from servelm.chat.markers import ControlMarkers
 from servelm.chat.reasoning import ReasoningMarkers
@@ -17,6 +17,9 @@ from servelm.engine.base import Embedder, Engine
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.service.admission import WaitingQueue
 from servelm.service.media import ImageInput
+
+if TYPE_CHECKING:
+    from servelm.service.content_filter import ContentFilter
 
 
 class Vocabulary(Protocol):
@@ -73,6 +76,7 @@ class TextDeployment(Deployment):
     bos_id: int | None = None  # the BOS token a prompt begins with, when the model asks for one
     reasoning: ReasoningMarkers | None = None  # a model that thinks between these markers (chat/reasoning.py)
     images: ImageInput | None = None  # reads images in prompts (a vision projector); None: text only
+    content_filter: ContentFilter | None = None  # the policy its prompts and answers are checked against
 
 
 class Deployments:

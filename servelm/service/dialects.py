@@ -24,6 +24,7 @@ from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequ
 from servelm.service.base import Translated
 from servelm.service.choices import Collector, SeqResult
 from servelm.service.completions import CompletionService, PreparedCompletion
+from servelm.service.content_filter import generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.params import RequestContext
 
@@ -222,7 +223,7 @@ class NativeService:
 
         async def run(i: int) -> DjlOutput:
             col = Collector(p.completion.jobs[i].generation.params)
-            async with aclosing(dep.engine.generate(p.completion.jobs[i].generation)) as outputs:
+            async with aclosing(generate(dep.engine, p.completion.jobs[i].generation, p.screening, i)) as outputs:
                 async for out in outputs:
                     col.add(out)
             seq = col.chosen()[0]
@@ -235,7 +236,7 @@ class NativeService:
     async def stream(self, p: PreparedNative) -> AsyncGenerator[DjlStreamLine, None]:
         dep = p.completion.deployment
         seq = SeqResult()
-        async with aclosing(dep.engine.generate(p.completion.jobs[0].generation)) as outputs:
+        async with aclosing(generate(dep.engine, p.completion.jobs[0].generation, p.screening)) as outputs:
             async for out in outputs:
                 seq.add(out)
                 lines = _token_lines(dep, out)

@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from servelm.chat.template import TemplateError
 from servelm.chat.tools import HERMES, tool_response_text
+from servelm.engine.types import MediaChunk, MediaSpan
+from servelm.errors import InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart
+from servelm.service.deployments import TextDeployment
+from servelm.service.media import Piece
 
 
 def template_messages(req: ChatCompletionRequest, system_text: str, native: bool,
@@ -78,3 +83,38 @@ def _args_text(arguments: str) -> str:
         return arguments
     except json.JSONDecodeError:
         return json.dumps(arguments)
+
+
+def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[str, Any], image_mark: str = "",
+               images: list[list[Piece]] | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
+    """The chat prompt's token ids: the messages rendered with the deployment's template, its control tokens the
+    template's own (the request's text stays text: chat/markers.py); and where each image's pieces go in place of
+    its mark: their tokens, and media spans whose positions hold the image's placeholder ids."""
+    markers = dep.markers
+    if markers is not None:
+        messages, extra = markers.escape(messages), markers.escape(extra)
+    try:
+        text = dep.template.render(messages, add_generation_prompt=True, **extra)
+    except TemplateError as exc:
+        raise InvalidParameter(str(exc), "messages") from None
+    texts = text.split(image_mark) if images else [text]
+    if len(texts) != len(images or ()) + 1:
+        raise InvalidParameter("The model's chat template did not place every image of the messages in the prompt.",
+                               "messages")
+    ids: list[int] = []
+    spans: list[MediaSpan] = []
+    for n, piece in enumerate(texts):
+        if n:
+            for part in (images or [])[n - 1]:
+                if isinstance(part, MediaChunk):
+                    spans.append(MediaSpan(len(ids), part))
+                    ids.extend([part.placeholder] * part.length)
+                else:
+                    ids.extend(part)
+        if markers is not None:
+            ids.extend(markers.tokenize(piece, lambda t: dep.vocab.tokenize_bare(t, False), dep.bos_id if not n else None))
+        elif n:
+            ids.extend(dep.vocab.tokenize_bare(piece, True))
+        else:
+            ids.extend(dep.vocab.tokenize(piece))
+    return ids, tuple(spans)

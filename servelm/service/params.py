@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from servelm.engine.types import BeamParams, SamplingParams
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.common import GenerationFields
+from servelm.service.content_filter import FilterEvents
 from servelm.service.deployments import TextDeployment
 
 
@@ -22,6 +23,7 @@ class RequestContext:
     owner: str = ""  # the API key's digest (hex); "" on an open server
     max_batch_prompts: int = 128  # prompts one legacy-completions request may carry
     timings: bool = False  # every answer carries llama-server's timings (the server's --timings)
+    on_filtered: FilterEvents | None = None  # a content filter blocked it: for /metrics and the access log
 
 
 def cache_scope(owner: str, salt: str | None) -> str:

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
@@ -47,6 +47,9 @@ from servelm.service.params import RequestContext
 from servelm.service.store import ResponseStore, StoredResponse
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# chat finish reasons that leave a response incomplete, and the reason it gives
+_INCOMPLETE: dict[str | None, Literal["max_output_tokens", "content_filter"]] = {
+    "length": "max_output_tokens", "content_filter": "content_filter"}
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,8 @@ class ResponsesService:
             id=p.response_id,
             created_at=p.created_at,
             completed_at=int(time.time()) if finish is not None else None,
-            status="in_progress" if finish is None else "incomplete" if finish == "length" else "completed",
-            incomplete_details=IncompleteDetails(reason="max_output_tokens") if finish == "length" else None,
+            status="in_progress" if finish is None else "incomplete" if finish in _INCOMPLETE else "completed",
+            incomplete_details=IncompleteDetails(reason=_INCOMPLETE[finish]) if finish in _INCOMPLETE else None,
             instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
             model=p.chat.model,

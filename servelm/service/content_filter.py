@@ -1,0 +1,272 @@
+"""Content filtering: a deployment's policy (service/blocklist.py's lists, service/guard.py's guard model, an
+action per category), and each request's Screening of it.
+
+- The prompt is checked before anything runs: a flagged one is a 400 `content_filter` naming the message
+  (`messages[2].content`), no generation started.
+- The answer is checked as it is made, a window of `window` tokens at a time, the text so far as a whole (a term
+  split across two windows is caught in the second): a window is released to the client only once checked, so a
+  stream runs at most `window` tokens and one check behind the engine. A flagged window is withheld; the choice
+  ends with finish_reason `content_filter` (and the policy's `blocked_message`), and its request is aborted, its
+  KV cells freed at the engine's next step.
+- With a policy, answers carry Azure OpenAI's annotations: `prompt_filter_results` and each choice's
+  `content_filter_results` (per category `filtered` and `severity`; the lists under `custom_blocklists`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm.engine.base import Engine
+from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest
+from servelm.errors import ContentFiltered
+from servelm.service.blocklist import Blocklist
+from servelm.service.deployments import Deployments, TextDeployment
+from servelm.service.guard import Guard, GuardUnavailable
+
+SEVERITIES = ("safe", "low", "medium", "high")
+LISTS = "blocklist"  # the category a list's hit counts as (its rule; annotated as custom_blocklists)
+GUARD_SEVERITY = "high"  # a guard's flag: its labels have no degrees
+
+# (deployment, direction "input" or "output", the categories that blocked): for /metrics and the access log
+FilterEvents = Callable[[str, str, Sequence[str]], None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a category's finding does: `block` at `severity` or above (annotated below it), `annotate` only, or
+    `off` (neither checked into the answer nor reported)."""
+
+    action: str = "block"
+    severity: str = "low"
+
+    def blocks(self, severity: str) -> bool:
+        return self.action == "block" and severity != "safe" and SEVERITIES.index(severity) >= SEVERITIES.index(self.severity)
+
+
+@dataclass
+class Finding:
+    """One check: each category's severity, each list's hit, and the guard's error when the policy failed open."""
+
+    severities: dict[str, str] = field(default_factory=dict)
+    lists: dict[str, bool] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """A piece of a prompt the input check reads: where it is in the request, whose it is, and its text."""
+
+    param: str  # messages[2].content, prompt[1], ...
+    role: str  # user, assistant, system, tool
+    text: str
+
+
+class ContentFilter:
+    """A deployment's policy: what is checked (input, output), by what (lists, a guard), what each category's
+    finding does, and how an answer that is blocked ends."""
+
+    def __init__(self, *, input: bool = True, output: bool = True, window: int = 32, lists: Sequence[Blocklist] = (),
+                 guard: Guard | None = None, rules: dict[str, Rule] | None = None, fail_open: bool = False,
+                 blocked_message: str = "") -> None:
+        if window < 1:
+            raise ValueError("a content filter's window is at least one token")
+        self.input, self.output, self.window = input, output, window
+        self.lists, self.guard = tuple(lists), guard
+        self.rules = dict(rules or {})
+        self.fail_open = fail_open
+        self.blocked_message = blocked_message
+
+    def rule(self, category: str) -> Rule:
+        return self.rules.get(category, Rule())
+
+    def blocked(self, f: Finding) -> list[str]:
+        """The categories that block, in the finding's order (the lists as `blocklist`)."""
+        out = [c for c, sev in f.severities.items() if self.rule(c).blocks(sev)]
+        if any(f.lists.values()) and self.rule(LISTS).blocks(GUARD_SEVERITY):
+            out.append(LISTS)
+        return out
+
+    def results(self, f: Finding) -> dict[str, Any]:
+        """Azure OpenAI's content_filter_results for a finding: the categories checked, the lists, an error."""
+        out: dict[str, Any] = {}
+        for category, severity in f.severities.items():
+            rule = self.rule(category)
+            if rule.action != "off":
+                out[category] = {"filtered": rule.blocks(severity), "severity": severity}
+        if f.lists and self.rule(LISTS).action != "off":
+            block = self.rule(LISTS).blocks(GUARD_SEVERITY)
+            details = [{"filtered": hit and block, "id": name} for name, hit in f.lists.items()]
+            out["custom_blocklists"] = {"filtered": any(d["filtered"] for d in details), "details": details}
+        if f.error is not None:
+            out["error"] = {"code": "content_filter_unavailable", "message": f.error}
+        return out
+
+    def check_guard(self, deployments: Deployments) -> None:
+        """At start-up: a guard names a deployment that can judge."""
+        if self.guard is not None:
+            self.guard.check(deployments)
+
+    def search_lists(self, text: str) -> dict[str, bool]:
+        return {lst.name: lst.search(text) for lst in self.lists} if self.rule(LISTS).action != "off" else {}
+
+    async def judge(self, deployments: Deployments, finding: Finding, conversation: list[dict[str, Any]], role: str,
+                    scope: str) -> None:
+        """The guard's verdict on the conversation's last `role` turn, into the finding (its error, failing open)."""
+        guard = self.guard
+        if guard is None or not conversation:
+            return
+        try:
+            flagged = await guard.judge(deployments, conversation, role, scope)
+        except GuardUnavailable as exc:
+            if not self.fail_open:
+                raise
+            finding.error = exc.message
+            return
+        for category in guard.categories:
+            finding.severities[category] = GUARD_SEVERITY if category in flagged else "safe"
+
+
+@dataclass
+class _Choice:
+    """One choice's output under check: what was released, what waits for its window's check."""
+
+    text: str = ""  # released
+    held: list[GenerationOutput] = field(default_factory=list)
+    tokens: int = 0  # held tokens
+    over: bool = False  # finished, or blocked
+    results: dict[str, Any] | None = None  # of the check that released its latest outputs
+
+
+class Screening:
+    """One request under a deployment's policy: its prompts' check, and its answers' windows."""
+
+    def __init__(self, policy: ContentFilter, deployments: Deployments, deployment: str,
+                 prompts: Sequence[Sequence[PromptText]], scope: str = "", events: FilterEvents | None = None) -> None:
+        self.policy = policy
+        self._deployments = deployments
+        self._deployment = deployment
+        self._prompts = [list(p) for p in prompts]
+        self._scope = scope + ":guard"  # the guard's prompts are cached per caller, apart from the caller's own
+        self._events = events
+        self.prompt_results: list[dict[str, Any]] = []
+        self._choices: dict[tuple[int, int], _Choice] = {}
+
+    @classmethod
+    def of(cls, dep: TextDeployment, deployments: Deployments, prompts: Sequence[Sequence[PromptText]], scope: str,
+           events: FilterEvents | None) -> Screening | None:
+        """The request's screening under its deployment's policy; None when the deployment has none."""
+        if dep.content_filter is None:
+            return None
+        return cls(dep.content_filter, deployments, dep.name, prompts, scope, events)
+
+    # -- the prompt --------------------------------------------------------------------------------
+    async def check_prompt(self) -> None:
+        """Raise ContentFiltered for a prompt the policy blocks; else note each prompt's results."""
+        if not self.policy.input:
+            return
+        checked = await asyncio.gather(*(self._check_prompt(texts) for texts in self._prompts))
+        for i, (finding, param) in enumerate(checked):
+            blocked = self.policy.blocked(finding)
+            results = self.policy.results(finding)
+            if blocked:
+                self._note("input", blocked)
+                raise ContentFiltered(param, blocked, results)
+            self.prompt_results.append({"prompt_index": i, "content_filter_results": results})
+
+    async def _check_prompt(self, texts: list[PromptText]) -> tuple[Finding, str]:
+        """The finding on one prompt, and the param to name if it blocks: the first text a list hits, else the
+        last user turn (the one a guard judges)."""
+        finding = Finding()
+        hit = None
+        for t in texts:
+            for name, found in self.policy.search_lists(t.text).items():
+                finding.lists[name] = finding.lists.get(name, False) or found
+                if found and hit is None:
+                    hit = t.param
+        if hit is not None and self.policy.blocked(finding):
+            return finding, hit
+        turns = [t for t in texts if t.role in ("user", "assistant")]
+        while turns and turns[-1].role != "user":
+            turns.pop()
+        conversation = [{"role": t.role, "content": t.text} for t in turns]
+        await self.policy.judge(self._deployments, finding, conversation, "User", self._scope)
+        return finding, hit or (turns[-1].param if turns else texts[-1].param if texts else "messages")
+
+    # -- the answer --------------------------------------------------------------------------------
+    def results(self, index: int, prompt: int = 0) -> dict[str, Any] | None:
+        """The content_filter_results of a choice's latest released outputs (None: nothing checked yet)."""
+        choice = self._choices.get((prompt, index))
+        return choice.results if choice is not None else None
+
+    async def outputs(self, outputs: AsyncGenerator[GenerationOutput, None], seqs: int,
+                      prompt: int = 0) -> AsyncGenerator[GenerationOutput, None]:
+        """The engine's outputs for one prompt, each choice's released a checked window at a time; a blocked
+        choice ends with finish_reason content_filter. Once every choice is over, the engine's request is closed
+        (aborting what still runs: a blocked single choice frees its cells at once)."""
+        if not self.policy.output:
+            async with aclosing(outputs) as it:
+                async for out in it:
+                    yield out
+            return
+        choices: dict[int, _Choice] = {}
+        async with aclosing(outputs) as it:
+            async for out in it:
+                c = choices.setdefault(out.index, self._choices.setdefault((prompt, out.index), _Choice()))
+                if c.over:
+                    continue  # a blocked choice of several: its sequence runs on unseen until the request ends
+                c.held.append(out)
+                c.tokens += len(out.token_ids)
+                if c.tokens < self.policy.window and not out.finished:
+                    continue
+                text = c.text + "".join(o.text for o in c.held)
+                finding = await self._check_answer(prompt, text)
+                c.results = self.policy.results(finding)
+                blocked = self.policy.blocked(finding)
+                if blocked:
+                    self._note("output", blocked)
+                    c.over = True
+                    yield _blocked(out, self.policy.blocked_message)
+                else:
+                    c.over = out.finished
+                    for o in c.held:
+                        yield o
+                    c.text = text
+                c.held, c.tokens = [], 0
+                if len(choices) == seqs and all(ch.over for ch in choices.values()):
+                    return
+
+    async def _check_answer(self, prompt: int, text: str) -> Finding:
+        finding = Finding(lists=self.policy.search_lists(text))
+        if not self.policy.blocked(finding):
+            turns = [{"role": t.role, "content": t.text} for t in self._prompts[prompt] if t.role in ("user", "assistant")]
+            await self.policy.judge(self._deployments, finding, [*turns, {"role": "assistant", "content": text}],
+                                    "Agent", self._scope)
+        return finding
+
+    def _note(self, direction: str, categories: Sequence[str]) -> None:
+        if self._events is not None:
+            self._events(self._deployment, direction, categories)
+
+
+def generate(engine: Engine, request: GenerationRequest, screening: Screening | None,
+             prompt: int = 0) -> AsyncGenerator[GenerationOutput, None]:
+    """A request's outputs from its deployment's engine, through its screening when its deployment has a policy."""
+    outputs = engine.generate(request)
+    if screening is None:
+        return outputs
+    params = request.params
+    return screening.outputs(outputs, params.n if params.beam is not None else params.num_seqs, prompt)
+
+
+def _blocked(out: GenerationOutput, message: str) -> GenerationOutput:
+    """The last output of a blocked choice: the withheld window's place taken by the policy's message; its tokens
+    still counted (they were generated)."""
+    return GenerationOutput(out.request_id, out.index, message, finish_reason=FinishReason.CONTENT_FILTER,
+                            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                            cached_tokens=out.cached_tokens, cumulative_logprob=out.cumulative_logprob,
+                            reasoning_tokens=out.reasoning_tokens, queued_seconds=out.queued_seconds,
+                            prompt_seconds=out.prompt_seconds)
