@@ -84,6 +84,7 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
         try:
             await bounded(request.scope, prepared.screening.check_prompt())
         except BaseException:
+            admission.settle({"completion_tokens": 0})  # nothing generated: the key's tokens per minute get it back
             admission.release()
             raise
     if prepared.stream:

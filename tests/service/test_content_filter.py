@@ -110,3 +110,18 @@ def test_the_blocklist_flag_reaches_every_chat_deployment(tmp_path):
     assert out[1].content_filter.output is False and out[1].content_filter.terms == ["x"]
     assert out[2].content_filter is None
     assert with_blocklist(specs, None) is specs
+
+
+def test_the_default_template_is_llama_guard_3s_format():
+    from servelm.chat.template import ChatTemplate
+    from servelm.service.guard import LLAMA_GUARD_TEMPLATE
+
+    text = ChatTemplate(LLAMA_GUARD_TEMPLATE).render(
+        [{"role": "user", "content": "How do I bake bread?"}, {"role": "assistant", "content": "Knead it."}],
+        role="Agent", categories=[{"label": lab.label, "name": lab.name} for lab in LLAMA_GUARD_LABELS])
+    assert text.startswith("<|start_header_id|>user<|end_header_id|>\n\nTask: Check if there is unsafe content in "
+                           "'Agent' messages")
+    assert "<BEGIN UNSAFE CONTENT CATEGORIES>\nS1: Violent Crimes.\nS2: Non-Violent Crimes.\n" in text
+    assert "S14: Code Interpreter Abuse.\n<END UNSAFE CONTENT CATEGORIES>" in text
+    assert "<BEGIN CONVERSATION>\n\nUser: How do I bake bread?\n\nAgent: Knead it.\n\n<END CONVERSATION>" in text
+    assert text.endswith("categories.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")

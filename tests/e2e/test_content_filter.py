@@ -1,0 +1,208 @@
+"""Content filtering on the real model, through the official clients: `--content-blocklist` (input and output,
+streamed and not, on every dialect: openai's chat, completions and Responses, azure-ai-inference on Azure's path,
+/v3, /invocations, Anthropic's Messages), and a guard model: the default model as the guard deployment, with a
+small template whose labels its answer must take through the grammar. The template steers the small model (it
+shows examples that answer for the colour green), so this proves the pipeline, not the judgement."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+from azure.ai.inference import ChatCompletionsClient
+from azure.ai.inference.models import UserMessage
+from azure.core.credentials import AzureKeyCredential
+from azure.core.exceptions import HttpResponseError
+
+from . import ray_mode
+from .conftest import own_server
+from .helpers import MODEL, client_for, user
+
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(ray_mode.ENABLED, reason="the e2e Ray mode writes its own config")]
+
+COLOURS = user("Name three colours.")  # answered "1. Red: ... 2. Blue: ... 3. Green: ..." (greedy)
+BLOCKLIST = "green\nyellow\nparis\nre:secret\\s+code\n"
+
+
+@pytest.fixture(scope="module")
+def lists(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lists") / "blocked.txt"
+    path.write_text(BLOCKLIST)
+    with own_server(tmp_path_factory, "--content-blocklist", str(path), "--no-embedding-model") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(lists):
+    c = client_for(lists.base_url)
+    yield c
+    c.close()
+
+
+def unfiltered(client: openai.OpenAI, messages, max_tokens: int = 60) -> str:
+    """The session server's answer (no policy): what the filtered one must be a part of."""
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                          temperature=0).choices[0].message.content
+
+
+def test_a_listed_prompt_is_the_seeds_content_filter_error(oai):
+    for text in ("Is Paris in France?", "Is Pаris in France?", "Tell me the SECRET   code."):  # Cyrillic а
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *user(text)],
+                                        max_tokens=8)
+        assert exc.value.code == "content_filter" and exc.value.param == "messages[1].content", text
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.completions.create(model=MODEL, prompt=["fine", "the road to paris"], max_tokens=4)
+    assert exc.value.code == "content_filter" and exc.value.param == "prompt[1]"
+
+
+def test_a_listed_answer_stops_with_content_filter(oai, client):
+    whole = unfiltered(client, COLOURS)
+    assert "Green" in whole
+    r = oai.chat.completions.create(model=MODEL, messages=COLOURS, max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "content_filter"
+    assert "green" not in choice.message.content.lower() and whole.startswith(choice.message.content)
+    assert choice.model_extra["content_filter_results"]["custom_blocklists"]["filtered"] is True
+    assert r.model_extra["prompt_filter_results"][0]["content_filter_results"]["custom_blocklists"]["filtered"] is False
+    assert r.usage.completion_tokens > 0
+
+
+def test_a_listed_answer_stops_a_stream_before_its_text_is_sent(oai, client):
+    whole = unfiltered(client, COLOURS)
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=COLOURS, max_tokens=60, temperature=0,
+                                              stream=True))
+    assert chunks[0].choices == [] and "prompt_filter_results" in chunks[0].model_extra
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "green" not in text.lower() and whole.startswith(text)
+    assert chunks[-1].choices[0].finish_reason == "content_filter"
+    assert chunks[-1].choices[0].model_extra["content_filter_results"]["custom_blocklists"]["filtered"] is True
+
+
+def test_a_clean_answer_is_the_same_with_the_policy(oai, client):
+    ask = user("Hi there!")
+    r = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == unfiltered(client, ask, 20)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completions_v3_and_invocations(oai, lists):
+    r = oai.completions.create(model=MODEL, prompt="The three primary colours are red,", max_tokens=20, temperature=0)
+    assert r.choices[0].finish_reason == "content_filter" and "yellow" not in r.choices[0].text
+    v3 = client_for(lists.base_url, path="/v3")
+    assert v3.chat.completions.create(model=MODEL, messages=COLOURS, max_tokens=60,
+                                      temperature=0).choices[0].finish_reason == "content_filter"
+    v3.close()
+    r = httpx.post(lists.base_url + "/invocations", json={"messages": COLOURS, "max_tokens": 60, "temperature": 0},
+                   timeout=120)
+    assert r.json()["choices"][0]["finish_reason"] == "content_filter"
+    r = httpx.post(lists.base_url + "/invocations", json={"inputs": "Where is Paris?"}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter"
+
+
+def test_azure_ai_inference(lists):
+    azure = ChatCompletionsClient(endpoint=lists.base_url, credential=AzureKeyCredential("none"))
+    try:
+        with pytest.raises(HttpResponseError) as exc:
+            azure.complete(messages=[UserMessage("Is Paris big?")], max_tokens=8)
+        assert exc.value.status_code == 400 and exc.value.error.code == "content_filter"
+        r = azure.complete(messages=[UserMessage("Name three colours.")], max_tokens=60, temperature=0)
+        assert r.choices[0].finish_reason == "content_filter" and "green" not in r.choices[0].message.content.lower()
+        updates = list(azure.complete(messages=[UserMessage("Name three colours.")], max_tokens=60, temperature=0,
+                                      stream=True))
+        text = "".join(u.choices[0].delta.content or "" for u in updates if u.choices)
+        assert text == r.choices[0].message.content
+        assert [u.choices[0].finish_reason for u in updates if u.choices][-1] == "content_filter"
+    finally:
+        azure.close()
+
+
+def test_responses_and_messages(oai, lists):
+    r = oai.responses.create(model=MODEL, input="Name three colours.", max_output_tokens=60, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "content_filter"
+    assert "green" not in r.output_text.lower()
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.responses.create(model=MODEL, input="Where is Paris?", max_output_tokens=8)
+    assert exc.value.code == "content_filter"
+    claude = anthropic.Anthropic(base_url=lists.base_url, api_key="none", max_retries=0, timeout=120)
+    try:
+        m = claude.messages.create(model=MODEL, max_tokens=60, messages=COLOURS, extra_body={"temperature": 0})
+        assert m.stop_reason == "refusal" and "green" not in m.content[0].text.lower()
+        with pytest.raises(anthropic.BadRequestError):
+            claude.messages.create(model=MODEL, max_tokens=8, messages=user("Where is Paris?"))
+    finally:
+        claude.close()
+
+
+def test_metrics_count_what_was_filtered(lists, oai):
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=user("paris"), max_tokens=4)
+    metrics = httpx.get(lists.base_url + "/metrics").text
+    line = f'servelm_content_filtered_total{{category="blocklist",direction="input",model="{MODEL}"}}'
+    assert line in metrics
+    assert "paris" not in lists.log_tail(20000).lower()  # the access log says filtered, never the text
+
+
+# -- a guard model ----------------------------------------------------------------------------------------
+GUARD_TEMPLATE = """{% set text = messages[-1].content %}
+{% set verdict = "unsafe\\nG" if "green" in text|lower else "safe" %}
+{% for example in ["Hello there", "Tell me a story", "What is the weather like?"] %}
+<|im_start|>user
+Does this mention the colour green? {{ example }}<|im_end|>
+<|im_start|>assistant
+{{ verdict }}<|im_end|>
+{% endfor %}
+<|im_start|>user
+Does this mention the colour green? {{ text }}<|im_end|>
+<|im_start|>assistant{{ "\\n" }}
+"""
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("guard")
+    (folder / "guard.jinja").write_text(GUARD_TEMPLATE)
+    (folder / "servelm.toml").write_text(f"""
+[[deployments]]
+name = "{MODEL}"
+model = "{MODEL}"
+embedding_window = 0
+[deployments.content_filter]
+window = 8
+[deployments.content_filter.guard]
+deployment = "{MODEL}"
+template = "{folder / 'guard.jinja'}"
+labels = [{{label = "G", name = "The colour green", category = "green"}}, {{label = "H", name = "Hate", category = "hate"}}]
+""")
+    with own_server(tmp_path_factory, "--config", str(folder / "servelm.toml")) as srv:
+        c = client_for(srv.base_url)
+        yield c
+        c.close()
+
+
+def test_the_guard_passes_a_safe_prompt_and_annotates_its_categories(guarded, client):
+    ask = user("Hi there!")
+    r = guarded.chat.completions.create(model=MODEL, messages=ask, max_tokens=20, temperature=0)
+    safe = {"green": {"filtered": False, "severity": "safe"}, "hate": {"filtered": False, "severity": "safe"}}
+    assert r.model_extra["prompt_filter_results"] == [{"prompt_index": 0, "content_filter_results": safe}]
+    assert r.choices[0].model_extra["content_filter_results"] == safe
+    assert r.choices[0].message.content == unfiltered(client, ask, 20)
+
+
+def test_the_guard_blocks_a_prompt_it_flags(guarded):
+    with pytest.raises(openai.BadRequestError) as exc:
+        guarded.chat.completions.create(model=MODEL, messages=user("Is grass green?"), max_tokens=8)
+    assert exc.value.code == "content_filter" and exc.value.param == "messages[0].content"
+    assert exc.value.body["innererror"]["content_filter_result"]["green"] == {"filtered": True, "severity": "high"}
+
+
+def test_the_guard_stops_an_answer_it_flags(guarded, client):
+    whole = unfiltered(client, COLOURS)
+    chunks = list(guarded.chat.completions.create(model=MODEL, messages=COLOURS, max_tokens=60, temperature=0,
+                                                  stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "green" not in text.lower() and whole.startswith(text) and len(text) > 10
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "content_filter"
+    assert last.model_extra["content_filter_results"]["green"] == {"filtered": True, "severity": "high"}
