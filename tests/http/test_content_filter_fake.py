@@ -272,3 +272,12 @@ def test_a_guard_failing_on_an_answer_ends_it_with_an_error_when_closed(fake_ser
     assert errors and errors[0]["code"] == "content_filter_unavailable"
     sent = "".join(c["delta"].get("content") or "" for f in frames[:-1] for c in json.loads(f).get("choices", []))
     assert sent == ""  # nothing of the unchecked window went out
+
+
+def test_a_blocked_prompt_gives_its_max_tokens_charge_back(fake_server_factory):
+    from servelm.http.limits import SecurityConfig
+
+    server = fake_server_factory(content_filter=policy("nope"), security=SecurityConfig(rate_limit_tpm=70))
+    assert chat(server, [{"role": "user", "content": "say nope"}], max_tokens=60).status_code == 400
+    # had the 60 reserved tokens stayed charged, the key would be in debt and this a 429
+    assert chat(server, max_tokens=20).status_code == 200
