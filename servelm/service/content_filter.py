@@ -207,11 +207,6 @@ class Screening:
         """The engine's outputs for one prompt, each choice's released a checked window at a time; a blocked
         choice ends with finish_reason content_filter. Once every choice is over, the engine's request is closed
         (aborting what still runs: a blocked single choice frees its cells at once)."""
-        if not self.policy.output:
-            async with aclosing(outputs) as it:
-                async for out in it:
-                    yield out
-            return
         choices: dict[int, _Choice] = {}
         async with aclosing(outputs) as it:
             async for out in it:
@@ -256,7 +251,7 @@ def generate(engine: Engine, request: GenerationRequest, screening: Screening | 
              prompt: int = 0) -> AsyncGenerator[GenerationOutput, None]:
     """A request's outputs from its deployment's engine, through its screening when its deployment has a policy."""
     outputs = engine.generate(request)
-    if screening is None:
+    if screening is None or not screening.policy.output:
         return outputs
     params = request.params
     return screening.outputs(outputs, params.n if params.beam is not None else params.num_seqs, prompt)
