@@ -34,7 +34,7 @@ from servelm.protocol.chat import (
 )
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
-from servelm.service.content_filter import PromptText, Screening, generate
+from servelm.service.content_filter import PromptText, Screening, choice_results, generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
 from servelm.service.media import ModalityNotSupported, Piece
@@ -157,7 +157,7 @@ class ChatService:
         if thought:  # under both names: clients read one or the other
             message.reasoning_content = message.reasoning = thought
         return Choice(index=index, message=message, finish_reason=reason, stop_reason=out.stop_reason,
-                      logprobs=self._logprobs(p, r.logprobs), **_filter_results(p, out.index))
+                      logprobs=self._logprobs(p, r.logprobs), **choice_results(p.screening, out.index))
 
     @staticmethod
     def _logprobs(p: PreparedChat, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -233,7 +233,7 @@ class ChatService:
         if logprobs is not None and not deltas and not final:
             deltas = [Delta()]  # tokens that add no text yet still report their logprobs
         choices = []
-        annotated = _filter_results(p, out.index if out is not None else index)
+        annotated = choice_results(p.screening, out.index if out is not None else index)
         for delta in deltas:
             choices.append(ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=None, **annotated))
             logprobs = None
@@ -244,12 +244,6 @@ class ChatService:
             choices.append(ChunkChoice(index=index, delta=Delta(), logprobs=logprobs, finish_reason=reason,
                                        stop_reason=out.stop_reason, **annotated))
         return choices
-
-
-def _filter_results(p: PreparedChat, index: int) -> dict[str, Any]:
-    """A choice's content_filter_results (Azure OpenAI's annotation), when its deployment has a policy."""
-    results = p.screening.results(index) if p.screening is not None else None
-    return {"content_filter_results": results} if results is not None else {}
 
 
 def prompt_texts(req: ChatCompletionRequest) -> list[PromptText]:

@@ -16,7 +16,7 @@ from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from servelm.service.choices import Collector, SeqResult, streams_live
-from servelm.service.content_filter import PromptText, Screening, generate
+from servelm.service.content_filter import PromptText, Screening, choice_results, generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
 from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
@@ -116,7 +116,7 @@ class CompletionService:
         for i, (job, col) in enumerate(zip(p.jobs, collectors)):
             n = job.generation.params.n
             for j, seq in enumerate(col.chosen()):
-                choices.append(_whole_choice(p, job, col, i * n + j, seq, _filter_results(p, i, seq.final)))
+                choices.append(_whole_choice(p, job, col, i * n + j, seq, _choice_results(p, i, seq.final)))
         extra = {"prompt_filter_results": p.screening.prompt_results} if p.screening is not None else {}
         return Completion(id=p.request_id, created=p.created, model=p.model, system_fingerprint=p.deployment.fingerprint,
                           choices=choices, usage=_usage(p, collectors), **extra)
@@ -141,12 +141,12 @@ class CompletionService:
             async for out in outputs:
                 col.add(out)
                 if live:
-                    choice = states[out.index].feed(p, job, col, base + out.index, out, _filter_results(p, i, out))
+                    choice = states[out.index].feed(p, job, col, base + out.index, out, _choice_results(p, i, out))
                     if choice is not None:
                         yield _chunk(p, [choice])
         if not live:  # best_of > n or beam search: a choice is known only once every sequence has ended
             for j, seq in enumerate(col.chosen()):
-                yield _chunk(p, [_whole_choice(p, job, col, base + j, seq, _filter_results(p, i, seq.final))])
+                yield _chunk(p, [_whole_choice(p, job, col, base + j, seq, _choice_results(p, i, seq.final))])
         done.append(col)
 
 
@@ -206,10 +206,8 @@ def _whole_choice(p: PreparedCompletion, job: PromptJob, col: Collector, index: 
     )
 
 
-def _filter_results(p: PreparedCompletion, prompt: int, out: GenerationOutput | None) -> dict[str, Any]:
-    """A choice's content_filter_results (Azure OpenAI's annotation), when its deployment has a policy."""
-    results = p.screening.results(out.index, prompt) if p.screening is not None and out is not None else None
-    return {"content_filter_results": results} if results is not None else {}
+def _choice_results(p: PreparedCompletion, prompt: int, out: GenerationOutput | None) -> dict[str, Any]:
+    return choice_results(p.screening, out.index, prompt) if out is not None else {}
 
 
 def _prompt_texts(prompt: str | list[int], index: int | None, suffix: str | None, dep: TextDeployment) -> list[PromptText]:

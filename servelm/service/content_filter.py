@@ -210,7 +210,9 @@ class Screening:
         choices: dict[int, _Choice] = {}
         async with aclosing(outputs) as it:
             async for out in it:
-                c = choices.setdefault(out.index, self._choices.setdefault((prompt, out.index), _Choice()))
+                c = choices.get(out.index)
+                if c is None:
+                    c = choices[out.index] = self._choices[(prompt, out.index)] = _Choice()
                 if c.over:
                     continue  # a blocked choice of several: its sequence runs on unseen until the request ends
                 c.held.append(out)
@@ -245,6 +247,13 @@ class Screening:
     def _note(self, direction: str, categories: Sequence[str]) -> None:
         if self._events is not None:
             self._events(self._deployment, direction, categories)
+
+
+def choice_results(screening: Screening | None, index: int, prompt: int = 0) -> dict[str, Any]:
+    """A choice's `content_filter_results` as a response field (Azure OpenAI's annotation), when its deployment
+    has a policy and the choice has been checked: {} otherwise."""
+    results = screening.results(index, prompt) if screening is not None else None
+    return {"content_filter_results": results} if results is not None else {}
 
 
 def generate(engine: Engine, request: GenerationRequest, screening: Screening | None,
