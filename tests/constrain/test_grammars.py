@@ -1,4 +1,5 @@
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -148,3 +149,30 @@ def test_masks_allow_exactly_the_grammars_next_bytes(g):
 def test_control_tokens_are_found_by_text_and_spelled_out(g):
     assert g.special_id("<eos>") == EOS and g.special_id("a") is None
     assert g.spelled[EOS] == b"<eos>" and g.spelled[tokens("a")[0]] == b"a"
+
+
+def test_grammars_compiled_at_once_on_many_threads_are_each_probed_on_their_own():
+    """Requests compile their grammars on worker threads at the same time: each compile's first-step probe must
+    see its own grammar's mask. A probe buffer shared between threads let a JSON schema's mask reach a choice's
+    probe, which then refused a valid request as grammar_too_complex."""
+    g = grammars()
+    errors: list[str] = []
+    ready = threading.Barrier(4)
+
+    def compile_many(k: int) -> None:
+        ready.wait()
+        for i in range(150):
+            try:
+                if k % 2:
+                    g.choice([f"red{k}x{i}", f"blue{k}x{i}"])
+                else:
+                    g.json_schema({"type": "object", "properties": {f"p{k}_{i}": {"type": "integer"}}})
+            except GrammarError as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=compile_many, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
