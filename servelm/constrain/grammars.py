@@ -140,7 +140,6 @@ class Grammars:
         self._cache_bytes = 0
         self._lock = threading.Lock()
         self._compiling = threading.Lock()  # one compile at a time: bounded memory, and a clean heap measure
-        self._scratch = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # the probe's mask
 
     def special_id(self, text: str) -> int | None:
         """The id of the control token whose text this is, if there is one."""
@@ -233,9 +232,9 @@ class Grammars:
         """Take the grammar's first step on a copy: a grammar the engine could not follow (a row of alternatives
         past llguidance's per-step limits) is refused now, not found out while the answer is made."""
         m = proto.deep_copy()
-        row_bytes = self._scratch.nbytes
-        m.unsafe_compute_mask_ptr(self._scratch.ctypes.data, row_bytes)
-        allowed = np.flatnonzero(np.unpackbits(self._scratch.view(np.uint8), bitorder="little")[: self.vocab_size])
+        bits = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # its own: compiles run on many threads
+        m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.vocab_size])
         if m.is_error() or not allowed.size or m.is_stopped():
             return  # nothing this vocabulary can begin with: the engine ends such an answer at once, as before
         if not m.consume_token(int(allowed[0])):
