@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench import llama_server, servers
-from bench.loadgen import build_prompt
+from servelm.bench.loadgen import build_prompt
 
 PROMPT_WORDS = (20, 45, 70, 95, 120, 160, 200, 260, 330, 420)
 MAX_TOKENS = 64

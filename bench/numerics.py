@@ -22,8 +22,8 @@ from collections.abc import Callable
 import llama_cpp as C
 import numpy as np
 
-from bench.loadgen import build_prompt
 from bench.servers import default_model_path
+from servelm.bench.loadgen import build_prompt
 
 Item = tuple[int, int, int, bool]  # (sequence, position, token, wants logits)
 

@@ -3,7 +3,7 @@
 #   1. .venv/ as `make install` makes it, plus the vllm extra (pip install -e '.[vllm]');
 #   2. the vLLM tests: tests/gpu (a real model through VllmEngine and through HTTP with the openai client) and the
 #      translation tests, with skips listed (-rs): a skip there means NOT verified;
-#   3. `servelm serve` with one `engine = "vllm"` deployment, then bench.loadgen at 1, 16 and 64 concurrent
+#   3. `servelm serve` with one `engine = "vllm"` deployment, then `servelm bench` at 1, 16 and 64 concurrent
 #      streams (fixed-length answers: ignore_eos), printing tokens/s, TTFT and ITL per level.
 #
 #   scripts/gpu_check.sh [MODEL]
@@ -51,8 +51,7 @@ for _ in $(seq 600); do
   sleep 1
 done
 curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "no /health after 600 s"; tail -50 "$log"; exit 1; }
-.venv/bin/python -m bench.loadgen --url "http://127.0.0.1:$PORT/v1" --model gpu --concurrency 1,16,64 \
-  --max-tokens 128 --prompt-tokens 256 --extra-body '{"ignore_eos": true}' \
-  --json-out "$OUT/gpu-loadgen-$STAMP.json"
-echo "results: $OUT/gpu-tests-$STAMP.txt $OUT/gpu-loadgen-$STAMP.json (server log: $log)"
+.venv/bin/servelm bench --url "http://127.0.0.1:$PORT" --model gpu --max-concurrency 1,16,64 --num-prompts 128 \
+  --random-input-len 256 --random-output-len 128 --ignore-eos --disable-tqdm --result-dir "$OUT/gpu-bench-$STAMP"
+echo "results: $OUT/gpu-tests-$STAMP.txt $OUT/gpu-bench-$STAMP/ (server log: $log)"
 exit "$tests_rc"  # the load figures are printed either way; a test failure still fails the check

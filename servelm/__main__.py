@@ -1,4 +1,5 @@
-"""The command line: `servelm serve` reads the settings, loads the model, and starts uvicorn."""
+"""The command line: `servelm serve` reads the settings, loads the model, and starts uvicorn; `servelm bench` measures
+any OpenAI-compatible server (servelm/bench/cli.py)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"servelm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    from servelm.bench.cli import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="benchmark OpenAI-compatible servers (vllm bench serve's metrics)",
+                                 description="Benchmark one or more OpenAI-compatible servers: TTFT, TPOT, ITL and "
+                                 "E2EL, throughput and goodput, as vllm bench serve defines and names them."))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from servelm.bench.cli import main as bench
+
+        return bench(args)
     if args.command == "serve":
         verbose, ray, ray_address = args.verbose_llama, args.ray, args.ray_address
         del args.verbose_llama, args.ray, args.ray_address

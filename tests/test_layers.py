@@ -71,6 +71,16 @@ def test_leaves_import_nothing_of_servelm():
         assert not [i for i in imports_of(path) if starts(i, "servelm") and i not in allowed], leaf
 
 
+def test_bench_is_a_client_of_any_server():
+    """servelm.bench measures servers over HTTP: it needs nothing of servelm's own, and only the CLI reaches it."""
+    for m, p in modules():
+        mine = [i for i in imports_of(p) if starts(i, "servelm")]
+        if starts(m, "servelm.bench"):
+            assert all(starts(i, "servelm.bench") for i in mine), (m, mine)
+        elif m != "servelm.__main__":
+            assert not any(starts(i, "servelm.bench") for i in mine), (m, mine)
+
+
 def test_only_servelm_ray_imports_ray():
     """Ray is an optional extra: the core imports it nowhere (__main__ reaches servelm.ray only for --ray)."""
     bad = [m for m, p in modules() if not starts(m, "servelm.ray") and any(starts(i, "ray") for i in imports_of(p))]

@@ -1,35 +1,31 @@
-"""Closed-loop load generator for any OpenAI-compatible server.
+"""Requests for any OpenAI-compatible server, timed as `vllm bench serve` times them.
 
-Each of `concurrency` clients sends one streamed `/chat/completions` request, reads its SSE stream to
-the end, and sends the next, until the level's request count is done. Per request it records the time
-to the first content token (TTFT), the gaps between consecutive content chunks (ITL), the output token
-count (from the stream's `usage` when the server sends it, else the number of content chunks) and the
-end-to-end time. Per level it reports output tokens/s, requests/s, TTFT and ITL percentiles and errors.
+A streamed `/chat/completions` request records when it was sent, the time to its first content chunk (TTFT),
+the gaps between consecutive content chunks (ITL), its output tokens (the stream's `usage` when the server sends
+it, else its content chunks) and its end-to-end time. A non-streamed chat completion (`RequestSpec(stream=False)`,
+e.g. for `best_of`) has no TTFT or ITL; `/embeddings` requests of N sentences (`EmbeddingSpec`) count inputs.
 
-Two other request kinds: a non-streamed chat completion (`RequestSpec(stream=False)`; no TTFT or ITL,
-output tokens from `usage`), e.g. for `best_of`, where a stream would only carry the chosen answer at the
-end; and `/embeddings` requests of N sentences each (`EmbeddingSpec`), reported as inputs/s.
-
-    python -m bench.loadgen --url http://127.0.0.1:8000/v1 --concurrency 1,16 --ban-eos 0 2
-    python -m bench.loadgen --model all-minilm-l6-v2 --embed-inputs 32 --concurrency 2 --requests 8
-
-As a library: `await run_level(url, model, concurrency, requests, spec, ...)` returns a `LevelResult`.
+`run_requests` sends a spec's requests at a rate (Poisson or gamma arrivals) under a concurrency limit;
+`run_level` is its closed loop (`concurrency` clients); `summarize` condenses one level. `servelm bench`
+(servelm/bench/cli.py) and bench/compare.py both drive servers through them.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import functools
 import itertools
 import json
+import math
 import random
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+
+from servelm.bench.metrics import serving_metrics
 
 # Plain, common English words; almost all are one token each (with their leading space) in the BPE
 # vocabularies of small chat models, so N words make a prompt of roughly N tokens.
@@ -106,6 +102,10 @@ class RequestSpec:
     # (the earlier turns' questions and answers) with a new question of prompt_tokens; every turn counts as one
     # request in the figures. 1: single requests.
     turns: int = 1
+    ignore_eos: bool = False  # ask the server to ignore end-of-sequence (vLLM, llama-server, servelm take it)
+    # Per request index (cycled), when given: the user message, and (prompt tokens, max_tokens) pairs
+    prompts: tuple[str, ...] = ()
+    lengths: tuple[tuple[int, int], ...] = ()
 
     path = "/chat/completions"
 
@@ -135,16 +135,23 @@ class RequestSpec:
         if self.system_prompt is not None:
             messages.append({"role": "system", "content": self.system_prompt})
         seed = f"{self.prompt_salt}-{index if self.unique_prompts else 0}"
-        messages.append({"role": "user", "content": build_prompt(self.prompt_tokens, seed)})
+        prompt_tokens, max_tokens = self.lengths[max(index, 0) % len(self.lengths)] if self.lengths else \
+            (self.prompt_tokens, self.max_tokens)
+        # a warm-up (negative index) gets a prompt of its own: none of the counted ones is cached by it
+        given = self.prompts[index % len(self.prompts)] if self.prompts and index >= 0 else None
+        text = given if given is not None else build_prompt(prompt_tokens, seed)
+        messages.append({"role": "user", "content": text})
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
-            "max_tokens": self.max_tokens,
+            "max_tokens": max_tokens,
             "temperature": self.temperature,
             "stream": self.stream,
         }
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         if self.ban_token_ids:
             body["logit_bias"] = {str(t): -100 for t in self.ban_token_ids}
         body.update(self.extra_body)
@@ -178,6 +185,7 @@ class EmbeddingSpec:
 @dataclass
 class RequestResult:
     ok: bool
+    start_time: float = 0.0  # time.perf_counter() when it was sent
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
@@ -207,6 +215,7 @@ class LevelResult:
     error_samples: list[str] = field(default_factory=list)
     inputs: int = 0  # embedding inputs embedded (vectors returned)
     inputs_s: float = 0.0  # inputs / wall time
+    serving: dict[str, Any] = field(default_factory=dict)  # vllm bench serve's figures (servelm.bench.metrics)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -244,6 +253,7 @@ def _content_of(event: dict[str, Any]) -> str:
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
     """Send one streamed chat completion and time its content chunks."""
     start = time.perf_counter()
+    failed = functools.partial(RequestResult, False, start)
     chunk_times: list[float] = []
     pieces: list[str] = []
     usage: dict[str, Any] | None = None
@@ -252,7 +262,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace")
-                return RequestResult(ok=False, e2e_s=time.perf_counter() - start,
+                return failed(e2e_s=time.perf_counter() - start,
                                      error=f"HTTP {resp.status_code}: {text[:200]}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -271,20 +281,21 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) 
                 if event.get("usage"):
                     usage = event["usage"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, OSError) as exc:
-        return RequestResult(ok=False, e2e_s=time.perf_counter() - start,
+        return failed(e2e_s=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {exc}"[:200])
     end = time.perf_counter()
     if not done:
-        return RequestResult(ok=False, e2e_s=end - start, error="stream ended without [DONE]")
+        return failed(e2e_s=end - start, error="stream ended without [DONE]")
     if not chunk_times:
-        return RequestResult(ok=False, e2e_s=end - start, error="stream had no content")
+        return failed(e2e_s=end - start, error="stream had no content")
     try:
         tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else len(chunk_times)
         prompt_tokens = int(usage["prompt_tokens"]) if usage and "prompt_tokens" in usage else None
     except (TypeError, ValueError):
-        return RequestResult(ok=False, e2e_s=end - start, error=f"bad usage: {usage!r}"[:200])
+        return failed(e2e_s=end - start, error=f"bad usage: {usage!r}"[:200])
     return RequestResult(
         ok=True,
+        start_time=start,
         ttft_s=(chunk_times[0] - start) if chunk_times else None,
         itl_s=[b - a for a, b in itertools.pairwise(chunk_times)],
         output_tokens=tokens,
@@ -301,14 +312,17 @@ async def _post_json(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                      read: Callable[[dict[str, Any], float], RequestResult]) -> RequestResult:
     """POST one non-streamed request and time it; `read(answer, e2e_s)` judges a 200's JSON answer."""
     start = time.perf_counter()
+    failed = functools.partial(RequestResult, False, start)
     try:
         resp = await client.post(url, json=body)
         e2e = time.perf_counter() - start
         if resp.status_code != 200:
-            return RequestResult(ok=False, e2e_s=e2e, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
-        return read(resp.json(), e2e)
+            return failed(e2e_s=e2e, error=f"HTTP {resp.status_code}: {resp.text[:200]}")
+        result = read(resp.json(), e2e)
     except _ANSWER_ERRORS as exc:
-        return RequestResult(ok=False, e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
+        return failed(e2e_s=time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}"[:200])
+    result.start_time = start
+    return result
 
 
 def _prompt_tokens(usage: dict[str, Any]) -> int | None:
@@ -367,6 +381,7 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         error_samples=sorted({r.error or "" for r in bad})[:5],
         inputs=sum(r.inputs for r in good),
         inputs_s=sum(r.inputs for r in good) / wall_s if wall_s > 0 else 0.0,
+        serving={k: v for k, v in serving_metrics(results, wall_s).items() if not isinstance(v, list)},
     )
 
 
@@ -375,6 +390,66 @@ def _client(concurrency: int, timeout_s: float, api_key: str | None) -> httpx.As
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits,
                              headers=headers, trust_env=False)
+
+
+def arrival_gaps(count: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds to wait before each of `count` requests: none at an infinite rate; else gamma-distributed gaps
+    of mean 1 / request_rate (burstiness 1: exponential gaps, a Poisson process; below 1 burstier, above more even)."""
+    if math.isinf(request_rate):
+        return [0.0] * count
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("request_rate and burstiness must be positive")
+    rng = random.Random(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return [0.0 if i == 0 else rng.gammavariate(burstiness, theta) for i in range(count)]  # the first at once
+
+
+async def run_requests(
+    url: str,
+    model: str,
+    spec: RequestSpec | EmbeddingSpec,
+    count: int,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    warmup: int = 0,
+    timeout_s: float = 300.0,
+    api_key: str | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Send `count` requests of `spec` (index 0..count-1): they arrive at `request_rate` per second (all at once
+    when infinite) and at most `max_concurrency` are in flight (None: no limit). `warmup` requests run first, at
+    most `max_concurrency` at a time, and are not counted. Returns every request's result (a conversation's turns
+    each) and the run's duration in seconds, from the first arrival to the last answer. `on_done()` is called as
+    each request (a whole conversation) ends."""
+    gaps = arrival_gaps(count, request_rate, burstiness, seed)
+    endpoint = url.rstrip("/") + spec.path
+    width = max_concurrency or count or 1
+    limit = asyncio.Semaphore(width)
+
+    async def one(client: httpx.AsyncClient, index: int, counted: list[RequestResult] | None) -> None:
+        async with limit:
+            got = await spec.send(client, endpoint, spec.body(model, index))
+        batch = got if isinstance(got, list) else [got]
+        if counted is not None:
+            counted.extend(batch)
+            if on_done is not None:
+                on_done()
+
+    async with _client(min(width, 1024), timeout_s, api_key) as client:
+        await asyncio.gather(*(one(client, -1 - i, None) for i in range(warmup)))
+        results: list[RequestResult] = []
+        tasks = []
+        start = time.perf_counter()
+        for index, gap in enumerate(gaps):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(client, index, results)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return results, duration
 
 
 async def run_level(
@@ -387,147 +462,10 @@ async def run_level(
     timeout_s: float = 300.0,
     api_key: str | None = None,
 ) -> LevelResult:
-    """Run one closed-loop level: `concurrency` clients share `requests` requests.
-
-    `url` is the base URL (e.g. http://127.0.0.1:8000/v1). `spec` says what each request is (streamed chat
-    by default; `EmbeddingSpec` for /embeddings). `warmup` requests run first, one at a time, and are not
-    counted. `requests` defaults to 2 x concurrency, at least 4.
-    """
+    """One closed-loop level: `concurrency` clients share `requests` requests (default 2 x concurrency, at least
+    4), after `warmup` uncounted ones. `url` is the base URL (e.g. http://127.0.0.1:8000/v1)."""
     spec = spec or RequestSpec()
     total = requests if requests is not None else max(4, 2 * concurrency)
-    endpoint = url.rstrip("/") + spec.path
-    async with _client(concurrency, timeout_s, api_key) as client:
-        for i in range(warmup):
-            await spec.send(client, endpoint, spec.body(model, -1 - i))  # type: ignore[union-attr]
-        next_index = 0
-        results: list[RequestResult] = []
-
-        async def worker() -> None:
-            nonlocal next_index
-            while next_index < total:
-                index = next_index
-                next_index += 1
-                got = await spec.send(client, endpoint, spec.body(model, index))
-                results.extend(got if isinstance(got, list) else [got])
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
+    results, wall = await run_requests(url, model, spec, total, max_concurrency=concurrency, warmup=warmup,
+                                       timeout_s=timeout_s, api_key=api_key)
     return summarize(concurrency, results, wall)
-
-
-def _fmt(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def format_table(levels: list[LevelResult]) -> str:
-    """A plain-text table, one row per level."""
-    if any(lv.inputs for lv in levels):  # embeddings: inputs/s and request latency
-        head = ["conc", "reqs", "err", "inputs/s", "req/s", "e2e p50", "p90", "p99", "prompt tok"]
-        rows = [head]
-        for lv in levels:
-            rows.append([str(lv.concurrency), str(lv.requests), str(lv.errors), _fmt(lv.inputs_s), _fmt(lv.req_s, 2),
-                         _fmt(lv.e2e_ms["p50"]), _fmt(lv.e2e_ms["p90"]), _fmt(lv.e2e_ms["p99"]),
-                         _fmt(lv.prompt_tokens_mean, 0)])
-        return _align(rows) + "\n(times in ms; prompt tok = tokens of one request's inputs together)"
-    head = ["conc", "reqs", "err", "out tok/s", "req/s", "TTFT p50", "p90", "p99",
-            "ITL p50", "p90", "p99", "e2e p50", "out tok", "prompt tok"]
-    rows = [head]
-    for lv in levels:
-        toks = ("-" if lv.output_tokens_min is None else
-                f"{lv.output_tokens_min}" if lv.output_tokens_min == lv.output_tokens_max else
-                f"{lv.output_tokens_min}-{lv.output_tokens_max}")
-        rows.append([
-            str(lv.concurrency), str(lv.requests), str(lv.errors), _fmt(lv.output_tok_s), _fmt(lv.req_s, 2),
-            _fmt(lv.ttft_ms["p50"]), _fmt(lv.ttft_ms["p90"]), _fmt(lv.ttft_ms["p99"]),
-            _fmt(lv.itl_ms["p50"]), _fmt(lv.itl_ms["p90"]), _fmt(lv.itl_ms["p99"]), _fmt(lv.e2e_ms["p50"]),
-            toks, _fmt(lv.prompt_tokens_mean, 0),
-        ])
-    return _align(rows) + "\n(times in ms; out tok = output tokens per request, min-max)"
-
-
-def _align(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.replace(" ", "").split(",") if x]
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Closed-loop load generator (OpenAI chat or embeddings API).")
-    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL, ending in /v1")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model id sent in each request")
-    p.add_argument("--concurrency", type=_int_list, default="1,16", help="comma list, e.g. 1,16")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per concurrency level (default 2 x concurrency, at least 4)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=128, help="approximate user-message size")
-    p.add_argument("--ban-eos", type=int, nargs="*", default=[], metavar="TOKEN_ID",
-                   help="token ids to ban with logit_bias -100 (SmolLM2: 0 2)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--same-prompt", action="store_true",
-                   help="send the same prompt in every request (default: a different one each)")
-    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before each level")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
-                   help="a JSON object merged into every request body, e.g. '{\"response_format\": {...}}'")
-    p.add_argument("--no-stream", action="store_true",
-                   help="non-streamed chat completions (no TTFT/ITL; output tokens from usage)")
-    p.add_argument("--embed-inputs", type=int, default=0, metavar="N",
-                   help="POST /embeddings with N fresh sentences per request instead of chat (reports inputs/s)")
-    p.add_argument("--json-out", default=None, metavar="FILE")
-    return p.parse_args(argv)
-
-
-async def _main(args: argparse.Namespace) -> list[LevelResult]:
-    spec: RequestSpec | EmbeddingSpec
-    if args.embed_inputs > 0:
-        spec = EmbeddingSpec(inputs=args.embed_inputs, extra_body=args.extra_body)
-    else:
-        spec = RequestSpec(max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
-                           temperature=args.temperature, ban_token_ids=tuple(args.ban_eos),
-                           unique_prompts=not args.same_prompt, extra_body=args.extra_body,
-                           stream=not args.no_stream)
-    levels = []
-    for conc in args.concurrency:
-        level_spec = replace(spec, prompt_salt=f"c{conc}")
-        levels.append(await run_level(args.url, args.model, conc, args.requests, level_spec,
-                                      warmup=args.warmup, timeout_s=args.timeout, api_key=args.api_key))
-    return levels
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    levels = asyncio.run(_main(args))
-    print(format_table(levels))
-    for lv in levels:
-        for err in lv.error_samples:
-            print(f"  concurrency {lv.concurrency} error: {err}", file=sys.stderr)
-    if args.json_out:
-        payload = {"url": args.url, "model": args.model, "max_tokens": args.max_tokens,
-                   "prompt_tokens": args.prompt_tokens, "ban_eos": args.ban_eos,
-                   "temperature": args.temperature, "extra_body": args.extra_body,
-                   "stream": not args.no_stream, "embed_inputs": args.embed_inputs,
-                   "levels": [lv.to_dict() for lv in levels]}
-        with open(args.json_out, "w") as fh:
-            json.dump(payload, fh, indent=2)
-    return 1 if any(lv.errors for lv in levels) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
