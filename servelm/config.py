@@ -119,6 +119,7 @@ class ServerSettings(BaseSettings):
     timings: bool = Field(False, description="every answer carries llama-server's `timings` (prompt and generation "
                           "times and rates, cached tokens, and the time it waited); a request may ask with "
                           "timings_per_request")
+    playground: bool = Field(True, description="serve the playground web page at / (--no-playground: / answers 404)")
     responses_store_entries: int = Field(1000, ge=0, description="stored Responses API answers (store: true) kept "
                                          "for GET /v1/responses/{id} and previous_response_id; the oldest go first")
     responses_store_mib: int = Field(64, ge=1, description="memory the stored responses may hold")

@@ -16,6 +16,7 @@ from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
 from servelm.http.middleware import RequestLog
+from servelm.http.playground import build_playground_router
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
 from servelm.service.admission import QueuedEngine
@@ -27,9 +28,9 @@ from servelm.service.store import MemoryStore, ResponseStore
 
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
                on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None,
-               store: ResponseStore | None = None, timings: bool = False) -> FastAPI:
+               store: ResponseStore | None = None, timings: bool = False, playground: bool = True) -> FastAPI:
     """The app over these deployments; `store` keeps the Responses API's stored answers (default: in this process's
-    memory), `timings`: every answer carries llama-server's timings."""
+    memory), `timings`: every answer carries llama-server's timings; `playground`: the web page at /."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         if on_start is not None:
@@ -56,6 +57,8 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
     app.state.metrics = metrics = app_metrics
     app.include_router(build_metrics_router(metrics))
+    if playground:
+        app.include_router(build_playground_router())
     app.add_middleware(ErrorBoundary)  # innermost: a bug is a 500 in the envelope, and the connection stays usable
     app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body size 413, deadline

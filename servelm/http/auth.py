@@ -13,7 +13,8 @@ from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 from servelm.keys import KeySpec, hash_key
 
 OPENAPI_PATH = "/openapi.json"
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", OPENAPI_PATH})  # probes, scrapers and the API's description
+# probes, scrapers, the API's description, and the playground's page (it holds nothing; it asks for a key itself)
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", OPENAPI_PATH, "/"})
 SCOPE_KEY = "servelm.key"  # the request's KeySpec, set in the ASGI scope by AuthMiddleware
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "

@@ -33,7 +33,7 @@ CONSTRUCTOR_TRIES = 3  # a replica that cannot start (a missing model file) fail
 def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec],
                       security: SecurityConfig | None = None, *, verbose_llama: bool = False,
                       log_level: str = "info", shutdown_timeout: float = 10.0, store: StoreLimits | None = None,
-                      timings: bool = False) -> Any:
+                      timings: bool = False, playground: bool = True) -> Any:
     """The bound Ray Serve application (pass it to serve.run). `shutdown_timeout`: seconds requests in flight
     may take to finish when the application stops (ServerSettings.shutdown_timeout)."""
     from ray import serve
@@ -53,6 +53,7 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         log_level=log_level,
         store=store or StoreLimits(),
         timings=timings,
+        playground=playground,
     )
     ingress = serve.deployment(IngressDeployment).options(
         name=INGRESS_NAME, num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,

@@ -43,6 +43,7 @@ class IngressPlan:
     log_level: str = "info"
     store: StoreLimits = field(default_factory=StoreLimits)  # the Responses API's stored answers (a Ray actor)
     timings: bool = False
+    playground: bool = True
 
 
 class Ingress:
@@ -70,7 +71,8 @@ class Ingress:
         from servelm.ray.store import RayStore
 
         app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security,
-                         store=RayStore(self._plan.store), timings=self._plan.timings)
+                         store=RayStore(self._plan.store), timings=self._plan.timings,
+                         playground=self._plan.playground)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:
