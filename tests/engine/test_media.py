@@ -87,7 +87,8 @@ async def test_a_causal_image_is_read_in_pieces_of_at_most_max_rows():
 
 
 async def test_one_image_a_step_while_text_streams_keep_decoding():
-    eng, runner = engine_with()
+    # steps of 20 ms: the text's 40 steps outlast the six image steps even when a loaded machine posts the images late
+    eng, runner = engine_with(step_delay=0.02)
     try:
         text = run(eng, "text", (1, 2, 3), (), max_tokens=40)
         images = [run(eng, f"img{i}", *prompt_with([f"IMG-{i}".encode(), f"IMG-{i}b".encode()])) for i in range(3)]

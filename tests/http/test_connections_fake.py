@@ -126,7 +126,9 @@ def test_when_every_connection_is_busy_a_new_one_gets_503(fake_server_factory):
                                                                                timeout=30).status_code)) for _ in range(2)]
         for t in threads:
             t.start()
-        time.sleep(0.5)  # both connections are inside a request now
+        deadline = time.monotonic() + 10
+        while engine.stats().running < 2 and time.monotonic() < deadline:  # both connections are inside a request
+            time.sleep(0.01)
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections"
         for t in threads:
