@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
@@ -45,6 +45,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         flag, dest = f"--{name.replace('_', '-')}", f"engine.{name}"
         if field.annotation is bool:
             p.add_argument(flag, dest=dest, default=None, action=argparse.BooleanOptionalAction, help=_help(field))
+        elif getattr(field.annotation, "__origin__", None) is Literal:  # one of named values (--kv-cache-type)
+            p.add_argument(flag, dest=dest, default=None, choices=get_args(field.annotation), help=_help(field))
         else:
             p.add_argument(flag, dest=dest, default=None, type=int, metavar="N", help=_help(field))
     p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")

@@ -266,6 +266,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     runner = LlamaCppRunner(
         path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
         context_window=e.context_window, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
+        kv_cache_type=e.kv_cache_type,
     )
     runners.append(runner)
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None

@@ -65,6 +65,9 @@ def test_toml_and_yaml_files_declare_deployments(tmp_path):
     assert a.limits.max_waiting == 5 and cfg.endpoints[0].routes[0].weight == 3
     cfg = load_config_file(write(tmp_path, "d.yaml", YAML))
     assert [(d.name, d.kind) for d in cfg.deployments] == [("a", "chat"), ("e", "embedding")]
+    quantized = load_config_file(write(tmp_path, "q.toml", '[[deployments]]\nname = "a"\nmodel = "x"\n'
+                                       '[deployments.engine]\nkv_cache_type = "q8_0"\n'))
+    assert quantized.deployments[0].engine.kv_cache_type == "q8_0"  # per deployment
 
 
 @pytest.mark.parametrize(("text", "words"), [
@@ -73,6 +76,7 @@ def test_toml_and_yaml_files_declare_deployments(tmp_path):
      "not a deployment"),
     ('[[deployments]]\nname = "a"\nmodel = "x"\ncolour = "red"\n', "colour"),
     ('[[deployments]]\nname = "a"\nmodel = "x"\n[deployments.engine]\nmax_num_seqs = 0\n', "max_num_seqs"),
+    ('[[deployments]]\nname = "a"\nmodel = "x"\n[deployments.engine]\nkv_cache_type = "q2"\n', "kv_cache_type"),
     ("[[deployments]\n", "not valid TOML"),
 ])
 def test_a_bad_file_names_itself_and_the_problem(tmp_path, text, words):

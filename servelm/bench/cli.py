@@ -18,6 +18,7 @@ import asyncio
 import datetime as dt
 import json
 import math
+import os
 import random
 import sys
 from dataclasses import dataclass, replace
@@ -292,8 +293,6 @@ def main(args: argparse.Namespace) -> int:
     if not 0 <= args.random_range_ratio < 1:
         raise SystemExit("servelm bench: --random-range-ratio must be in [0, 1)")
     if args.api_key is None:
-        import os
-
         args.api_key = os.environ.get("OPENAI_API_KEY")
     load = load_of(args)
     if isinstance(load.spec, EmbeddingSpec):

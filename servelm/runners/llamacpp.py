@@ -34,6 +34,8 @@ from servelm.runners.base import KVCacheFull
 from servelm.runners.media import Projector
 
 _LOG_LEVEL_WARN = 3
+# the KV cache's types: ggml's type, and its block (values, bytes): q8_0 is 32 int8 and a float16 scale
+_KV_TYPES = {"f16": (C.GGML_TYPE_F16, 1, 2), "q8_0": (C.GGML_TYPE_Q8_0, 32, 34), "q4_0": (C.GGML_TYPE_Q4_0, 32, 18)}
 MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's tiled kernel (64)
 # A single row of a single stream goes to the split-KV kernel once its view is 512 cells (llama.cpp pads the view
 # to 256: from position 256 on); from here on, such a row gets its previous position beside it.
@@ -127,6 +129,7 @@ class LlamaCppRunner:
         verbose: bool = False,
         vocab_only: bool = False,  # the tokenizer and metadata only: no weights, no context (servelm/ray's ingress)
         mmproj: str | Path | None = None,  # a vision projector GGUF for this model: images in prompts
+        kv_cache_type: str = "f16",  # f16, q8_0 or q4_0 (_KV_TYPES)
     ) -> None:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
@@ -163,7 +166,9 @@ class LlamaCppRunner:
         cparams.n_ubatch = self.max_step_tokens
         cparams.n_seq_max = num_slots
         cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
-        cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED  # also what a quantized V cache needs
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_cache_type][0]
+        self.kv_cache_type = kv_cache_type
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -187,10 +192,12 @@ class LlamaCppRunner:
         self._init_batch(self.max_step_tokens + 1)  # + 1: a lone row's previous position
 
     def _cell_bytes(self) -> int:
-        """One KV cell's size: keys and values (float16) of every layer (a vocabulary-only model has no layers)."""
+        """One KV cell's size: keys and values of every layer in the cache's type (a vocabulary-only model has no
+        layers)."""
         n_embd, n_head = int(C.llama_model_n_embd(self._model)), max(1, int(C.llama_model_n_head(self._model)))
         kv_width = int(C.llama_model_n_head_kv(self._model)) * (n_embd // n_head)
-        return int(C.llama_model_n_layer(self._model)) * 2 * kv_width * 2
+        _, block, block_bytes = _KV_TYPES[self.kv_cache_type]
+        return int(C.llama_model_n_layer(self._model)) * 2 * -(-kv_width // block) * block_bytes
 
     # -- metadata and text ------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:

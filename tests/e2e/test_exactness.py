@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -124,3 +125,18 @@ def test_the_step_size_changes_nothing(reference, tmp_path_factory, step_tokens)
         client = client_for(srv.base_url)
         for case in CASES:
             assert signature(client.chat.completions.create(**request(*case))) == reference[case], case
+
+
+@pytest.mark.parametrize("kind, cell_bytes", [("q8_0", 12240), ("q4_0", 6480)])
+async def test_a_quantized_kv_cache_keeps_answers_exact_under_load(reference, tmp_path_factory, kind, cell_bytes) -> None:
+    """--kv-cache-type: the cache holds a cell in fewer bytes (SmolLM2: 30 layers × keys and values × 192 wide;
+    f16 is 23,040 bytes), the logits move a little from f16's, and each answer is still its own alone under load."""
+    with own_server(tmp_path_factory, "--kv-cache-type", kind, *FAST) as srv:
+        health = httpx.get(srv.base_url + "/health", timeout=10).json()
+        assert health["deployments"][MODEL]["kv_cell_bytes"] == cell_bytes
+        alone = {case: signature(client_for(srv.base_url).chat.completions.create(**request(*case))) for case in CASES}
+        assert any(alone[case] != reference[case] for case in CASES)  # another cache type: other logits
+        async with aclient(srv.base_url) as client:
+            together = await asyncio.gather(*[client.chat.completions.create(**request(*case))
+                                              for case in CASES for _ in range(3)])
+    assert [signature(a) for a in together] == [alone[case] for case in CASES for _ in range(3)]
