@@ -298,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
     if isinstance(load.spec, EmbeddingSpec):
         selected = [m for m in selected if m == "e2el"]
     levels = _levels(args, load)
-    loads = [load_of(args, k) for k in range(len(levels))]
+    loads = [load] + [load_of(args, k) for k in range(1, len(levels))]  # level 0's requests are built already
     for each in loads:
         each.spec = replace(each.spec, extra_body={**each.spec.extra_body, **args.extra_body})
     urls = [root_url(u) for u in [args.base_url, *args.compare]]
