@@ -39,6 +39,7 @@ def build_deployment(
     prefix_cache: bool = True,
     chat_template: str | None = None,
     engine: Engine | None = None,
+    speculative: bool = True,
     grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
     reasoning_markers: str = "auto",
@@ -53,7 +54,7 @@ def build_deployment(
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits or GrammarLimits())
-    engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars)
+    engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative)
     template_source = chat_template or runner.chat_template
     deployment = TextDeployment(
         name=name,
@@ -272,6 +273,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
+        speculative=e.speculative == "ngram",
         grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
         reasoning_markers=spec.reasoning_markers, image_sources=images,
     )

@@ -59,6 +59,11 @@ class EngineSettings(BaseSettings):
     grammar_compile_ms: int = Field(5000, ge=1, description="time one grammar may take to compile; a slower one is "
                                     "a 400 grammar_too_slow")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")
+    speculative: Literal["ngram", "off"] = Field(
+        "ngram", description="draft-free speculative decoding: a decoding sequence also reads the tokens that "
+        "followed its latest n-gram earlier in its prompt and output, and keeps those the model would have made "
+        "(greedy and seeded answers are unchanged; sampled ones keep their distribution); each sequence drafts "
+        "only while its guesses hold often enough to pay for their rows. off: one token a step")
     kv_cache_type: Literal["f16", "q8_0", "q4_0"] = Field(
         "f16", description="the type of the KV cache's keys and values: f16, q8_0 (about half the memory a cell, so "
         "about twice the streams in the same memory) or q4_0 (about a quarter); a quantized cache moves logprobs "

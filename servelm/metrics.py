@@ -43,6 +43,8 @@ class EngineGauges:
     forward_seconds: float = 0.0
     steps: int = 0  # counters: steps with work, and the llama_decode calls they made
     forward_calls: int = 0
+    draft_tokens: int = 0  # counters: speculative guesses read, and those that held
+    draft_accepted: int = 0
 
 
 class _EngineCollector(Collector):
@@ -72,6 +74,11 @@ class _EngineCollector(Collector):
             "forward_calls": CounterMetricFamily("servelm_engine_forward_calls", "llama_decode calls those steps made "
                                                  "(more than one a step when its rows cannot share a pass exactly)",
                                                  labels=["model"]),
+            # vLLM's spec_decode_num_draft_tokens and spec_decode_num_accepted_tokens
+            "draft_tokens": CounterMetricFamily("servelm_spec_decode_draft_tokens", "speculative guesses (drafted "
+                                                "tokens) read by decoding sequences", labels=["model"]),
+            "draft_accepted": CounterMetricFamily("servelm_spec_decode_accepted_tokens", "of which held: tokens made "
+                                                  "without a step of their own", labels=["model"]),
         }
         for g in self._source():
             for key, family in families.items():

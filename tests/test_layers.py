@@ -96,6 +96,13 @@ def test_runners_know_the_engine_only_through_the_plan():
             assert not any(starts(i, "servelm.service", "servelm.http", "servelm.constrain") for i in imports_of(p)), m
 
 
+def test_speculation_is_pure_data_over_the_plan():
+    """engine/speculate.py drafts from a sequence's own tokens and weighs a plan: it needs the plan and nothing else
+    (no runner, no other request's state)."""
+    path = ROOT / "engine" / "speculate.py"
+    assert [i for i in imports_of(path) if starts(i, "servelm")] == ["servelm.engine.plan"]
+
+
 def test_constrain_imports_nothing_of_the_engine():
     """constrain/ makes the Constraint the engine carries; it knows nothing of the engine that carries it."""
     for m, p in modules():

@@ -8,6 +8,7 @@ bench/compare.py bans the model's end tokens with logit_bias, `servelm bench` as
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from typing import Any
 
 from servelm.bench.loadgen import EmbeddingSpec, RequestSpec, build_prompt
@@ -41,6 +42,7 @@ class Workload:
     model: str = CHAT  # CHAT, or EMBEDDING: the servers are started on the embedding model for it
     embed_inputs: int = 32  # EMBEDDING: sentences per /v1/embeddings request
     turns: int = 1  # > 1: each request is a conversation of this many turns (RequestSpec.turns)
+    prompts: tuple[str, ...] = ()  # the user messages, by request index (cycled), instead of built ones
 
     def runs_on(self, server: str) -> bool:
         return self.servers is None or server in self.servers
@@ -57,7 +59,7 @@ class Workload:
                                temperature=self.temperature, ban_token_ids=ban_ids if self.ban_eos else (),
                                system_prompt=self.system_prompt, unique_prompts=self.unique_prompts,
                                prompt_salt=salt, extra_body=dict(self.extra_body), stream=self.stream,
-                               turns=self.turns)
+                               turns=self.turns, prompts=tuple(f"({salt}) {p}" for p in self.prompts))
         return replace(spec, **self.server_overrides.get(server, {}))
 
 
@@ -89,6 +91,31 @@ JSON_RESPONSE_FORMAT: dict[str, Any] = {
     "type": "json_schema",
     "json_schema": {"name": "inventory", "schema": INVENTORY_SCHEMA, "strict": True},
 }
+
+def _passage(first: int, words: int) -> str:
+    text = resources.files("servelm.bench").joinpath("data/passage.txt").read_text().split()
+    return " ".join(text[first : first + words])
+
+
+# Issue 21's echo-heavy shape: answers that copy most of their prompt (a rewrite with small edits, fields
+# extracted from a document), where a draft from the prompt holds. A record to extract from:
+_RECORD = ("Shipment record 4471-B. Sender: Harbour Bakery, 12 Quay Street, Westhaven. Recipient: Lighthouse "
+           "Keepers' Trust, Cliff Road, North Point. Dispatched on 3 March by the morning ferry; expected on 5 March. "
+           "Contents: forty loaves of rye bread, twelve jars of plum jam, one crate of candles and a repaired "
+           "bicycle chain. Declared weight: 38 kilograms. Declared value: 112 pounds. Insurance: none. Handling: "
+           "keep dry, do not stack more than three crates high. Contact on arrival: Mrs Elin Marsh, telephone "
+           "0441 339 208. Notes: the recipient pays the harbour fee; the crate of candles travels in the cabin.")
+ECHO_PROMPTS: tuple[str, ...] = (
+    "Rewrite the passage below, word for word, with one change: write 'boat' wherever it says 'ferry'.\n\n"
+    + _passage(0, 300),
+    "Extract the fields of this record as a JSON object with the keys record, sender, sender_address, recipient, "
+    "recipient_address, dispatched, expected, contents, weight, value, insurance, handling, contact, telephone "
+    "and notes, copying each value from the record as it is written.\n\n" + _RECORD,
+    "Rewrite the passage below, word for word, with one change: write 'village' wherever it says 'island'.\n\n"
+    + _passage(300, 300),
+    "Copy the record below as a JSON object whose keys are the field names (Sender, Recipient, Dispatched, "
+    "Contents, ...) and whose values are the text after each name, exactly as written.\n\n" + _RECORD,
+)
 
 WORKLOADS: list[Workload] = [
     Workload("1-stream", "1 client; ~135-token prompt, 64 output tokens, EOS banned", concurrency=1),
@@ -126,6 +153,10 @@ WORKLOADS: list[Workload] = [
     Workload("1-stream-t07", "1-stream at temperature 0.7 (its own new prompts)", concurrency=1, temperature=0.7),
     Workload("16-streams-t07", "16-streams at temperature 0.7 (its own new prompts)", concurrency=16,
              temperature=0.7),
+    # Issue 21's: speculative decoding's workload (prompt lookup), and its counterpart under load is 16-streams.
+    Workload("echo-1", "1 client; rewrite a 300-word passage with one small edit, or extract a record's fields as "
+             "JSON (each answer copies most of its prompt); up to 400 output tokens, EOS allowed, greedy",
+             concurrency=1, requests=4, max_tokens=400, ban_eos=False, prompts=ECHO_PROMPTS),
     Workload("embed-32", "2 concurrent clients; /v1/embeddings with 32 fresh sentences of 10-20 words each",
              concurrency=2, requests=16, model=EMBEDDING, embed_inputs=32, servers=("llama-server", "servelm")),
 ]

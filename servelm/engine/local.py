@@ -24,6 +24,7 @@ from servelm.engine.plan import StepPlan
 from servelm.engine.sampling import pick_rows, process_rows, token_logprobs
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from servelm.engine.speculate import Speculator
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ApiError, ServerError
 from servelm.runners.base import ModelRunner
@@ -45,11 +46,13 @@ class _Client:
 
 
 class LocalEngine:
-    def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None) -> None:
+    def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None,
+                 speculative: bool = True) -> None:
         self.runner = runner
         self.grammars = grammars
+        speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
-                                   max_rows=runner.max_rows, prefix_cache=prefix_cache)
+                                   max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator)
         self.output = OutputProcessor(runner, self.scheduler, grammars)
         self._inbox: deque[SequenceGroup | str] = deque()  # a group to add, or the id of a request to abort
         self._wake = threading.Event()
@@ -116,7 +119,8 @@ class LocalEngine:
             kv_cells_cached=s.kv_cells_cached, kv_cells_total=s.kv_cells, kv_cell_bytes=self.runner.kv_cell_bytes,
             free_slots=len(s.free_slots), total_slots=s.num_slots, cache_hits=s.cache_hits,
             cached_tokens=s.cached_tokens, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
-            steps=self.steps, forward_calls=self.runner.forward_calls,
+            steps=self.steps, forward_calls=self.runner.forward_calls, draft_tokens=s.draft_tokens,
+            draft_accepted=s.draft_accepted,
         )
 
     def _post(self, item: SequenceGroup | str) -> None:
@@ -160,6 +164,7 @@ class LocalEngine:
         samplers, processed, tokens, beams = self._sample(plan, logits, rows, outputs)
         self.scheduler.update(plan, dict(zip(samplers, tokens)))
         self._record(samplers, processed, tokens, beams, outputs)
+        self._verify(plan, logits, rows, outputs)
         self._send(outputs)
         self.step_seconds += time.perf_counter() - start
 
@@ -231,6 +236,12 @@ class LocalEngine:
             for seq in chunk.samplers:
                 picks.append(r)
                 samplers.append(seq)
+        return self._sample_rows(samplers, picks, logits, outputs)
+
+    def _sample_rows(self, samplers: list[Sequence], picks: list[int], logits: np.ndarray, outputs: Outputs) -> tuple[
+        list[Sequence], np.ndarray, list[int], dict[SequenceGroup, np.ndarray]
+    ]:
+        """_sample for the given rows (picks[i] is samplers[i]'s)."""
         if not samplers:
             return [], logits[:0], [], {}
         picked = logits[np.asarray(picks)]  # a copy we may modify
@@ -270,6 +281,25 @@ class LocalEngine:
         if len(ok) < len(samplers):
             picked, samplers, drawn = picked[ok], [samplers[i] for i in ok], [drawn[i] for i in ok]
         return samplers, picked, drawn, beams
+
+    def _verify(self, plan: StepPlan, logits: np.ndarray, rows: list[int], outputs: Outputs) -> None:
+        """The rows after each drafted chunk's guesses, sampled as the steps they stand for would have been (one row
+        of each sequence at a time, its state moved on by the token before): while the token drawn is the next
+        guess, the sequence goes on to the following row (engine/speculate.py)."""
+        drafted = [(c, r) for c, r in zip(plan.chunks, rows) if c.drafted]
+        if not drafted:
+            return
+        for j in range(1, max(c.drafted for c, _ in drafted) + 1):
+            due = [(c, r) for c, r in drafted if self.scheduler.verifies(c, j)]
+            if not due:
+                break
+            samplers, processed, tokens, _ = self._sample_rows([c.seq for c, _ in due], [r + j for _, r in due],
+                                                               logits, outputs)
+            for seq, token in zip(samplers, tokens):
+                self.scheduler.accept(seq, token)
+            self._record(samplers, processed, tokens, {}, outputs)
+        for chunk, _ in drafted:
+            self.scheduler.settle(chunk)
 
     def _token_logprobs(self, samplers: list[Sequence], rows: np.ndarray, tokens: list[int],
                         outputs: Outputs) -> list[TokenLogprob | None]:

@@ -200,6 +200,7 @@ class OutputProcessor:
             reasoning_tokens=st.think.reasoning_tokens if st.think is not None else 0,
             queued_seconds=max(0.0, group.started_at - group.received_at) if group.started_at else 0.0,
             prompt_seconds=max(0.0, group.first_token_at - group.started_at) if group.started_at else 0.0,
+            draft_tokens=seq.draft_tokens, draft_accepted=seq.draft_accepted,
         )
         st.tokens = []
         if st.logprobs is not None:

@@ -53,10 +53,19 @@ class ScheduledChunk:
     # an image's positions: their inputs are its embeddings from `offset` on (tokens hold its placeholders)
     media: MediaChunk | None = None
     offset: int = 0
+    # the last `drafted` tokens are guesses (engine/speculate.py): a row for each, after the sampler's row
+    drafted: int = 0
 
     @property
     def wants_logits(self) -> bool:
         return bool(self.samplers) or self.all_logits
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows it makes: one per token read for its logprobs, else the sampler's and one per guess."""
+        if self.all_logits:
+            return len(self.tokens)
+        return 1 + self.drafted if self.samplers else 0
 
 
 @dataclass(slots=True)
@@ -77,18 +86,14 @@ class StepPlan:
         return bool(self.chunks or self.ops)
 
     def rows(self) -> list[int]:
-        """For each chunk, the logits row of its last token (-1 when it has none), in the order runners return
-        rows: chunk order, every row of an all-logits chunk, the last row of the others."""
+        """For each chunk, the logits row its samplers read (-1 when it has none): the last token's, or for a
+        drafted chunk the row before its guesses, which come next. Runners return rows in chunk order: every
+        row of an all-logits chunk, the last 1 + drafted rows of the others."""
         out, r = [], 0
         for chunk in self.chunks:
-            if chunk.all_logits:
-                r += len(chunk.tokens)
-                out.append(r - 1)
-            elif chunk.samplers:
-                out.append(r)
-                r += 1
-            else:
-                out.append(-1)
+            n = chunk.num_rows
+            out.append(-1 if not n else r + n - 1 if chunk.all_logits else r)
+            r += n
         return out
 
     def calls(self) -> list[list[int]]:

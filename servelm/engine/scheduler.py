@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, ScheduledChunk, StepPlan
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.slots import Slot, Slots, common_prefix
+from servelm.engine.speculate import Speculator
 from servelm.engine.types import MediaSpan
 
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
@@ -36,7 +37,7 @@ PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its lo
 
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, speculator: Speculator | None = None) -> None:
         if num_slots < 1 or context_window < 1 or max_step_tokens < num_slots or max_rows < 1:
             raise ValueError("need num_slots, context_window and max_rows >= 1, and max_step_tokens >= num_slots")
         self.num_slots = num_slots
@@ -50,6 +51,9 @@ class Scheduler:
         self._ops: list[KVOp] = []
         self.cache_hits = 0  # requests placed on cached cells, and the prompt tokens those cells saved
         self.cached_tokens = 0
+        self.speculator = speculator  # drafts for decoding sequences (None: no speculative decoding)
+        self.draft_tokens = 0  # guesses read since start, and how many of them held
+        self.draft_accepted = 0
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -124,6 +128,8 @@ class Scheduler:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
                     plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
                     budget -= 1
+        if self.speculator is not None and plan.chunks and budget > 0:
+            budget -= self.speculator.draft(plan, budget, self.context_window, self.max_rows)
         for group in self.running:
             for seq in group.seqs:
                 if budget <= 0:
@@ -269,12 +275,39 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is SeqStatus.FINISHED:
                 continue
-            seq.num_computed += len(chunk.tokens)
+            seq.num_computed += len(chunk.tokens) - chunk.drafted  # a guess's cell counts once it holds (accept)
+            seq.draft_tokens += chunk.drafted
+            self.draft_tokens += chunk.drafted
             for sampler in chunk.samplers:
                 if sampler.status is SeqStatus.FORK_PENDING:
                     self._fork(seq, sampler)
                 if sampler in sampled and sampler.status is not SeqStatus.FINISHED:
                     sampler.token_ids.append(sampled[sampler])
+
+    def verifies(self, chunk: ScheduledChunk, j: int) -> bool:
+        """Whether the drafted chunk's row j (the row after its guess j - 1) is the sequence's next: every guess
+        before held, and the sequence runs on."""
+        seq = chunk.seq
+        return (seq.status is SeqStatus.RUNNING and j <= chunk.drafted and seq.num_computed == chunk.start + j
+                and seq.token_ids[-1] == chunk.tokens[j])
+
+    def accept(self, seq: Sequence, token: int) -> None:
+        """The guess before this row held: its cell counts, and the row's token is the sequence's next."""
+        seq.num_computed += 1
+        seq.token_ids.append(token)
+        seq.draft_accepted += 1
+        self.draft_accepted += 1
+
+    def settle(self, chunk: ScheduledChunk) -> None:
+        """A drafted chunk is verified: its sequence learns how its guesses did, and the cells of those that failed
+        go."""
+        seq = chunk.seq
+        kept = max(0, seq.num_computed - chunk.start - 1)  # (-1: it failed before its first row was taken)
+        running = seq.status is SeqStatus.RUNNING
+        if seq.drafter is not None:
+            seq.drafter.observe(kept, rejected=running and kept < chunk.drafted)
+        if running and seq.slot is not None and seq.num_computed < chunk.start + len(chunk.tokens):
+            self._ops.append(Keep(seq.slot, seq.num_computed))
 
     def rebeam(self, group: SequenceGroup, parents: list[int], tokens: list[int]) -> list[int]:
         """Beam search moved on: new beam i continues beam parents[i] with tokens[i].

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 from servelm.engine.types import MediaSpan, SamplingParams
 
-if TYPE_CHECKING:  # the annotation only: engine/output.py makes it when the sequence is admitted
+if TYPE_CHECKING:  # annotations only: engine/output.py and engine/speculate.py make them
     from servelm.engine.output import SeqState
+    from servelm.engine.speculate import Drafter
 
 
 class SeqStatus(enum.Enum):
@@ -38,6 +39,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV cells are in its slot's stream
     slot: int | None = None  # the llama.cpp sequence id (its own KV stream) while it holds one
     key: int = field(default_factory=lambda: next(_seq_keys))
+    drafter: Drafter | None = None  # its prompt-lookup index and rate of kept guesses, once it decodes
+    draft_tokens: int = 0  # guesses it read, and how many of them held
+    draft_accepted: int = 0
     # the output processor's per-sequence state (RNG, detokenizer, matcher, logprobs), set when it is admitted
     state: SeqState = field(init=False)
 

@@ -177,6 +177,10 @@ class GenerationOutput:
     # prompt, and from then to the first token
     queued_seconds: float = 0.0
     prompt_seconds: float = 0.0
+    # speculative decoding so far: the choice's guesses read, and how many held (each held one is a token it
+    # made without a step of its own)
+    draft_tokens: int = 0
+    draft_accepted: int = 0
 
     @property
     def finished(self) -> bool:
@@ -201,3 +205,5 @@ class EngineStats:
     forward_seconds: float = 0.0  # of which inside the model's forward pass (llama_decode)
     steps: int = 0  # steps that had work, since start
     forward_calls: int = 0  # llama_decode calls they made (a step's rows go in as few as keep them exact)
+    draft_tokens: int = 0  # speculative guesses read since start (engine/speculate.py), and how many held
+    draft_accepted: int = 0

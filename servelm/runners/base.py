@@ -16,6 +16,8 @@ class ModelRunner(Protocol):
     num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, a stream each
     max_step_tokens: int  # tokens one step may carry
     max_rows: int  # tokens one sequence may read in one step
+    call_cost_rows: float  # a forward call's own cost in rows' time (engine/speculate.py weighs drafts by it)
+    lone_row_from: int | None  # from here on a lone single row is read with its previous position (two rows' cost)
     kv_cell_bytes: int  # one KV cell's size
     forward_calls: int  # forward passes (llama_decode calls) made since start
     eog_ids: np.ndarray  # end-of-generation tokens

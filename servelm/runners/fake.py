@@ -46,6 +46,8 @@ class FakeRunner:
         self.context_window = context_window
         self.kv_cells = num_slots * context_window
         self.max_rows = max_rows
+        self.call_cost_rows = 1.5
+        self.lone_row_from: int | None = None  # it reads a lone row alone
         self.kv_cell_bytes = 64
         self.forward_calls = 0
         self.bos_id = None
@@ -145,10 +147,7 @@ class FakeRunner:
             held.extend(chunk.tokens)
             if len(held) > self.context_window:
                 raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells, more than its {self.context_window}")
-            if chunk.all_logits:
-                rows.extend(self.logits_after(t) for t in chunk.tokens)
-            elif chunk.wants_logits:
-                rows.append(self.logits_after(held[-1]))
+            rows.extend(self.logits_after(t) for t in held[len(held) - chunk.num_rows :])
         self.max_cells_seen = max(self.max_cells_seen, self.cells_in_use())
         self.steps.append(plan)
         if self.step_delay:

@@ -40,7 +40,10 @@ MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's til
 # A single row of a single stream goes to the split-KV kernel once its view is 512 cells (llama.cpp pads the view
 # to 256: from position 256 on); from here on, such a row gets its previous position beside it.
 LONE_ROW_FROM = 240
-_CELL_PAD = 256  # llama.cpp pads each stream to a multiple of this
+_CELL_PAD = 256
+# A llama_decode call's own cost, in rows' time: on 2 cores the default model computes a call of r rows of one stream
+# in about 4.5 + 4.0 r ms, and each step adds about 1.5 ms of the engine's own (engine/speculate.py's cost model)
+CALL_COST_ROWS = 1.5  # llama.cpp pads each stream to a multiple of this
 _quiet_logs: Any = None
 log = logging.getLogger("servelm.runners")
 
@@ -147,6 +150,8 @@ class LlamaCppRunner:
         self.kv_cells = num_slots * self.context_window
         self.max_step_tokens = max(max_step_tokens, num_slots)
         self.max_rows = MAX_ROWS
+        self.call_cost_rows = CALL_COST_ROWS
+        self.lone_row_from: int | None = LONE_ROW_FROM
         self.forward_calls = 0  # llama_decode calls since start
 
         n_threads = threads or os.cpu_count() or 1
@@ -273,9 +278,10 @@ class LlamaCppRunner:
     def step(self, plan: StepPlan) -> np.ndarray:
         for op in plan.ops:
             self._apply(op)
-        rows = plan.rows()
-        total = sum(len(c.tokens) if c.all_logits else 1 for c, r in zip(plan.chunks, rows) if r >= 0)
-        first = [r - (len(c.tokens) - 1 if c.all_logits else 0) for c, r in zip(plan.chunks, rows)]
+        first, total = [], 0  # each chunk's first logits row
+        for chunk in plan.chunks:
+            first.append(total)
+            total += chunk.num_rows
         for call in plan.calls():
             self._decode(plan.chunks, call, first)
         return self._logits[:total]
@@ -307,12 +313,10 @@ class LlamaCppRunner:
             self._pos[n : n + k] = np.arange(start, start + k, dtype=np.int32)
             self._seq[n : n + k] = chunk.slot
             self._out[n : n + k] = 0
-            if chunk.all_logits:
-                self._out[n : n + k] = 1
-                places.append((first[i], k))
-            elif chunk.wants_logits:
-                self._out[n + k - 1] = 1
-                places.append((first[i], 1))
+            rows = chunk.num_rows
+            if rows:
+                self._out[n + k - rows : n + k] = 1
+                places.append((first[i], rows))
             n += k
         if n > len(self._tok):
             raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")

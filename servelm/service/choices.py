@@ -80,6 +80,9 @@ class Collector:
         out.update(predicted_n=self.completion_tokens, predicted_ms=predicted_ms)
         out.update(_rates("predicted", self.completion_tokens, predicted_ms))
         out["queue_ms"] = waited * 1000
+        # llama-server's names: speculative guesses read, and those that held
+        finals = [s.final for s in self.seqs if s.final is not None]
+        out.update(draft_n=sum(f.draft_tokens for f in finals), draft_n_accepted=sum(f.draft_accepted for f in finals))
         return out
 
     def stop(self, index: int) -> None:

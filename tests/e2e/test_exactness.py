@@ -9,6 +9,8 @@ lone row would take another kernel), must give the same signature:
 - among unrelated requests of other lengths, streamed and not;
 - after a warm cache of the same prompt, and of one that differs only at its end;
 - on servers whose steps carry 32, 256 and 2048 tokens.
+The reference server decodes one token a step; every other one drafts speculatively (its default), so each of
+these also holds answers made from drafted rows to the answers made without them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ PROMPTS = {
                {"role": "user", "content": "Write a short story about a cat who sails."}],
     "long": [{"role": "system", "content": LIGHTHOUSE * 20},
              {"role": "user", "content": "Summarise the history above in three sentences."}],
+    # an answer that copies its prompt: speculative decoding's guesses hold, so most tokens come from drafted rows
+    "echo": [{"role": "user", "content": "Copy this text exactly: " + LIGHTHOUSE + "Keepers trimmed the wicks twice a night."}],
 }
 KINDS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 7}}
 MAX_TOKENS = 24
@@ -53,8 +57,8 @@ CASES = [(p, k) for p in PROMPTS for k in KINDS]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every request alone, on a server with no prefix cache, one at a time."""
-    with own_server(tmp_path_factory, "--no-prefix-cache", *FAST) as srv:
+    """Every request alone, on a server with no prefix cache and no speculative decoding, one at a time."""
+    with own_server(tmp_path_factory, "--no-prefix-cache", "--speculative", "off", *FAST) as srv:
         client = client_for(srv.base_url)
         out = {case: signature(client.chat.completions.create(**request(*case))) for case in CASES}
     assert any(len(text) > 40 for text, _ in out.values())
@@ -140,3 +144,19 @@ async def test_a_quantized_kv_cache_keeps_answers_exact_under_load(reference, tm
             together = await asyncio.gather(*[client.chat.completions.create(**request(*case))
                                               for case in CASES for _ in range(3)])
     assert [signature(a) for a in together] == [alone[case] for case in CASES for _ in range(3)]
+
+
+def test_speculative_decoding_drafts_and_reports_its_counts(reference, cached) -> None:
+    """The echo prompt's answer copies its prompt: guesses are read and held, counted in the answer's timings and
+    in /metrics, and the answer is the one made without them."""
+    client = client_for(cached)
+    answer = client.chat.completions.create(**request("echo", "greedy"), extra_body={"timings_per_request": True})
+    timings = answer.model_extra["timings"]
+    assert signature(answer) == reference["echo", "greedy"]
+    assert 0 < timings["draft_n_accepted"] <= timings["draft_n"]
+    assert timings["draft_n_accepted"] >= MAX_TOKENS // 3, timings
+    metrics = httpx.get(cached + "/metrics", timeout=10).text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("servelm_spec_decode_")}
+    assert counts["servelm_spec_decode_draft_tokens_total"] >= timings["draft_n"]
+    assert 0 < counts["servelm_spec_decode_accepted_tokens_total"] <= counts["servelm_spec_decode_draft_tokens_total"]

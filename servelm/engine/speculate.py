@@ -1,0 +1,167 @@
+"""Draft-free speculative decoding: drafts from a sequence's own history, and whether a draft is worth its rows.
+
+A decoding sequence may read, beside its next token, a few tokens guessed from its prompt and output (prompt
+lookup): the tokens that followed the latest earlier occurrence of its last n tokens (n = 4, 3, 2, then 1). The step
+computes a logits row for each guess; the engine samples those rows one after another as if they were successive
+steps, and keeps the guesses while the token it samples is the guess (engine/local.py). Rows read one chunk at a
+time compute exactly what single rows compute (docs/exactness.md), and each sampled token takes its sequence's
+one draw from its RNG, as without a draft: a greedy or seeded answer is the same with and without speculation,
+and a sampled one keeps its distribution (the guess is kept with the probability the model gives it; otherwise
+the token comes from the rest of the distribution: rejection sampling for a draft that is one token for sure).
+
+Drafts come from the sequence's own tokens only, never another request's, so nothing of one request can show in
+another's timing or cells.
+
+Whether to draft, and how far: a step costs about `call_cost` (in rows' time: the runner's `call_cost_rows`) per
+forward call plus one per row, and makes one token per decoding sequence. A draft of k tokens adds k rows (and
+calls, when its longer chunk splits a run of one-token chunks: llama.cpp passes only equal-length chunks of
+consecutive sequences together) and is expected to add alpha + alpha^2 + ... + alpha^k tokens, alpha being the
+sequence's rate of kept guesses (a moving average over its verified positions). A sequence drafts the k that
+makes the step's expected tokens per row-time highest, and only when that beats the step without it. A sequence
+whose guesses fail stops drafting after a guess or two; its rate drifts back towards the prior while it does not
+draft, so it tries again now and then (one row every few dozen steps). Under load (16 decoding sequences) a draft
+pays only for a sequence whose guesses nearly always hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+
+from servelm.engine.plan import ScheduledChunk, StepPlan
+
+NGRAMS = (4, 3, 2, 1)  # n-gram lengths looked up, longest first
+MAX_DRAFT = 16  # guesses one sequence reads in a step at most
+PRIOR = 0.5  # a new sequence's rate of kept guesses
+LEARN = 0.15  # weight of one verified position in the moving rate
+DRIFT = 0.01  # per step without a draft, the rate moves this much of the way back to PRIOR
+
+
+@dataclass(eq=False, slots=True)
+class Drafter:
+    """One sequence's prompt-lookup index, and its rates of kept guesses: one for guesses after a match of two or
+    more tokens, one for those after a single token's (a weaker guess, drafted mostly where it costs nothing)."""
+
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram → the position after its latest end
+    upto: int = 0  # n-grams ending at positions up to here are indexed
+    rates: list[float] = field(default_factory=lambda: [PRIOR, PRIOR])  # [after n >= 2, after n = 1]
+    weak: bool = False  # whether the latest guess came from a single token's match
+
+    @property
+    def rate(self) -> float:
+        return self.rates[self.weak]
+
+    def propose(self, history: Seq[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the latest earlier occurrence of history's last n-gram."""
+        end = len(history)
+        index = self.index
+        for e in range(self.upto + 1, end):  # every n-gram that ends before the last token's position
+            for n in NGRAMS:
+                if e >= n:
+                    index[tuple(history[e - n : e])] = e
+        self.upto = max(self.upto, end - 1)
+        for n in NGRAMS:
+            if end > n:
+                at = index.get(tuple(history[end - n :]))
+                if at is not None:
+                    self.weak = n == 1
+                    draft = list(history[at : at + limit])
+                    cut = next((i for i, t in enumerate(draft) if t < 0), len(draft))  # not an image's placeholder
+                    return draft[:cut]
+        return []
+
+    def observe(self, kept: int, rejected: bool) -> None:
+        """A verified draft: `kept` guesses held, and then one failed (rejected) or the sequence ended."""
+        rate = self.rates[self.weak]
+        for _ in range(kept):
+            rate += LEARN * (1.0 - rate)
+        if rejected:
+            rate -= LEARN * rate
+        self.rates[self.weak] = rate
+
+    def rest(self) -> None:
+        """A step without a draft: the rates drift back towards the prior."""
+        self.rates = [r + DRIFT * (PRIOR - r) for r in self.rates]
+
+
+def expected_kept(rate: float, k: int) -> float:
+    """Guesses kept in expectation out of k, each held with probability `rate` once the ones before it have."""
+    return sum(rate**i for i in range(1, k + 1))
+
+
+class Speculator:
+    """Decides each step's drafts by the cost model above. `lone_row_from`: from this position on, a call that is
+    a single row of a single sequence reads that sequence's previous position again beside it (the llama.cpp
+    runner's way to keep such a row on its exact kernel), so it costs two rows, and a guess in that place costs
+    hardly more than the re-read it replaces."""
+
+    def __init__(self, call_cost_rows: float, lone_row_from: int | None = None) -> None:
+        self.call_cost = call_cost_rows
+        self.lone_row_from = lone_row_from
+
+    @staticmethod
+    def eligible(chunk: ScheduledChunk) -> bool:
+        seq = chunk.seq
+        return (chunk.media is None and not chunk.all_logits and chunk.samplers == (seq,)
+                and seq.group.params.beam is None)
+
+    def cost(self, chunks: list[ScheduledChunk]) -> float:
+        """What the decode chunks cost in rows' time: each call's own cost, each token's row, and the row a lone
+        row reads again."""
+        calls = StepPlan(chunks).calls()
+        total = len(calls) * self.call_cost + sum(len(c.tokens) for c in chunks)
+        if self.lone_row_from is not None:
+            for call in calls:
+                only = chunks[call[0]]
+                if len(call) == 1 and len(only.tokens) == 1 and only.start >= self.lone_row_from and only.start:
+                    total += 1
+        return total
+
+    def draft(self, plan: StepPlan, budget: int, window: int, max_rows: int) -> int:
+        """Turn some of the plan's decode chunks (one token each, the plan's only chunks yet) into drafted ones,
+        within `budget` step tokens, `max_rows` a chunk and the context window; returns the tokens added."""
+        chunks = plan.chunks
+        offers: list[tuple[float, int, list[int]]] = []
+        for i, chunk in enumerate(chunks):
+            if not self.eligible(chunk):
+                continue
+            seq = chunk.seq
+            if seq.drafter is None:
+                seq.drafter = Drafter()
+            params = seq.group.params
+            limit = min(MAX_DRAFT, max_rows - 1, params.max_tokens - seq.num_generated - 1, window - chunk.start - 1,
+                        budget)
+            guess = seq.drafter.propose(seq.token_ids, limit) if limit > 0 else []
+            if guess:
+                offers.append((seq.drafter.rate, i, guess))
+            else:
+                seq.drafter.rest()
+        if not offers:
+            return 0
+        made = float(len(chunks))  # the step's expected tokens, and its cost in rows' time
+        cost = self.cost(chunks)
+        added = 0
+        for rate, i, guess in sorted(offers, key=lambda o: -o[0]):
+            guess = guess[: budget - added]
+            seq = chunks[i].seq
+            # the first guess's cost (a row, and the calls a longer chunk splits off, or nothing in place of a lone
+            # row's re-read); each further guess is a row more
+            first = self.cost([*chunks[:i], _drafted(chunks[i], guess[:1]), *chunks[i + 1 :]]) - cost if guess else 0
+            best, best_k = made / cost, 0
+            for k in range(1, len(guess) + 1):
+                value = (made + expected_kept(rate, k)) / (cost + first + k - 1)
+                if value > best:
+                    best, best_k = value, k
+            if not best_k:
+                seq.drafter.rest()
+                continue
+            chunks[i] = _drafted(chunks[i], guess[:best_k])
+            made += expected_kept(rate, best_k)
+            cost = self.cost(chunks)
+            added += best_k
+        return added
+
+
+def _drafted(chunk: ScheduledChunk, guess: list[int]) -> ScheduledChunk:
+    return replace(chunk, tokens=(*chunk.tokens, *guess), drafted=len(guess))
+

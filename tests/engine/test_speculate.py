@@ -1,0 +1,219 @@
+"""Draft-free speculative decoding: the prompt-lookup drafter, when a draft is worth its rows, and verification in
+the engine over the fake runner (which checks every KV operation: a failed guess's cell must be dropped)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from servelm.engine.local import LocalEngine
+from servelm.engine.plan import Keep, ScheduledChunk, StepPlan
+from servelm.engine.sequence import SeqStatus, SequenceGroup
+from servelm.engine.speculate import PRIOR, Drafter, Speculator, expected_kept
+from servelm.engine.types import GenerationRequest, SamplingParams
+from servelm.runners.fake import END_TOKEN, FakeRunner
+
+# -- the drafter ----------------------------------------------------------------------------------
+
+
+def test_the_draft_is_what_followed_the_latest_earlier_occurrence_of_the_last_ngram():
+    history = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
+    assert Drafter().propose(history, 3) == [7, 8, 2], "the latest 2,3,4 was followed by 7 8"
+    assert Drafter().propose(history, 1) == [7]
+    assert Drafter().propose([5, 6, 7, 8], 4) == [], "nothing repeats"
+
+
+def test_a_longer_ngram_wins_over_a_later_shorter_one():
+    history = [1, 2, 3, 10, 11, 9, 3, 20, 21, 1, 2, 3]
+    assert Drafter().propose(history, 2) == [10, 11], "1,2,3 matched, not the later lone 2-gram 9,3"
+
+
+def test_the_index_grows_with_the_history_and_stops_at_an_image():
+    d = Drafter()
+    history = [1, 2, 3, 4]
+    assert d.propose(history, 4) == []
+    history += [-7, -7, 6, 1, 2]
+    assert d.propose(history, 4) == [3, 4], "the continuation stops before an image's placeholders"
+    history += [3, 4, 8]
+    assert d.propose(history, 2) == [], "4, 8 never occurred before"
+
+
+def test_the_rate_falls_on_failed_guesses_and_drifts_back_while_resting():
+    d = Drafter()
+    d.observe(0, rejected=True)
+    d.observe(0, rejected=True)
+    low = d.rate
+    assert low < PRIOR
+    for _ in range(200):
+        d.rest()
+    assert low < d.rate < PRIOR
+    d.observe(5, rejected=False)
+    assert d.rate > PRIOR
+
+
+def test_expected_kept_is_a_geometric_sum():
+    assert expected_kept(1.0, 4) == 4
+    assert expected_kept(0.5, 2) == pytest.approx(0.75)
+
+
+# -- the policy -----------------------------------------------------------------------------------
+
+
+def _decoding(n: int, history: list[int], rate: float, max_tokens: int = 100) -> StepPlan:
+    """n sequences about to decode the last token of `history` (the one before it was their prompt's last)."""
+    chunks = []
+    for slot in range(n):
+        group = SequenceGroup(f"r{slot}", tuple(history[:-1]), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        seq = group.seqs[0]
+        seq.token_ids = list(history)
+        seq.status = SeqStatus.RUNNING
+        seq.slot, seq.num_computed = slot, len(history) - 1
+        seq.drafter = Drafter(rates=[rate, rate])
+        chunks.append(ScheduledChunk(seq, slot, seq.num_computed, (history[-1],), samplers=(seq,)))
+    return StepPlan(chunks)
+
+
+HISTORY = list(range(1, 40)) + list(range(1, 6))  # the lookup proposes 6, 7, 8, ...
+
+
+def test_one_stream_drafts_longer_the_more_its_guesses_hold():
+    lengths = []
+    for rate in (0.2, PRIOR, 0.9, 0.99):
+        plan = _decoding(1, HISTORY, rate)
+        Speculator(1.5).draft(plan, 256, 2048, 63)
+        lengths.append(plan.chunks[0].drafted)
+    assert lengths[0] == 0, "a sequence whose guesses fail does not draft"
+    assert lengths[1] >= 1 and lengths[1] < lengths[2] < lengths[3]
+    assert plan.chunks[0].tokens == (5, *range(6, 6 + lengths[3]))
+
+
+def test_a_guess_takes_the_place_of_a_lone_rows_reread():
+    plan = _decoding(1, HISTORY, 0.2)
+    assert Speculator(1.5, lone_row_from=len(HISTORY)).draft(plan, 256, 2048, 63) == 0, "not yet a lone row"
+    plan = _decoding(1, HISTORY, 0.2)
+    assert Speculator(1.5, lone_row_from=len(HISTORY) - 1).draft(plan, 256, 2048, 63) == 1, \
+        "a lone row costs two rows: one guess, even a poor one, costs nothing more"
+    plan = _decoding(2, HISTORY, 0.2)
+    assert Speculator(1.5, lone_row_from=0).draft(plan, 256, 2048, 63) == 0, "two rows share a call: no re-read"
+
+
+def test_under_load_a_draft_must_nearly_always_hold():
+    plan = _decoding(16, HISTORY, 0.9)
+    assert Speculator(1.5).draft(plan, 256, 2048, 63) == 0, "a guess's rows and split pass cost 16 sequences' step"
+    assert len(plan.calls()) == 1
+    plan = _decoding(2, HISTORY, 0.6)
+    assert Speculator(1.5).draft(plan, 256, 2048, 63) == 0
+    plan = _decoding(2, HISTORY, 0.99)
+    assert Speculator(1.5).draft(plan, 256, 2048, 63) > 0
+
+
+def test_a_draft_keeps_to_the_budget_the_rows_max_tokens_and_the_window():
+    plan = _decoding(1, HISTORY, 0.999)
+    assert Speculator(1.5).draft(plan, 3, 2048, 63) == 3
+    plan = _decoding(1, HISTORY, 0.999)
+    Speculator(1.5).draft(plan, 256, 2048, 4)
+    assert len(plan.chunks[0].tokens) == 4, "a chunk holds at most max_rows tokens"
+    plan = _decoding(1, HISTORY, 0.999, max_tokens=4)  # one made, three to go: the next and two guesses
+    Speculator(1.5).draft(plan, 256, 2048, 63)
+    assert plan.chunks[0].drafted == 2, "the draft never reaches past max_tokens"
+    plan = _decoding(1, HISTORY, 0.999)
+    Speculator(1.5).draft(plan, 256, len(HISTORY) + 2, 63)
+    assert plan.chunks[0].drafted == 2, "nor past the context window"
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+async def _run(engine: LocalEngine, rid: str, prompt: list[int], **kw):
+    params = SamplingParams(**{"max_tokens": 24, "temperature": 0.0, **kw})
+    tokens, last = [], None
+    async for out in engine.generate(GenerationRequest(rid, tuple(prompt), params)):
+        tokens += out.token_ids
+        last = out
+    return tokens, last
+
+
+def _engine(speculative: bool, **kw) -> LocalEngine:
+    eng = LocalEngine(FakeRunner(**{"num_slots": 4, "max_step_tokens": 64, **kw}), speculative=speculative)
+    eng.start()
+    return eng
+
+
+# The fake model follows t with t + 1. ECHO's lookup guesses right (its tail repeats a run of successors);
+# MISLEAD's guesses 30 after its first token (4, 5, 6), where the model says 7.
+ECHO = list(range(1, 36)) + list(range(1, 6))
+MISLEAD = [3, 4, 5, 6, 30, 31, 9, 3, 4, 5]
+
+
+@pytest.mark.parametrize("prompt", [ECHO, MISLEAD], ids=["guesses-hold", "guesses-fail"])
+async def test_greedy_and_seeded_answers_are_the_same_with_and_without_speculation(prompt):
+    answers = {}
+    for speculative in (False, True):
+        eng = _engine(speculative)
+        try:
+            greedy = await _run(eng, "g", prompt)
+            seeded = [await _run(eng, f"s{seed}", prompt, temperature=4.0, seed=seed) for seed in range(12)]
+            answers[speculative] = (greedy[0], [s[0] for s in seeded])
+            if speculative:
+                assert greedy[1].draft_tokens > 0
+                runner = eng.runner
+                assert any(c.drafted for p in runner.steps for c in p.chunks), "drafts were read"
+                if prompt is MISLEAD:
+                    assert any(isinstance(op, Keep) for p in runner.steps for op in p.ops), "failed guesses dropped"
+        finally:
+            eng.stop()
+    assert answers[True] == answers[False]
+
+
+async def test_held_guesses_save_steps_and_are_counted():
+    eng = _engine(True)
+    try:
+        tokens, last = await _run(eng, "e", ECHO, max_tokens=30)
+        stats = eng.stats()
+    finally:
+        eng.stop()
+    assert tokens == list(range(6, 36))
+    assert last.draft_accepted >= 12 and last.draft_accepted <= last.draft_tokens
+    assert stats.draft_tokens == last.draft_tokens and stats.draft_accepted == last.draft_accepted
+    assert stats.forward_calls == 30 - last.draft_accepted, "a held guess is a token without a pass of its own"
+
+
+# its lookup guesses 33 ... 40, 1, 2 where the model ends with EOS after 40: the answer ends inside the draft
+ENDS_IN_DRAFT = list(range(30, END_TOKEN + 1)) + [1, 2] + list(range(30, 33))
+
+
+@pytest.mark.parametrize(("prompt", "kw"), [(ENDS_IN_DRAFT, {}), (ECHO, {"stop_token_ids": (12,)}),
+                                            (ECHO, {"max_tokens": 9})], ids=["eos", "stop-token", "length"])
+async def test_an_answer_that_ends_inside_a_draft_ends_where_it_would_have(prompt, kw):
+    results = []
+    for speculative in (False, True):
+        eng = _engine(speculative)
+        try:
+            tokens, last = await _run(eng, "x", prompt, **kw)
+            results.append((tokens, last.finish_reason, last.stop_reason, last.completion_tokens))
+            assert eng.scheduler.kv_cells_used == 0
+        finally:
+            eng.stop()
+    assert results[0] == results[1]
+
+
+async def test_seeded_answers_under_load_with_speculation_are_the_answers_alone():
+    eng = _engine(True, num_slots=6)
+    try:
+        alone = [await _run(eng, f"a{i}", ECHO if i % 2 else MISLEAD, temperature=3.0, seed=i) for i in range(6)]
+        crowd = await asyncio.gather(*[_run(eng, f"c{i}", ECHO if i % 2 else MISLEAD, temperature=3.0, seed=i)
+                                       for i in range(6)])
+    finally:
+        eng.stop()
+    assert [a[0] for a in alone] == [c[0] for c in crowd]
+
+
+async def test_speculation_off_reads_one_token_a_step():
+    eng = _engine(False)
+    try:
+        await _run(eng, "o", ECHO)
+        assert not any(c.drafted for p in eng.runner.steps for c in p.chunks)
+        assert eng.stats().draft_tokens == 0
+    finally:
+        eng.stop()
