@@ -47,6 +47,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             p.add_argument(flag, dest=dest, default=None, action=argparse.BooleanOptionalAction, help=_help(field))
         elif getattr(field.annotation, "__origin__", None) is Literal:  # one of named values (--kv-cache-type)
             p.add_argument(flag, dest=dest, default=None, choices=get_args(field.annotation), help=_help(field))
+        elif str in get_args(field.annotation):  # a path (--prefix-cache-dir)
+            p.add_argument(flag, dest=dest, default=None, metavar="PATH", help=_help(field))
         else:
             p.add_argument(flag, dest=dest, default=None, type=int, metavar="N", help=_help(field))
     p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")

@@ -19,6 +19,7 @@ from servelm.chat.reasoning import THINK, ReasoningMarkers
 from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
+from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
@@ -40,6 +41,7 @@ def build_deployment(
     chat_template: str | None = None,
     engine: Engine | None = None,
     speculative: bool = True,
+    spill: SpillStore | None = None,
     grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
     reasoning_markers: str = "auto",
@@ -54,7 +56,8 @@ def build_deployment(
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits or GrammarLimits())
-    engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative)
+    engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
+                                   spill=spill)
     template_source = chat_template or runner.chat_template
     deployment = TextDeployment(
         name=name,
@@ -256,6 +259,13 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
     return built
 
 
+def spill_store(e: EngineSettings, fingerprint: str) -> SpillStore | None:
+    """Where a deployment's prefix-cache entries go when its slots give them up (none without the prefix cache)."""
+    if not e.prefix_cache or not (e.prefix_cache_ram_mib or e.prefix_cache_dir):
+        return None
+    return SpillStore(fingerprint, e.prefix_cache_ram_mib << 20, e.prefix_cache_dir, e.prefix_cache_disk_mib << 20)
+
+
 def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any],
                 runners: list[Any], images: ImageSources) -> None:
     from servelm.engine.embedding import EmbeddingEngine
@@ -273,7 +283,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
-        speculative=e.speculative == "ngram",
+        speculative=e.speculative == "ngram", spill=spill_store(e, runner.state_fingerprint),
         grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
         reasoning_markers=spec.reasoning_markers, image_sources=images,
     )

@@ -52,6 +52,16 @@ class EngineSettings(BaseSettings):
         "usage.prompt_tokens_details.cached_tokens; entries are per API key and cache_salt. Exact: an answer is "
         "the same bitwise with it and without it (docs/exactness.md). --no-prefix-cache: every prompt is read whole",
     )
+    prefix_cache_ram_mib: int = Field(
+        1024, ge=0, description="host RAM for prefix-cache entries the KV cache gives up: a slot's entry is saved "
+        "(llama.cpp's sequence state) before its slot is reused, and a prompt it begins reads it back instead of "
+        "computing it; least recently used out first (to --prefix-cache-dir when given). 0: none kept")
+    prefix_cache_dir: str | None = Field(
+        None, description="a directory for prefix-cache entries beyond the RAM budget, and for every entry at a "
+        "graceful stop, so that a restarted server answers a cached prompt from disk; files of another model or "
+        "build, or corrupt ones, are ignored and logged")
+    prefix_cache_disk_mib: int = Field(10240, ge=0, description="disk the --prefix-cache-dir entries may take "
+                                       "(least recently used out first)")
     grammar_max_mib: int = Field(64, ge=1, description="heap one compiled grammar (a schema, pattern, choice list, "
                                  "grammar or tool set) may hold; a larger one is a 400 grammar_too_large")
     grammar_cache_mib: int = Field(512, ge=1, description="heap the cache of compiled grammars may hold (least "

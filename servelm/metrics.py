@@ -45,6 +45,9 @@ class EngineGauges:
     forward_calls: int = 0
     draft_tokens: int = 0  # counters: speculative guesses read, and those that held
     draft_accepted: int = 0
+    spill_ram_bytes: int = 0  # the prefix cache's spilled entries in host RAM and on disk
+    spill_disk_bytes: int = 0
+    spill_restored: int = 0  # counter: spilled entries read back into a slot
 
 
 class _EngineCollector(Collector):
@@ -79,6 +82,12 @@ class _EngineCollector(Collector):
                                                 "tokens) read by decoding sequences", labels=["model"]),
             "draft_accepted": CounterMetricFamily("servelm_spec_decode_accepted_tokens", "of which held: tokens made "
                                                   "without a step of their own", labels=["model"]),
+            "spill_ram_bytes": GaugeMetricFamily("servelm_prefix_cache_ram_bytes", "prefix-cache entries spilled from "
+                                                 "the KV cache to host RAM", labels=["model"]),
+            "spill_disk_bytes": GaugeMetricFamily("servelm_prefix_cache_disk_bytes", "prefix-cache entries on disk "
+                                                  "(--prefix-cache-dir)", labels=["model"]),
+            "spill_restored": CounterMetricFamily("servelm_prefix_cache_restored", "spilled entries read back into "
+                                                  "the KV cache for a request", labels=["model"]),
         }
         for g in self._source():
             for key, family in families.items():

@@ -103,6 +103,12 @@ def test_speculation_is_pure_data_over_the_plan():
     assert [i for i in imports_of(path) if starts(i, "servelm")] == ["servelm.engine.plan"]
 
 
+def test_the_spill_tiers_know_only_the_slots_prefix_matching():
+    """engine/spill.py keeps bytes and files; the scheduler decides what goes there, the runner fills the bytes."""
+    path = ROOT / "engine" / "spill.py"
+    assert [i for i in imports_of(path) if starts(i, "servelm")] == ["servelm.engine.slots"]
+
+
 def test_constrain_imports_nothing_of_the_engine():
     """constrain/ makes the Constraint the engine carries; it knows nothing of the engine that carries it."""
     for m, p in modules():

@@ -25,6 +25,7 @@ from servelm.engine.sampling import pick_rows, process_rows, token_logprobs
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.speculate import Speculator
+from servelm.engine.spill import SpillStore
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ApiError, ServerError
 from servelm.runners.base import ModelRunner
@@ -47,12 +48,13 @@ class _Client:
 
 class LocalEngine:
     def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None,
-                 speculative: bool = True) -> None:
+                 speculative: bool = True, spill: SpillStore | None = None) -> None:
         self.runner = runner
         self.grammars = grammars
         speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
-                                   max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator)
+                                   max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator,
+                                   spill=spill)
         self.output = OutputProcessor(runner, self.scheduler, grammars)
         self._inbox: deque[SequenceGroup | str] = deque()  # a group to add, or the id of a request to abort
         self._wake = threading.Event()
@@ -74,7 +76,25 @@ class LocalEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            stopped = not self._thread.is_alive()
             self._thread = None
+            if stopped:
+                self._persist()
+
+    def _persist(self) -> None:
+        """At a stop, the prefix cache's entries go to the spill store's directory, if it has one: each slot at
+        rest, then what is in RAM (a restarted server reads them back)."""
+        spill = self.scheduler.spill
+        if spill is None or spill.directory is None:
+            return
+        spill.settle()
+        for slot in self.scheduler.slots.slots:
+            if slot.seq is None and spill.wants(slot.cached, slot.scope):
+                try:
+                    spill.persist(slot.cached, slot.scope, self.runner.save_seq(slot.index))
+                except Exception:  # one slot's state must not keep the others from disk
+                    log.exception("the prefix cache entry of slot %d was not saved", slot.index)
+        spill.close()
 
     @property
     def alive(self) -> bool:
@@ -121,6 +141,8 @@ class LocalEngine:
             cached_tokens=s.cached_tokens, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
             steps=self.steps, forward_calls=self.runner.forward_calls, draft_tokens=s.draft_tokens,
             draft_accepted=s.draft_accepted,
+            spill_ram_bytes=s.spill.ram_used if s.spill else 0, spill_disk_bytes=s.spill.disk_used if s.spill else 0,
+            spill_entries=len(s.spill.entries) if s.spill else 0, spill_restored=s.spill.restored if s.spill else 0,
         )
 
     def _post(self, item: SequenceGroup | str) -> None:

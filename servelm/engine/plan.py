@@ -9,7 +9,7 @@ its neighbours (docs/exactness.md). The runner reads the chunks under the rules 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from servelm.engine.types import MediaChunk as MediaChunk  # what a runner reads an image chunk as
 
@@ -38,7 +38,28 @@ class Copy:
     n: int
 
 
-KVOp = Clear | Keep | Copy
+class SavedState(Protocol):
+    data: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """The slot's cells (its whole stream) are copied out to host memory, into `into.data`, before an op that gives
+    them up (engine/spill.py)."""
+
+    slot: int
+    into: SavedState
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """The slot's stream is replaced by cells a Save copied out (from host memory, or a file)."""
+
+    slot: int
+    data: bytes
+
+
+KVOp = Clear | Keep | Copy | Save | Restore
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,19 +25,22 @@ import time
 from collections import deque
 from collections.abc import Mapping
 
-from servelm.engine.plan import Clear, Copy, Keep, KVOp, ScheduledChunk, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save, ScheduledChunk, StepPlan
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.slots import Slot, Slots, common_prefix
 from servelm.engine.speculate import Speculator
+from servelm.engine.spill import SpillStore
 from servelm.engine.types import MediaSpan
 
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
+MIN_RESTORE = 32  # prompt tokens a spilled entry must hold beyond the slots' best to be read back (about 10 ms)
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
 
 
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
-                 prefix_cache: bool = True, speculator: Speculator | None = None) -> None:
+                 prefix_cache: bool = True, speculator: Speculator | None = None,
+                 spill: SpillStore | None = None) -> None:
         if num_slots < 1 or context_window < 1 or max_step_tokens < num_slots or max_rows < 1:
             raise ValueError("need num_slots, context_window and max_rows >= 1, and max_step_tokens >= num_slots")
         self.num_slots = num_slots
@@ -52,6 +55,7 @@ class Scheduler:
         self.cache_hits = 0  # requests placed on cached cells, and the prompt tokens those cells saved
         self.cached_tokens = 0
         self.speculator = speculator  # drafts for decoding sequences (None: no speculative decoding)
+        self.spill = spill if prefix_cache else None  # where entries the slots give up go (None: they are lost)
         self.draft_tokens = 0  # guesses read since start, and how many of them held
         self.draft_accepted = 0
 
@@ -121,6 +125,8 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        if self.spill is not None:
+            self.spill.settle()  # the states the last step saved
         plan = StepPlan()
         budget = self.max_step_tokens
         for group in self.running:
@@ -201,23 +207,31 @@ class Scheduler:
         if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
             placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
         slot = placed.slot
+        spilled = self._spilled(group, placed.reuse)
+        reuse = spilled[1] if spilled is not None else placed.reuse
         if placed.moved is not None:  # the slot's own entry is kept elsewhere first
+            self._save(placed.moved)
             self._ops.append(Copy(slot.index, placed.moved.index, len(slot.cached)))
             self.slots.move(slot, placed.moved)
-        if placed.source is not None:  # a copy replaces whatever the slot held
+        elif spilled is not None or placed.source is not None or not placed.reuse:
+            self._save(slot)  # its entry is given up
+        if spilled is not None:  # a spilled entry holds more of the prompt than any slot: its cells come back
+            self._ops += [Restore(slot.index, spilled[0]), Keep(slot.index, reuse)]
+        elif placed.source is not None:  # a copy replaces whatever the slot held
             self._ops.append(Copy(placed.source.index, slot.index, placed.reuse))
         elif placed.reuse:
             self._ops.append(Keep(slot.index, placed.reuse))
         elif slot.cached:
             self._ops.append(Clear(slot.index))
         self._occupy(first, slot)
-        first.num_computed = group.cached_tokens = placed.reuse
-        if placed.reuse:
+        first.num_computed = group.cached_tokens = reuse
+        if reuse:
             self.cache_hits += 1
-            self.cached_tokens += placed.reuse
+            self.cached_tokens += reuse
         for seq in others:  # they share the prompt once the first has read it (a copy: _fork)
             spare = self.slots.spare()
             if spare.cached:
+                self._save(spare)
                 self._ops.append(Clear(spare.index))
             self._occupy(seq, spare)
             seq.status = SeqStatus.FORK_PENDING
@@ -229,6 +243,25 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
 
     # -- the prefix cache -------------------------------------------------------------------------
+    def _save(self, slot: Slot) -> None:
+        """The resting slot's entry is about to be given up: its cells go to the spill store first (a Save op ahead
+        of the op that overwrites them), if they are worth keeping."""
+        if self.spill is not None and slot.seq is None and self.spill.wants(slot.cached, slot.scope):
+            self._ops.append(Save(slot.index, self.spill.spill(slot.cached, slot.scope)))
+
+    def _spilled(self, group: SequenceGroup, reuse: int) -> tuple[bytes, int] | None:
+        """A spilled entry's state and the prompt tokens it holds, when it holds at least MIN_RESTORE more than the
+        slots offer (`reuse`)."""
+        if self.spill is None or not self._reads_cache(group):
+            return None
+        prompt = group.prompt_token_ids
+        entry, n = self.spill.best(prompt, group.scope, len(prompt) - 1)
+        n = group.whole(n)
+        if entry is None or n < reuse + MIN_RESTORE:
+            return None
+        data = self.spill.load(entry)
+        return (data, n) if data is not None else None
+
     def _reads_cache(self, group: SequenceGroup) -> bool:
         return self.prefix_cache and group.params.prompt_logprobs is None
 

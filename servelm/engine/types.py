@@ -207,3 +207,9 @@ class EngineStats:
     forward_calls: int = 0  # llama_decode calls they made (a step's rows go in as few as keep them exact)
     draft_tokens: int = 0  # speculative guesses read since start (engine/speculate.py), and how many held
     draft_accepted: int = 0
+    # the prefix cache's spilled entries (engine/spill.py): their bytes in host RAM and on disk, how many, and
+    # how many were read back into a slot since start
+    spill_ram_bytes: int = 0
+    spill_disk_bytes: int = 0
+    spill_entries: int = 0
+    spill_restored: int = 0

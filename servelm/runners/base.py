@@ -26,6 +26,7 @@ class ModelRunner(Protocol):
     eos_token: str
     description: str
     fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
+    state_fingerprint: str  # what save_seq's states depend on (the model file, the cache type, the build)
 
     @property
     def bos_id(self) -> int | None:
@@ -63,6 +64,14 @@ class ModelRunner(Protocol):
         all-logits chunk, the last row of a chunk with samplers. The array may be a view into the runner's
         memory, valid until the next step.
         """
+        ...
+
+    def save_seq(self, slot: int) -> bytes:
+        """The slot's cells as bytes load_seq takes back (a Save op; engine/spill.py)."""
+        ...
+
+    def load_seq(self, slot: int, data: bytes) -> None:
+        """Replace the slot's cells by a state save_seq made."""
         ...
 
     def close(self) -> None: ...

@@ -11,11 +11,12 @@ END_TOKEN is followed by EOS. Text: token t is the letter chr(ord('a') + t % 26)
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
 
-from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan
 
 EOS = 0
 FIRST_WORD = 1
@@ -61,6 +62,7 @@ class FakeRunner:
         self.bos_token = ""
         self.eos_token = "</s>"
         self.description = "fake"
+        self.state_fingerprint = "fake-model"
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
         self.steps: list[StepPlan] = []
         self.max_cells_seen = 0
@@ -128,6 +130,10 @@ class FakeRunner:
                 if len(held) < op.n:
                     raise FakeKVError(f"keep {op.n} cells of slot {op.slot}, which holds {len(held)}")
                 self.cells[op.slot] = held[: op.n]
+            elif isinstance(op, Save):
+                op.into.data = self.save_seq(op.slot)
+            elif isinstance(op, Restore):
+                self.load_seq(op.slot, op.data)
             else:
                 assert isinstance(op, Copy)
                 if len(self.cells.get(op.src, [])) < op.n:
@@ -155,6 +161,15 @@ class FakeRunner:
         if not rows:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         return np.stack(rows)
+
+    def save_seq(self, slot: int) -> bytes:
+        return json.dumps(["fake-state", self.cells.get(slot, [])]).encode()
+
+    def load_seq(self, slot: int, data: bytes) -> None:
+        kind, cells = json.loads(data)
+        if kind != "fake-state":
+            raise FakeKVError("not a state this runner saved")
+        self.cells[slot] = list(cells)
 
     def logits_after(self, token: int) -> np.ndarray:
         """The fake model's row after `token`: its successor is far more likely than anything else, and

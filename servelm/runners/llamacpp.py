@@ -21,6 +21,7 @@ are row by row for these weight types; the rest of the graph is row-wise.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 import llama_cpp as C
 import numpy as np
 
-from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, ScheduledChunk, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
 from servelm.runners.base import KVCacheFull
 from servelm.runners.media import Projector
 
@@ -194,7 +195,20 @@ class LlamaCppRunner:
         # fill-in-the-middle tokens
         self.fim_tokens: tuple[int, int, int] | None = None if -1 in fim else (int(fim[0]), int(fim[1]), int(fim[2]))
         self.description = self._meta("general.name") or Path(model_path).stem
+        self.state_fingerprint = "" if vocab_only else self._state_fingerprint(Path(model_path))
         self._init_batch(self.max_step_tokens + 1)  # + 1: a lone row's previous position
+
+    def _state_fingerprint(self, path: Path) -> str:
+        """What a saved sequence state depends on: the model file (its size, first and last MiB), the cache's type,
+        the context's layout and llama.cpp's build. A state saved under another fingerprint is never loaded."""
+        h = hashlib.sha256()
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+        h.update(f"{size}|{self.kv_cache_type}|{self.context_window}|{self.num_slots}|{C.__version__}".encode())
+        return h.hexdigest()
 
     def _cell_bytes(self) -> int:
         """One KV cell's size: keys and values of every layer in the cache's type (a vocabulary-only model has no
@@ -286,14 +300,34 @@ class LlamaCppRunner:
             self._decode(plan.chunks, call, first)
         return self._logits[:total]
 
-    def _apply(self, op: Clear | Keep | Copy) -> None:
+    def _apply(self, op: KVOp) -> None:
         if isinstance(op, Clear):
             C.llama_memory_seq_rm(self._mem, op.slot, -1, -1)
         elif isinstance(op, Keep):
             C.llama_memory_seq_rm(self._mem, op.slot, op.n, -1)
-        else:  # a copy between streams copies the whole stream; what lies past n is dropped
+        elif isinstance(op, Copy):  # a copy between streams copies the whole stream; what lies past n is dropped
             C.llama_memory_seq_cp(self._mem, op.src, op.dst, -1, -1)
             C.llama_memory_seq_rm(self._mem, op.dst, op.n, -1)
+        elif isinstance(op, Save):
+            op.into.data = self.save_seq(op.slot)
+        else:
+            self.load_seq(op.slot, op.data)
+
+    def save_seq(self, slot: int) -> bytes:
+        """The slot's stream as llama.cpp's per-sequence state (positions, keys and values of every layer)."""
+        size = C.llama_state_seq_get_size(self._ctx, slot)
+        buf = (ctypes.c_uint8 * size)()
+        if C.llama_state_seq_get_data(self._ctx, buf, size, slot) != size:
+            raise RuntimeError(f"llama.cpp could not save the state of sequence {slot}")
+        return bytes(buf)
+
+    def load_seq(self, slot: int, data: bytes) -> None:
+        """The slot's stream replaced by a state save_seq made (of this model and cache type)."""
+        C.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if C.llama_state_seq_set_data(self._ctx, buf, len(data), slot) != len(data):
+            C.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            raise RuntimeError(f"llama.cpp could not restore a saved state into sequence {slot}")
 
     def _decode(self, chunks: list[ScheduledChunk], call: list[int], first: list[int]) -> None:
         """One llama_decode over the chunks `call` names; their logits rows go to self._logits at their places."""
