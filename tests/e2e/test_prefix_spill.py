@@ -1,7 +1,7 @@
 """The prefix cache beyond its cells and its process (issue 21), on the real model through the official client: an
 entry a slot gives up is saved to host RAM and read back on a hit; a server stopped gracefully writes its entries
 to --prefix-cache-dir, and one restarted on the directory answers the cached prompt from disk, the same answer
-(its top-20 logprobs too) as the computed one; a server of another cache type ignores the files."""
+(its top-20 logprobs too) as the computed one; a server of another context layout ignores the files."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_a_restarted_server_answers_from_disk_and_another_build_ignores_the_file
         again, again_tops, again_usage = ask(srv.base_url, LONG)
     assert again_usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1, "read from disk"
     assert (again, again_tops) == (text, tops)
-    with own_server(tmp_path_factory, "--prefix-cache-dir", directory, "--kv-cache-type", "q8_0", *FAST) as srv:
+    with own_server(tmp_path_factory, "--prefix-cache-dir", directory, "--context-window", "1024", *FAST) as srv:
         _, _, other_usage = ask(srv.base_url, LONG)
         log = srv.log_path.read_text()
-    assert other_usage.prompt_tokens_details.cached_tokens == 0, "a q8_0 cache never loads an f16 cache's state"
+    assert other_usage.prompt_tokens_details.cached_tokens == 0, "another context layout never loads the state"
     assert "ignored: made for another model or build" in log
