@@ -85,7 +85,10 @@ class SpillStore:
         return entry
 
     def settle(self) -> None:
-        """Take in the states saved in the last step, and keep to the budgets."""
+        """Take in the states saved in the last step, and keep to the budgets (a step that saved none costs
+        nothing here: the budgets change only with new entries, and the writer keeps them as it writes)."""
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         with self._lock:
             for entry in pending:
@@ -195,8 +198,9 @@ class SpillStore:
                 path.unlink(missing_ok=True)
 
     def persist(self, tokens: Seq[int], scope: str, data: bytes) -> None:
-        """Write an entry straight to disk (a slot's entry at a graceful stop)."""
-        if self._writer is not None and self.wants(tokens, scope):
+        """Write an entry straight to disk (a slot's entry at a graceful stop; the caller asked wants() before
+        saving the state)."""
+        if self._writer is not None:
             entry = Spilled(tuple(tokens), scope, size=len(data))
             with self._lock:
                 entry.used = self._tick()
