@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from servelm.errors import ApiError, InvalidParameter, NotFound
 
@@ -35,7 +37,16 @@ def error_json(exc: ApiError) -> bytes:
     return json.dumps(exc.body()).encode()
 
 
+log = logging.getLogger("servelm.http")
+
+
 def install(app: FastAPI) -> None:
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # the client went away while its body was read: nobody to answer, nothing wrong with the server
+        log.info("%s %s: the client disconnected while sending its body", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc, request.url.path)

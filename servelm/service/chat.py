@@ -428,7 +428,14 @@ def check_tool_answers(req: ChatCompletionRequest) -> None:
                 f"messages.[{next(iter(open_calls.values()))}].role")
         for call in m.tool_calls or ():
             open_calls[call.id] = i
-    # a conversation may end on the assistant's calls (a client asking the model to go on from them)
+    # a conversation may end on the assistant's calls (a client asking the model to go on from them), but not on
+    # tool answers that leave some of its calls unanswered
+    if open_calls and req.messages and req.messages[-1].role == "tool":
+        missing = ", ".join(open_calls)
+        raise InvalidParameter(
+            f"An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+            f"'tool_call_id'. The following tool_call_ids did not have response messages: {missing}",
+            f"messages.[{next(iter(open_calls.values()))}].tool_calls")
 
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:

@@ -30,6 +30,7 @@ class PromptJob:
 
     generation: GenerationRequest
     echo: str = ""  # the prompt's text, put ahead of each choice's text (empty without echo)
+    head: int = 0  # prompt tokens ahead of the text (the BOS the tokenizer adds): none of the echo's characters
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class CompletionService:
             echo = _echo_text(prompt, parts, dep) if req.echo else ""
             scope = cache_scope(ctx.owner, req.cache_salt)
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
-                                                    cache_hint=cache_hint(scope, req.prompt_cache_key)), echo))
+                                                    cache_hint=cache_hint(scope, req.prompt_cache_key)), echo,
+                                 len(parts.head)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [_prompt_texts(prompt, i if len(prompts) > 1 else None, req.suffix, dep) for i, prompt in enumerate(prompts)]
         screening = Screening.of(dep, self.deployments, texts, cache_scope(ctx.owner, req.cache_salt), ctx.on_filtered)
@@ -223,7 +225,7 @@ def _prompt_logprobs(p: PreparedCompletion, job: PromptJob, col: Collector, text
     entries = col.prompt_logprobs
     if entries is None or len(entries) != len(prompt):
         raise ServerError("The engine did not report the prompt's logprobs.")
-    out, _ = legacy_logprobs(prompt, entries, p.deployment.vocab.token_bytes, 0, text_len)
+    out, _ = legacy_logprobs(prompt, entries, p.deployment.vocab.token_bytes, 0, text_len, zero_width=job.head)
     return out
 
 

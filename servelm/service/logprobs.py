@@ -75,18 +75,21 @@ def legacy_logprobs(
     token_bytes: Callable[[int], bytes],
     offset: int = 0,
     text_len: int | None = None,
+    zero_width: int = 0,
 ) -> tuple[dict[str, Any], int]:
     """The legacy completions form: parallel lists of token texts, logprobs, top alternatives and character
     offsets. `entries[i]` belongs to `tokens[i]`; None (a prompt's first token) has no logprob. Offsets
     count from `offset` (the text before these tokens) and never pass `text_len` (a stop string cut off the
-    end of a token's text). Each top dict lists the k most likely tokens and always the token taken (OpenAI:
-    up to logprobs + 1 entries). Returns the object and the offset after the last token."""
+    end of a token's text); the first `zero_width` tokens (a BOS the tokenizer added) stand at `offset` and take no
+    characters, since the text they precede does not hold them. Each top dict lists the k most likely tokens and
+    always the token taken (OpenAI: up to logprobs + 1 entries). Returns the object and the offset after the last
+    token."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token, e in zip(tokens, entries):
+    for i, (token, e) in enumerate(zip(tokens, entries)):
         text = token_text(token_bytes(token))
         out["tokens"].append(text)
         out["text_offset"].append(offset if text_len is None else min(offset, text_len))
-        offset += len(text)
+        offset += len(text) if i >= zero_width else 0
         if e is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)

@@ -167,3 +167,24 @@ def test_no_cors_headers_without_an_allow_list(fake_server):
     r = httpx.post(fake_server.base_url + "/v1/chat/completions", content=CHAT % b"",
                    headers={"origin": "https://app.example", "content-type": "application/json"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(guarded, caplog):
+    """Issue 31: a disconnect mid-upload was logged as an ERROR traceback with a 500 (starlette's ClientDisconnect
+    raised from reading the body). It ends the request quietly: INFO, status 499, no traceback."""
+    host, port = guarded.removeprefix("http://").split(":")
+    caplog.set_level("INFO")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100000\r\n\r\n" + CHAT % b"")
+            time.sleep(0.2)  # the route is reading the body when the client goes
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(" 499 " in r.getMessage() for r in caplog.records) < 3:
+        time.sleep(0.05)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(" 499 " in m for m in messages) == 3, messages
+    assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info], messages
+    assert not any(" 500 " in m for m in messages)
+    assert httpx.post(guarded + "/v1/chat/completions", content=CHAT % b"",
+                      headers={"content-type": "application/json"}).status_code == 200

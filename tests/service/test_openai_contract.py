@@ -84,6 +84,17 @@ def test_every_tool_call_must_be_answered_before_the_conversation_goes_on():
         check_tool_answers(chat([*answered[:2], {"role": "tool", "tool_call_id": "call_9", "content": "r"}]))
 
 
+def test_tool_answers_that_end_the_conversation_must_answer_every_call():
+    """OpenAI's 400 when the last messages answer only some of the assistant's calls (issue 31: it was accepted)."""
+    second = {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    calls = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [CALL, second]}]
+    with pytest.raises(InvalidParameter, match="call_2") as err:
+        check_tool_answers(chat([*calls, {"role": "tool", "tool_call_id": "call_1", "content": "r"}]))
+    assert err.value.param == "messages.[1].tool_calls"
+    check_tool_answers(chat([*calls, {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+                             {"role": "tool", "tool_call_id": "call_2", "content": "s"}]))
+
+
 def test_the_deprecated_functions_become_tools_with_their_history():
     fn = {"name": "f", "parameters": {"type": "object"}}
     req = from_functions(chat([
@@ -107,6 +118,15 @@ def test_legacy_logprobs_are_the_true_values_whatever_the_rank():
     out, _ = legacy_logprobs([4, 5, 6], entries, lambda t: b"t%d" % t)
     assert out["token_logprobs"] == [None, -12.5, UNLIKELY]
     assert out["top_logprobs"][1] == {"t7": -0.1, "t5": -12.5}
+
+
+def test_an_echoed_prompts_bos_takes_no_characters_of_the_text():
+    """Issue 31: "<bos>The quick" echoed as "The quick" had offsets [0, 5, 9]: the BOS counted as five characters."""
+    pieces = {1: b"<bos>", 2: b"The", 3: b" quick"}
+    entries = [None, TokenLogprob(2, -1.0, (), 1), TokenLogprob(3, -2.0, (), 1)]
+    out, end = legacy_logprobs([1, 2, 3], entries, pieces.__getitem__, 0, 9, zero_width=1)
+    assert out["tokens"] == ["<bos>", "The", " quick"]
+    assert out["text_offset"] == [0, 0, 3] and end == 9
 
 
 def test_vllm_prompt_logprobs_hold_the_prompt_token_and_the_most_likely():
