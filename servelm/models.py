@@ -6,18 +6,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from servelm.config import DEFAULT_EMBEDDING_MODEL_ID, DEFAULT_MODEL_ID, embedded_embedding_model_path, embedded_model_path
+from servelm.config import DEFAULT_EMBEDDING_MODEL_ID, DEFAULT_MODEL_ID, GEMMA_MODEL_ID, embedded_embedding_model_path, embedded_model_path, gemma_model_path
 
 
 def resolve_model_source(source: str, kind: str) -> Path:
     """A deployment's `model` → a GGUF file on this machine."""
     if source in (DEFAULT_MODEL_ID, "smollm2", "embedded"):
         return embedded_model_path()
-    if source == DEFAULT_EMBEDDING_MODEL_ID:
-        path = embedded_embedding_model_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"the embedding model is not installed (run `make install`): {path}")
-        return path
+    for name, where in ((DEFAULT_EMBEDDING_MODEL_ID, embedded_embedding_model_path), (GEMMA_MODEL_ID, gemma_model_path)):
+        if source == name:
+            path = where()
+            if not path.is_file():
+                raise FileNotFoundError(f"the model {name} is not installed (run `make install`): {path}")
+            return path
     path = Path(source).expanduser()
     if path.suffix.lower() == ".gguf" or path.exists():
         if not path.is_file():

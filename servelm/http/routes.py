@@ -137,9 +137,17 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
     """A model id: a deployment, an alias (root: its deployment), or a weighted endpoint (root: null)."""
     if d is None:
         return ModelCard(id=name, created=0, root=None)
-    vision = isinstance(d, TextDeployment) and d.images is not None
-    modalities = {"vision": vision, "audio": False} if isinstance(d, TextDeployment) else None
-    return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name, modalities=modalities)
+    if not isinstance(d, TextDeployment):
+        return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name)
+    f, style = d.facts, d.tool_style
+    return ModelCard(
+        id=name, created=d.created, max_model_len=d.context_window, root=d.name,
+        modalities={"vision": d.images is not None, "audio": False},
+        quantization=f.quantization, trained_context_length=f.trained_context, chat_template=d.template.origin,
+        tool_call_format=style.format.name + ("" if style.native else " (prompted)"),
+        reasoning_markers=[d.reasoning.open, d.reasoning.close] if d.reasoning is not None else None,
+        exact=f.exact, exactness=f.exactness or None,
+    )
 
 
 def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:
@@ -203,6 +211,7 @@ def _deployment_stats(d: Deployment) -> dict[str, Any]:
     if not isinstance(d, TextDeployment):
         return embedder or {}
     stats = dataclasses.asdict(d.engine.stats())
+    stats["exact"], stats["exactness"] = d.facts.exact, d.facts.exactness or None
     if embedder is not None:
         stats["embeddings"] = embedder
     return stats

@@ -114,6 +114,14 @@ class ModelCard(ResponseModel):
     root: str | None = None  # the deployment an id names (itself, or an alias's); null for a weighted endpoint
     # what the model reads, as llama-server's /props says it: {"vision": true} with a projector (--mmproj)
     modalities: dict[str, bool] | None = None
+    # what the model is and how it is served (a text deployment's; null where unknown or not ours to say)
+    quantization: str | None = None  # the model file's type: Q4_K_M, F16, …
+    trained_context_length: int | None = None  # max_model_len is what is served, within --kv-budget-mib
+    chat_template: str | None = None  # where its template came from: gguf, file, builtin:NAME or fallback (ChatML)
+    tool_call_format: str | None = None  # hermes, llama3_json or mistral; "(prompted)" when the template has no tools
+    reasoning_markers: list[str] | None = None  # the thought's opening and closing markers, when it has them
+    exact: bool | None = None  # answers bitwise the same under any load: the start-up self-check's finding
+    exactness: str | None = None  # its words: the fences it took, or why it is not exact
 
 
 class ErrorDetail(ResponseModel):

@@ -108,6 +108,7 @@ class Ingress:
                                          special_tokens_in_content=spec.special_tokens_in_content,
                                          reasoning_markers=spec.reasoning_markers)
         deployment.context_window = info.context_window  # the replicas' (their KV cache bounds it)
+        deployment.facts = info.facts  # and their self-check's finding
         deployment.max_choices = info.max_choices
         deployment.fingerprint = info.fingerprint
         deployment.embedder = embedder

@@ -26,7 +26,7 @@ from ray import serve
 
 from servelm.config import DeploymentSpec
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
-from servelm.service.deployments import TextDeployment, all_alive
+from servelm.service.deployments import ModelFacts, TextDeployment, all_alive
 
 if TYPE_CHECKING:
     from servelm.compose import Built
@@ -49,6 +49,7 @@ class ReplicaInfo:
     context_window: int
     max_choices: int
     embedding: EmbeddingInfo | None
+    facts: ModelFacts = ModelFacts()  # its exactness, as the replica's self-check found it
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ class ModelReplica:
         d = self._deployment
         emb = d.embedder
         info = EmbeddingInfo(emb.dim, emb.vocab_size, emb.context_window) if emb is not None else None
-        return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices if isinstance(d, TextDeployment) else 0, info)
+        if isinstance(d, TextDeployment):
+            return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices, info, d.facts)
+        return ReplicaInfo(d.fingerprint, d.context_window, 0, info)
 
     def check_health(self) -> None:
         if not all_alive([self._deployment]):

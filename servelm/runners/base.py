@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from servelm.engine.plan import MediaChunk, StepPlan
+
+if TYPE_CHECKING:
+    from servelm.runners.selfcheck import Exactness
 
 
 class ModelRunner(Protocol):
@@ -26,7 +29,18 @@ class ModelRunner(Protocol):
     eos_token: str
     description: str
     fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
-    state_fingerprint: str  # what save_seq's states depend on (the model file, the cache type, the build)
+    trained_context: int  # the context the model was trained for
+    exactness: Exactness  # what the start-up self-check found (runners/selfcheck.py)
+
+    @property
+    def state_fingerprint(self) -> str:
+        """What save_seq's states depend on (the model file, the cache type, the build, the fences)."""
+        ...
+
+    @property
+    def quantization(self) -> str:
+        """The model file's type (Q4_K_M, F16, …)."""
+        ...
 
     @property
     def bos_id(self) -> int | None:
@@ -34,6 +48,14 @@ class ModelRunner(Protocol):
         ...
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def builtin_template(self) -> str | None:
+        """llama.cpp's built-in chat template for the model's architecture, by name (None: it has none)."""
+        ...
+
+    def apply_builtin_template(self, name: str, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+        """(role, text) messages rendered by a built-in template."""
+        ...
 
     def token_bytes(self, token: int) -> bytes:
         """The token's text as raw bytes; special (control) tokens render as nothing."""

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan
+from servelm.runners.selfcheck import Exactness
 
 EOS = 0
 FIRST_WORD = 1
@@ -63,6 +64,9 @@ class FakeRunner:
         self.eos_token = "</s>"
         self.description = "fake"
         self.state_fingerprint = "fake-model"
+        self.quantization = "F32"
+        self.trained_context = context_window
+        self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
         self.steps: list[StepPlan] = []
         self.max_cells_seen = 0
@@ -73,6 +77,12 @@ class FakeRunner:
     def control_tokens(self) -> None:
         """The fake model's markers are plain text: it makes no control-token distinction."""
         return None
+
+    def builtin_template(self) -> str | None:
+        return None
+
+    def apply_builtin_template(self, name: str, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+        raise ValueError("the fake model has no built-in templates")
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return [FIRST_WORD + (ord(c) % (self.vocab_size - FIRST_WORD)) for c in text]

@@ -14,8 +14,17 @@ single stream once 512 cells are in view; they round differently. So every row i
   and so do longer chunks of consecutive slots and equal length;
 - a call that would be one row of one stream past LONE_ROW_FROM reads that sequence's previous position again
   beside it (the cell is rewritten with the same values), so it is never a lone row.
-The rest holds by construction: each stream holds one sequence, its cells in position order; matrix products
-are row by row for these weight types; the rest of the graph is row-wise.
+Each stream holds one sequence, its cells in position order (a sliding-window layer's too: its cache is as long as
+the others'). Matrix products take one of several kernels by weight type and by the rows of the call
+(docs/exactness.md has the table); the fences that keep a row's kernel the same whatever shares its call:
+- ggml's tiled K-quant kernel (from 8 rows on) is off for the process (GGML_CPU_TILED_MM=0), so K-quant and IQ
+  weights always take their row-by-row dot product;
+- `repack` False loads the weights without llama.cpp's repacked buffers (whose 4-row gemm and 1-row gemv round
+  Q4_K differently);
+- `pair_rows` makes every call at least two rows, and at least two logits rows when it has any, for weights whose
+  one-row kernel (a dot product) and several-row one (llamafile's tinyBLAS: F32, F16, BF16, IQ4_NL) round
+  differently.
+runners/selfcheck.py finds which of the last two a model needs (load_exact).
 """
 
 from __future__ import annotations
@@ -27,12 +36,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-import llama_cpp as C
-import numpy as np
+# ggml's tiled K-quant matmul (from 8 rows a call on) rounds otherwise than the row-by-row dot product it replaces,
+# so a row's logits would depend on how many rows share its call: off for the whole process, before any matmul
+# runs (ggml reads it once). A user who sets it otherwise gets a model the self-check reports inexact.
+os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+
+import llama_cpp as C  # noqa: E402
+import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
 from servelm.runners.base import KVCacheFull
 from servelm.runners.media import Projector
+from servelm.runners.selfcheck import Exactness, check_exactness
 
 _LOG_LEVEL_WARN = 3
 # the KV cache's types: ggml's type, and its block (values, bytes): q8_0 is 32 int8 and a float16 scale
@@ -47,6 +62,19 @@ _CELL_PAD = 256
 CALL_COST_ROWS = 1.5  # llama.cpp pads each stream to a multiple of this
 _quiet_logs: Any = None
 log = logging.getLogger("servelm.runners")
+
+
+# llama.cpp's file types by number, named as its quantize tool names them (LLAMA_FTYPE_MOSTLY_Q4_K_M → Q4_K_M)
+_FTYPES = {int(getattr(C, n)): n.removeprefix("LLAMA_FTYPE_MOSTLY_").removeprefix("LLAMA_FTYPE_ALL_")
+           for n in dir(C) if n.startswith("LLAMA_FTYPE_") and n != "LLAMA_FTYPE_GUESSED"}
+
+
+def _builtin_templates() -> set[str]:
+    """The names of llama.cpp's built-in chat templates."""
+    n = int(C.llama_chat_builtin_templates((ctypes.c_char_p * 1)(), 0))
+    out = (ctypes.c_char_p * n)()
+    C.llama_chat_builtin_templates(out, n)
+    return {name.decode() for name in out if name}
 
 
 def _load_progress(model_path: str | Path) -> Any:
@@ -127,18 +155,23 @@ class LlamaCppRunner:
         model_path: str | Path,
         *,
         num_slots: int = 16,
-        context_window: int | None = 2048,
+        context_window: int | None = 2048,  # None: the model's trained context, within kv_budget_mib
+        kv_budget_mib: int = 768,
         max_step_tokens: int = 256,
         threads: int | None = None,
         verbose: bool = False,
         vocab_only: bool = False,  # the tokenizer and metadata only: no weights, no context (servelm/ray's ingress)
         mmproj: str | Path | None = None,  # a vision projector GGUF for this model: images in prompts
         kv_cache_type: str = "f16",  # f16, q8_0 or q4_0 (_KV_TYPES)
+        repack: bool = True,  # llama.cpp's repacked weight buffers (faster; Q4_K's rounds by rows: load_exact)
+        pair_rows: bool = False,  # every call at least two rows and two logits rows (see the module's docstring)
     ) -> None:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
         mparams = C.llama_model_default_params()
         mparams.vocab_only = vocab_only
+        mparams.use_extra_bufts = repack
+        self.repack, self.pair_rows = repack, pair_rows
         self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
         self._model: Any = C.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
@@ -146,13 +179,21 @@ class LlamaCppRunner:
         self._vocab = C.llama_model_get_vocab(self._model)
         self.vocab_size = int(C.llama_vocab_n_tokens(self._vocab))
         train_ctx = int(C.llama_model_n_ctx_train(self._model))
-        self.context_window = min(context_window or train_ctx, train_ctx) if train_ctx else (context_window or 0)
+        self.trained_context = train_ctx
+        self.kv_cache_type = kv_cache_type
+        self.kv_cell_bytes = 0 if vocab_only else self._cell_bytes()  # a vocabulary-only model has no layers
+        if context_window is None and vocab_only:
+            context_window = train_ctx or 2048
+        elif context_window is None:
+            context_window = self._budgeted_context(train_ctx, num_slots, kv_budget_mib, Path(model_path).name)
+        self.context_window = min(context_window, train_ctx) if train_ctx else context_window
         self.num_slots = num_slots
         self.kv_cells = num_slots * self.context_window
         self.max_step_tokens = max(max_step_tokens, num_slots)
         self.max_rows = MAX_ROWS
         self.call_cost_rows = CALL_COST_ROWS
-        self.lone_row_from: int | None = LONE_ROW_FROM
+        self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
+        self.exactness = Exactness(False, checked=False)  # load_exact checks it
         self.forward_calls = 0  # llama_decode calls since start
 
         n_threads = threads or os.cpu_count() or 1
@@ -172,9 +213,11 @@ class LlamaCppRunner:
         cparams.n_ubatch = self.max_step_tokens
         cparams.n_seq_max = num_slots
         cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
+        # a sliding-window layer's cache as long as the others': its cells stay in position order (a window-sized
+        # ring would place them where the window left room), and a cached prefix keeps what a later turn reads
+        cparams.swa_full = True
         cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED  # also what a quantized V cache needs
         cparams.type_k = cparams.type_v = _KV_TYPES[kv_cache_type][0]
-        self.kv_cache_type = kv_cache_type
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
@@ -184,7 +227,6 @@ class LlamaCppRunner:
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self._mem = C.llama_get_memory(self._ctx) if self._ctx else None
 
-        self.kv_cell_bytes = 0 if vocab_only else self._cell_bytes()
         self.eog_ids = np.array([t for t in range(self.vocab_size) if C.llama_vocab_is_eog(self._vocab, t)], dtype=np.int64)
         self._pieces = [self._piece(t) for t in range(self.vocab_size)]
         self.chat_template = self._meta("tokenizer.chat_template")
@@ -195,8 +237,20 @@ class LlamaCppRunner:
         # fill-in-the-middle tokens
         self.fim_tokens: tuple[int, int, int] | None = None if -1 in fim else (int(fim[0]), int(fim[1]), int(fim[2]))
         self.description = self._meta("general.name") or Path(model_path).stem
-        self.state_fingerprint = "" if vocab_only else self._state_fingerprint(Path(model_path))
+        self._model_fingerprint = "" if vocab_only else self._state_fingerprint(Path(model_path))
         self._init_batch(self.max_step_tokens + 1)  # + 1: a lone row's previous position
+
+    @property
+    def state_fingerprint(self) -> str:
+        """What a saved sequence state depends on: the model's fingerprint and the fences its cells were computed
+        under (they round the cells otherwise)."""
+        if not self._model_fingerprint:
+            return ""
+        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}".encode()).hexdigest()
+
+    def set_pair_rows(self, on: bool) -> None:
+        self.pair_rows = on
+        self.lone_row_from = 0 if on else LONE_ROW_FROM
 
     def _state_fingerprint(self, path: Path) -> str:
         """What a saved sequence state depends on: the model file (its size, first and last MiB), the cache's type,
@@ -211,12 +265,32 @@ class LlamaCppRunner:
         return h.hexdigest()
 
     def _cell_bytes(self) -> int:
-        """One KV cell's size: keys and values of every layer in the cache's type (a vocabulary-only model has no
-        layers)."""
+        """One KV cell's size: keys and values of every layer in the cache's type (a sliding-window layer's cache is
+        as long as the others', so it counts the same)."""
         n_embd, n_head = int(C.llama_model_n_embd(self._model)), max(1, int(C.llama_model_n_head(self._model)))
-        kv_width = int(C.llama_model_n_head_kv(self._model)) * (n_embd // n_head)
+        arch = self.architecture
+        k_len = int(self._meta(f"{arch}.attention.key_length") or n_embd // n_head)
+        v_len = int(self._meta(f"{arch}.attention.value_length") or k_len)
+        n_kv = int(C.llama_model_n_head_kv(self._model))
         _, block, block_bytes = _KV_TYPES[self.kv_cache_type]
-        return int(C.llama_model_n_layer(self._model)) * 2 * -(-kv_width // block) * block_bytes
+        per_layer = (-(-n_kv * k_len // block) + -(-n_kv * v_len // block)) * block_bytes
+        return int(C.llama_model_n_layer(self._model)) * per_layer
+
+    def _budgeted_context(self, trained: int, slots: int, budget_mib: int, name: str) -> int:
+        """The context window a KV budget holds for `slots` streams: the trained context, or less (a multiple of
+        256, at least 256); the start-up log says which and why."""
+        fits = (budget_mib << 20) // max(1, slots * self.kv_cell_bytes)
+        window = trained if trained and trained <= fits else max(_CELL_PAD, fits // _CELL_PAD * _CELL_PAD)
+        total = slots * -(-window // _CELL_PAD) * _CELL_PAD * self.kv_cell_bytes
+        if trained and window < trained:
+            log.info("%s: context window %d of the model's %d tokens: %d streams x %d cells x %d bytes = %d MiB, "
+                     "within --kv-budget-mib %d (raise it, or lower --max-num-seqs, for a longer one; "
+                     "--context-window sets it outright)", name, window, trained, slots, window, self.kv_cell_bytes,
+                     total >> 20, budget_mib)
+        else:
+            log.info("%s: context window %d tokens (the model's own): %d streams x %d bytes a cell = %d MiB of KV "
+                     "cache", name, window, slots, self.kv_cell_bytes, total >> 20)
+        return window
 
     # -- metadata and text ------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
@@ -269,6 +343,41 @@ class LlamaCppRunner:
                 text = (C.llama_vocab_get_text(self._vocab, t) or b"").decode("utf-8", errors="replace")
                 out.append((text, t, bool(attr & C.LLAMA_TOKEN_ATTR_LSTRIP), bool(attr & C.LLAMA_TOKEN_ATTR_RSTRIP)))
         return out
+
+    @property
+    def quantization(self) -> str:
+        """The file's type as llama.cpp names it (Q4_K_M, F16, …): most of its weights' type."""
+        ftype = self._meta("general.file_type")
+        return _FTYPES.get(int(ftype), f"type {ftype}") if ftype and ftype.isdigit() else "unknown"
+
+    @property
+    def architecture(self) -> str:
+        return self._meta("general.architecture") or ""
+
+    def builtin_template(self) -> str | None:
+        """The name of llama.cpp's built-in chat template for this model's architecture (gemma3 → gemma), if it
+        has one."""
+        arch = self.architecture
+        names = _builtin_templates()
+        for name in (arch, arch.rstrip("0123456789")):
+            if name in names and name != "chatml":
+                return name
+        return None
+
+    def apply_builtin_template(self, name: str, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
+        """Messages (role, content) rendered by llama.cpp's built-in template `name`."""
+        keep = [(role.encode(), text.encode()) for role, text in messages]
+        chat = (C.llama_chat_message * max(1, len(keep)))(*[C.llama_chat_message(r, t) for r, t in keep])
+        size = 2 * sum(len(r) + len(t) for r, t in keep) + 256
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = C.llama_chat_apply_template(name.encode(), chat, len(keep), add_generation_prompt, buf, size)
+            if n < 0:
+                raise ValueError(f"llama.cpp's {name} template could not render these messages")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", errors="replace")
+            size = n
+        raise ValueError(f"llama.cpp's {name} template did not fit its buffer")
 
     @property
     def bos_id(self) -> int | None:
@@ -334,28 +443,48 @@ class LlamaCppRunner:
         if chunks[call[0]].media is not None:
             self._decode_media(chunks[call[0]], first[call[0]])
             return
-        lone = len(call) == 1 and len(chunks[call[0]].tokens) == 1 and chunks[call[0]].start >= LONE_ROW_FROM
-        n, places = 0, []  # places: (row in self._logits, rows) per chunk that wants logits, in batch order
+        one = len(call) == 1 and len(chunks[call[0]].tokens) == 1
+        lone = one and (self.pair_rows or chunks[call[0]].start >= LONE_ROW_FROM)
+        n, places = 0, []  # places: (row in self._logits or -1 for none, rows) per run of logits rows, in batch order
+        pad_slot = -1  # a slot whose position after the call's token is a pad, dropped after the call
         for i in call:
             chunk = chunks[i]
             tokens, start = chunk.tokens, chunk.start
-            if lone and chunk.prev_token is not None:  # its previous position again, beside it
+            rows = chunk.num_rows
+            extra = 0  # logits rows computed only to keep the call's kernels (pair_rows), not returned
+            if lone and chunk.prev_token is not None and start > 0:  # its previous position again, beside it
                 C.llama_memory_seq_rm(self._mem, chunk.slot, start - 1, -1)
                 tokens, start = (chunk.prev_token, *tokens), start - 1
+                extra = 1 if self.pair_rows and rows else 0
+            elif lone and self.pair_rows:  # no previous position (a sequence's first, or one after an image): a pad
+                tokens, pad_slot = (*tokens, tokens[-1]), chunk.slot
+                extra = -1 if rows else 0
             k = len(tokens)
             self._tok[n : n + k] = tokens
             self._pos[n : n + k] = np.arange(start, start + k, dtype=np.int32)
             self._seq[n : n + k] = chunk.slot
             self._out[n : n + k] = 0
-            rows = chunk.num_rows
             if rows:
-                self._out[n + k - rows : n + k] = 1
+                end = n + k - (1 if extra < 0 else 0)
+                self._out[end - rows - max(extra, 0) : end + (1 if extra < 0 else 0)] = 1
+                if extra > 0:
+                    places.append((-1, 1))
                 places.append((first[i], rows))
+                if extra < 0:
+                    places.append((-1, 1))
             n += k
         if n > len(self._tok):
             raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")
+        if self.pair_rows and sum(r for _, r in places) == 1:  # a second logits row, beside the only one
+            at = int(np.flatnonzero(self._out[:n])[0])  # the call has two rows or more here (a lone one got its pair)
+            self._out[at - 1 if at else at + 1] = 1
+            places.insert(0 if at else len(places), (-1, 1))
         self._batch.n_tokens = n
-        self._run(self._batch, places)
+        try:
+            self._run(self._batch, places)
+        finally:
+            if pad_slot >= 0:
+                C.llama_memory_seq_rm(self._mem, pad_slot, int(self._pos[n - 1]), -1)
 
     def _decode_media(self, chunk: ScheduledChunk, row: int) -> None:
         """An image's positions, their embeddings as input, in a pass of their own; a non-causal image (whole, by
@@ -368,12 +497,16 @@ class LlamaCppRunner:
         pos[:k] = np.arange(chunk.start, chunk.start + k, dtype=np.int32)
         seq[:k] = chunk.slot
         out[:k] = 0
-        out[k - 1] = 1 if chunk.wants_logits else 0
+        places = [(row, 1)] if chunk.wants_logits else []
+        out[k - 1] = 1 if places else 0
+        if places and self.pair_rows and k > 1:  # a second logits row, as for text (the module's docstring)
+            out[k - 2] = 1
+            places.insert(0, (-1, 1))
         batch.n_tokens = k
         if not media.causal:
             C.llama_set_causal_attn(self._ctx, False)
         try:
-            self._run(batch, [(row, 1)] if chunk.wants_logits else [])
+            self._run(batch, places)
         finally:
             if not media.causal:
                 C.llama_set_causal_attn(self._ctx, True)
@@ -391,7 +524,8 @@ class LlamaCppRunner:
             out = np.ctypeslib.as_array(C.llama_get_logits(self._ctx), shape=(got, self.vocab_size))
             r = 0
             for row, k in places:
-                self._logits[row : row + k] = out[r : r + k]
+                if row >= 0:
+                    self._logits[row : row + k] = out[r : r + k]
                 r += k
 
     def clear(self) -> None:
@@ -401,6 +535,39 @@ class LlamaCppRunner:
         if self.projector is not None:
             self.projector.close()
         _free(self)
+
+
+def load_exact(model_path: str | Path, **kwargs: Any) -> LlamaCppRunner:
+    """A LlamaCppRunner with the fewest fences its self-check passes (runners/selfcheck.py): as loaded; with every
+    call at least two rows (pair_rows); without repacked weights (reloaded); without both. A model that passes none
+    is served the first way, its `exactness` saying why it is not exact."""
+    runner = LlamaCppRunner(model_path, **kwargs)
+    if runner._ctx is None:
+        return runner
+    first = ""
+    for repack, pair_rows in ((True, False), (True, True), (False, False), (False, True)):
+        if repack != runner.repack:
+            runner.close()
+            runner = LlamaCppRunner(model_path, repack=repack, **kwargs)
+        runner.set_pair_rows(pair_rows)
+        reason = check_exactness(runner)
+        if not reason:
+            fences = ("no repacked weights",) * (not repack) + ("two rows a call",) * pair_rows
+            runner.exactness = Exactness(True, fences=fences)
+            if first:
+                log.info("%s: a row's logits depended on what shared its call (%s); exact with: %s",
+                         Path(model_path).name, first, ", ".join(fences))
+            else:
+                log.info("%s: exact under load (the self-check's rows all equal), with no fence of its own",
+                         Path(model_path).name)
+            return runner
+        first = first or reason
+    runner.close()
+    runner = LlamaCppRunner(model_path, **kwargs)
+    runner.exactness = Exactness(False, reason=first)
+    log.warning("%s is NOT exact under load on this machine: %s. Its answers may depend on what else the server "
+                "runs; /v1/models and /health say so", Path(model_path).name, first)
+    return runner
 
 
 class LlamaCppEmbedder:

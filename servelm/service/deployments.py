@@ -45,6 +45,17 @@ class Vocabulary(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What /v1/models and /health say of a text deployment's model beyond its name: the file's type, the context
+    it was trained for, and whether its answers are exact under load (the start-up self-check's finding)."""
+
+    quantization: str | None = None  # Q4_K_M, F16, … (llama.cpp's name for the file's type)
+    trained_context: int | None = None
+    exact: bool | None = None  # None: not checked (an engine other than ours: vLLM)
+    exactness: str = ""  # the self-check's words: "exact (fences: …)", or why not
+
+
 @dataclass(eq=False, kw_only=True)
 class Deployment:
     """A model served by name: what every deployment has, and the embedder of one that answers /v1/embeddings.
@@ -77,6 +88,8 @@ class TextDeployment(Deployment):
     reasoning: ReasoningMarkers | None = None  # a model that thinks between these markers (chat/reasoning.py)
     images: ImageInput | None = None  # reads images in prompts (a vision projector); None: text only
     content_filter: ContentFilter | None = None  # the policy its prompts and answers are checked against
+    template_stops: tuple[str, ...] = ()  # stop strings every request gets: the fallback template's end marker
+    facts: ModelFacts = ModelFacts()
 
 
 class Deployments:

@@ -70,6 +70,7 @@ def sampling_params(req: GenerationFields, dep: TextDeployment, prompt_len: int,
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if any(s == "" for s in stop):
         raise InvalidParameter("stop strings must not be empty.", "stop")
+    stop += tuple(s for s in dep.template_stops if s not in stop)
     for t in req.stop_token_ids or ():
         if t >= dep.vocab.size:
             raise InvalidParameter(f"stop_token_ids has {t}, outside the vocabulary (0..{dep.vocab.size - 1}).", "stop_token_ids")

@@ -80,9 +80,11 @@ def test_unknown_model_is_404_in_the_envelope(ray_server: RayServer) -> None:
 
 
 def test_models_health_metrics_and_embeddings(ray_server: RayServer) -> None:
-    assert MODEL in [m.id for m in client(ray_server).models.list().data]
+    card = next(m for m in client(ray_server).models.list().data if m.id == MODEL)
+    assert card.model_extra["exact"] is True  # the replicas' self-check, told to the ingress
     health = ray_server.health()
     assert health["status"] == "ok" and health["deployments"][MODEL]["total_slots"] == 4  # two replicas of two
+    assert health["deployments"][MODEL]["exact"] is True
     metrics = httpx.get(f"{ray_server.base_url}/metrics", timeout=10).text
     assert "servelm_http_requests_total" in metrics and "servelm_time_to_first_token_seconds" in metrics
     vectors = client(ray_server).embeddings.create(model=MODEL, input=["bread", "cake"]).data

@@ -1,0 +1,109 @@
+"""A model's exactness, checked at start-up (docs/exactness.md).
+
+The same probe tokens are read in the shapes serving gives them, and every logits row is compared bitwise with
+the row the one-chunk read made of the same position:
+- a token a step, alone (a lone decode row);
+- a token a step, beside other sequences' tokens (a decode step of several streams);
+- in chunks of other sizes, in another slot (a prompt read in pieces; a cached prefix read on from);
+- in chunks beside another sequence's chunk of the same length (two prompts read in one call).
+A runner that passes computes a row the same way whatever shares its call, which is what makes answers exact
+under load. The check takes a few dozen forward passes of the probe's length; it leaves the slots it used empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelm.engine.plan import Clear, ScheduledChunk, StepPlan
+from servelm.runners.base import ModelRunner
+
+PROBE_TOKENS = 24
+_PIECES = (5, 1, 7, 11)  # the probe read in chunks of these sizes
+_NEIGHBOURS = 9  # decode rows beside the probe's: past the 8 rows where some kernels switch
+_READY = object()  # the samplers of a chunk whose last row is wanted (the runner only asks whether there are any)
+
+
+@dataclass(frozen=True)
+class Exactness:
+    """What the self-check found: exact or not, why not, and the fences it took (runners/llamacpp.py)."""
+
+    exact: bool
+    reason: str = ""  # the first shape whose logits differed (empty when exact)
+    fences: tuple[str, ...] = ()
+    checked: bool = True  # False: no check ran (a runner that does not compute, such as a vocabulary-only one)
+
+    def describe(self) -> str:
+        if not self.checked:
+            return "not checked"
+        if self.exact:
+            return "exact" + (f" (fences: {', '.join(self.fences)})" if self.fences else "")
+        return f"NOT exact: {self.reason}"
+
+
+def _probe(vocab_size: int, n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(min(100, vocab_size - 1), vocab_size, n)]
+
+
+def _chunk(slot: int, start: int, tokens: list[int], *, prev: int | None, all_logits: bool = False) -> ScheduledChunk:
+    return ScheduledChunk(None, slot, start, tuple(tokens), prev, samplers=(_READY,), all_logits=all_logits)
+
+
+class _Compare:
+    def __init__(self, reference: np.ndarray) -> None:
+        self.reference = reference
+        self.failure = ""
+
+    def row(self, shape: str, position: int, row: np.ndarray) -> None:
+        if self.failure or np.array_equal(row, self.reference[position]):
+            return
+        delta = float(np.max(np.abs(row.astype(np.float64) - self.reference[position])))
+        self.failure = f"position {position} read {shape} has other logits than read in one chunk (largest " \
+                       f"difference {delta:.3g})"
+
+
+def check_exactness(runner: ModelRunner, length: int = PROBE_TOKENS) -> str:
+    """Reads the probe in each shape on `runner` (its slots must be empty); returns "" when every row equals the
+    one-chunk read's, else what differed first."""
+    length = min(length, runner.max_rows, runner.context_window)
+    toks = _probe(runner.vocab_size, length, 0)
+    slots = runner.num_slots
+    last = slots - 1
+    used = list(range(min(slots, _NEIGHBOURS + 1)))
+
+    def step(chunks: list[ScheduledChunk], clear: tuple[int, ...] = ()) -> np.ndarray:
+        return np.array(runner.step(StepPlan(chunks, [Clear(s) for s in clear])), copy=True)
+
+    def prev(p: int) -> int | None:
+        return toks[p - 1] if p else None
+
+    try:
+        cmp = _Compare(step([_chunk(0, 0, toks, prev=None, all_logits=True)], clear=(0,)))
+        for p in range(length):  # a token a step, alone
+            cmp.row("a token a step, alone", p, step([_chunk(0, p, [toks[p]], prev=prev(p))], (0,) if p == 0 else ())[0])
+        if slots > 1:  # a token a step, beside other sequences' tokens
+            others = [_probe(runner.vocab_size, length, s) for s in used]
+            for p in range(length):
+                chunks = [_chunk(0, p, [toks[p]], prev=prev(p))]
+                chunks += [_chunk(s, p, [others[s][p]], prev=others[s][p - 1] if p else None) for s in used[1:]]
+                cmp.row(f"a token a step beside {len(used) - 1} other sequences", p,
+                        step(chunks, tuple(used) if p == 0 else ())[0])
+        start = 0  # in chunks of other sizes, in the last slot
+        for size in _PIECES:
+            size = min(size, length - start)
+            if size <= 0:
+                break
+            rows = step([_chunk(last, start, toks[start : start + size], prev=prev(start))], (last,) if start == 0 else ())
+            cmp.row(f"in chunks of {'/'.join(map(str, _PIECES))} in slot {last}", start + size - 1, rows[0])
+            start += size
+        if slots > 1:  # in chunks beside another sequence's chunk of the same length
+            other = _probe(runner.vocab_size, length, 99)
+            half = length // 2
+            for a, b in ((0, half), (half, length)):
+                chunks = [_chunk(0, a, toks[a:b], prev=prev(a)), _chunk(1, a, other[a:b], prev=other[a - 1] if a else None)]
+                cmp.row("in a chunk beside another sequence's chunk", b - 1, step(chunks, (0, 1) if a == 0 else ())[0])
+        return cmp.failure
+    finally:
+        runner.step(StepPlan([], [Clear(s) for s in sorted({*used, last})]))
