@@ -48,6 +48,7 @@ class EngineGauges:
     spill_ram_bytes: int = 0  # the prefix cache's spilled entries in host RAM and on disk
     spill_disk_bytes: int = 0
     spill_restored: int = 0  # counter: spilled entries read back into a slot
+    spill_restore_failures: int = 0  # counter: spilled entries the model refused (dropped)
 
 
 class _EngineCollector(Collector):
@@ -88,6 +89,9 @@ class _EngineCollector(Collector):
                                                   "(--prefix-cache-dir)", labels=["model"]),
             "spill_restored": CounterMetricFamily("servelm_prefix_cache_restored", "spilled entries read back into "
                                                   "the KV cache for a request", labels=["model"]),
+            "spill_restore_failures": CounterMetricFamily(
+                "servelm_prefix_cache_restore_failures", "spilled entries whose state the model refused (dropped with "
+                "their files; their requests read their prompts)", labels=["model"]),
         }
         for g in self._source():
             for key, family in families.items():

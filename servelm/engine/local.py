@@ -28,7 +28,7 @@ from servelm.engine.speculate import Speculator
 from servelm.engine.spill import SpillStore
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ApiError, ServerError
-from servelm.runners.base import ModelRunner
+from servelm.runners.base import ModelRunner, RestoreFailed
 
 log = logging.getLogger("servelm.engine")
 
@@ -143,6 +143,7 @@ class LocalEngine:
             draft_accepted=s.draft_accepted,
             spill_ram_bytes=s.spill.ram_used if s.spill else 0, spill_disk_bytes=s.spill.disk_used if s.spill else 0,
             spill_entries=len(s.spill.entries) if s.spill else 0, spill_restored=s.spill.restored if s.spill else 0,
+            spill_restore_failures=s.spill.restore_failures if s.spill else 0,
         )
 
     def _post(self, item: SequenceGroup | str) -> None:
@@ -200,9 +201,17 @@ class LocalEngine:
             plan.chunks = [c for c in plan.chunks if c.seq.status is not SeqStatus.FINISHED]
 
     def _forward(self, plan: StepPlan) -> np.ndarray:
-        """The model's pass; its failure is every request's in the step (_run fails them)."""
+        """The model's pass; its failure is every request's in the step (_run fails them). A saved state the model
+        refuses is its request's alone, and not even a failure: that request reads its prompt instead, and the
+        step's other chunks are read as planned (the step's KV operations are done by then)."""
         forward = time.perf_counter()
-        logits = self.runner.step(plan)
+        try:
+            logits = self.runner.step(plan)
+        except RestoreFailed as exc:
+            reset = self.scheduler.restore_failed(exc.slots)
+            plan.chunks = [c for c in plan.chunks if c.seq not in reset]
+            plan.ops = []
+            logits = self.runner.step(plan)
         self.steps += 1
         self.forward_seconds += time.perf_counter() - forward
         return logits

@@ -53,10 +53,13 @@ class Save:
 
 @dataclass(frozen=True, slots=True)
 class Restore:
-    """The slot's stream is replaced by cells a Save copied out (from host memory, or a file)."""
+    """The slot's stream is replaced by cells a Save copied out (from host memory, or a file), which must hold at
+    least its first `n` positions. A runner that cannot restore them empties the slot and reports it (the step's
+    other operations done, none of its chunks read): runners.base.RestoreFailed."""
 
     slot: int
     data: bytes
+    n: int
 
 
 KVOp = Clear | Keep | Copy | Save | Restore

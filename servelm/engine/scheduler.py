@@ -29,7 +29,7 @@ from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save, Schedule
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.slots import Slot, Slots, common_prefix
 from servelm.engine.speculate import Speculator
-from servelm.engine.spill import SpillStore
+from servelm.engine.spill import Spilled, SpillStore
 from servelm.engine.types import MediaSpan
 
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
@@ -58,6 +58,7 @@ class Scheduler:
         self.spill = spill if prefix_cache else None  # where entries the slots give up go (None: they are lost)
         self.draft_tokens = 0  # guesses read since start, and how many of them held
         self.draft_accepted = 0
+        self._restoring: dict[int, Spilled] = {}  # this step's Restore ops: the spilled entry by slot
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -125,6 +126,7 @@ class Scheduler:
 
     # -- the step ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        self._restoring = {}
         if self.spill is not None:
             self.spill.settle()  # the states the last step saved
         plan = StepPlan()
@@ -208,7 +210,7 @@ class Scheduler:
             placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
         slot = placed.slot
         spilled = self._spilled(group, placed.reuse)
-        reuse = spilled[1] if spilled is not None else placed.reuse
+        reuse = spilled[2] if spilled is not None else placed.reuse
         if placed.moved is not None:  # the slot's own entry is kept elsewhere first
             self._save(placed.moved)
             self._ops.append(Copy(slot.index, placed.moved.index, len(slot.cached)))
@@ -216,7 +218,8 @@ class Scheduler:
         elif spilled is not None or placed.source is not None or not placed.reuse:
             self._save(slot)  # its entry is given up
         if spilled is not None:  # a spilled entry holds more of the prompt than any slot: its cells come back
-            self._ops += [Restore(slot.index, spilled[0]), Keep(slot.index, reuse)]
+            self._ops += [Restore(slot.index, spilled[1], reuse), Keep(slot.index, reuse)]
+            self._restoring[slot.index] = spilled[0]
         elif placed.source is not None:  # a copy replaces whatever the slot held
             self._ops.append(Copy(placed.source.index, slot.index, placed.reuse))
         elif placed.reuse:
@@ -249,9 +252,9 @@ class Scheduler:
         if self.spill is not None and slot.seq is None and self.spill.wants(slot.cached, slot.scope):
             self._ops.append(Save(slot.index, self.spill.spill(slot.cached, slot.scope)))
 
-    def _spilled(self, group: SequenceGroup, reuse: int) -> tuple[bytes, int] | None:
-        """A spilled entry's state and the prompt tokens it holds, when it holds at least MIN_RESTORE more than the
-        slots offer (`reuse`)."""
+    def _spilled(self, group: SequenceGroup, reuse: int) -> tuple[Spilled, bytes, int] | None:
+        """A spilled entry, its state and the prompt tokens it holds, when it holds at least MIN_RESTORE more than
+        the slots offer (`reuse`)."""
         if self.spill is None or not self._reads_cache(group):
             return None
         prompt = group.prompt_token_ids
@@ -260,7 +263,7 @@ class Scheduler:
         if entry is None or n < reuse + MIN_RESTORE:
             return None
         data = self.spill.load(entry)
-        return (data, n) if data is not None else None
+        return (entry, data, n) if data is not None else None
 
     def _reads_cache(self, group: SequenceGroup) -> bool:
         return self.prefix_cache and group.params.prompt_logprobs is None
@@ -301,6 +304,27 @@ class Scheduler:
         prev = seq.token_ids[start - 1] if start > 0 and seq.token_ids[start - 1] >= 0 else None  # not an image's
         media, offset = (span.chunk, start - span.start) if span is not None else (None, 0)
         return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits, media, offset)
+
+    def restore_failed(self, slots: set[int]) -> list[Sequence]:
+        """The runner refused this step's restores into `slots` (and emptied them, and any slot copied from them): the
+        sequences there read their prompts from the start, reported as uncached, and the spilled entries go (their
+        files too). Returns those sequences (their chunks of this step are not to be read)."""
+        reset = []
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.slot in slots and seq.status is SeqStatus.RUNNING:
+                    if group.cached_tokens and seq is group.seqs[0]:
+                        self.cache_hits -= 1
+                        self.cached_tokens -= group.cached_tokens
+                        group.cached_tokens = 0
+                    seq.num_computed = 0
+                    reset.append(seq)
+        if self.spill is not None:
+            for slot in slots:
+                entry = self._restoring.pop(slot, None)
+                if entry is not None:
+                    self.spill.discard(entry)
+        return reset
 
     def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> None:
         """Record a finished forward pass: computed cells, sampled tokens, and forks of fresh siblings."""

@@ -64,6 +64,7 @@ class SpillStore:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="servelm-spill") if self.directory else None
         self.restored = 0  # entries read back into a slot, and the tokens they held
         self.restored_tokens = 0
+        self.restore_failures = 0  # entries whose state the model refused (dropped, files and all)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._index()
@@ -131,6 +132,17 @@ class SpillStore:
         self.restored += 1
         self.restored_tokens += len(entry.tokens)
         return data
+
+    def discard(self, entry: Spilled) -> None:
+        """An entry whose state the model refused, though it passed every check here (a forged or foreign state
+        under a valid header): it goes, its file too, so that no restart reads it again."""
+        log.warning("prefix cache entry of %d tokens refused by the model%s; dropped", len(entry.tokens),
+                    f" (file {entry.path.name})" if entry.path is not None else "")
+        with self._lock:
+            self.restore_failures += 1
+            self.restored -= 1
+            self.restored_tokens -= len(entry.tokens)
+            self._drop([entry])
 
     # -- bytes ------------------------------------------------------------------------------------
     @property

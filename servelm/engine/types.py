@@ -213,3 +213,4 @@ class EngineStats:
     spill_disk_bytes: int = 0
     spill_entries: int = 0
     spill_restored: int = 0
+    spill_restore_failures: int = 0  # spilled entries the model refused (dropped; their requests read their prompts)

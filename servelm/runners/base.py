@@ -101,3 +101,13 @@ class ModelRunner(Protocol):
 
 class KVCacheFull(RuntimeError):
     """The forward pass found no room in the KV cache for the batch."""
+
+
+class RestoreFailed(RuntimeError):
+    """Restore ops the model refused (a state of another model, or one that holds fewer positions than promised):
+    these slots are empty now, and so is any slot a later op of the step copied from them. The step's other KV
+    operations are done; none of its chunks were read."""
+
+    def __init__(self, slots: set[int]) -> None:
+        super().__init__(f"the model refused the saved state restored into slot(s) {sorted(slots)}")
+        self.slots = slots

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan
+from servelm.runners.base import RestoreFailed
 from servelm.runners.selfcheck import Exactness
 
 EOS = 0
@@ -131,9 +132,14 @@ class FakeRunner:
     def step(self, plan: StepPlan) -> np.ndarray:
         calls = plan.calls()
         self._check_media(calls, plan)
-        self.forward_calls += len(calls)  # the passes the llama.cpp runner would make
+        failed: set[int] = set()  # as the llama.cpp runner: refused restores, and copies of them
         for op in plan.ops:
-            if isinstance(op, Clear):
+            if isinstance(op, Copy) and op.src in failed:
+                self.cells.pop(op.dst, None)
+                failed.add(op.dst)
+            elif isinstance(op, Keep) and op.slot in failed:
+                continue  # an empty stream keeps its nothing (llama.cpp's seq_rm past n of it does nothing)
+            elif isinstance(op, Clear):
                 self.cells.pop(op.slot, None)
             elif isinstance(op, Keep):
                 held = self.cells.get(op.slot, [])
@@ -143,13 +149,23 @@ class FakeRunner:
             elif isinstance(op, Save):
                 op.into.data = self.save_seq(op.slot)
             elif isinstance(op, Restore):
-                self.load_seq(op.slot, op.data)
+                try:
+                    self.load_seq(op.slot, op.data)
+                    if len(self.cells[op.slot]) < op.n:
+                        raise FakeKVError(f"a state of {len(self.cells[op.slot])} cells, not {op.n}")
+                except (FakeKVError, ValueError, TypeError):
+                    self.cells.pop(op.slot, None)
+                    failed.add(op.slot)
             else:
                 assert isinstance(op, Copy)
                 if len(self.cells.get(op.src, [])) < op.n:
                     raise FakeKVError(f"copy of {op.n} cells from slot {op.src}, which holds "
                                       f"{len(self.cells.get(op.src, []))}")
                 self.cells[op.dst] = list(self.cells[op.src][: op.n])
+        if failed:
+            self.steps.append(StepPlan([], plan.ops))
+            raise RestoreFailed(failed)
+        self.forward_calls += len(calls)  # the passes the llama.cpp runner would make
         rows: list[np.ndarray] = []
         for chunk in plan.chunks:
             held = self.cells.setdefault(chunk.slot, [])

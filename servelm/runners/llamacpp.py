@@ -45,7 +45,7 @@ import llama_cpp as C  # noqa: E402
 import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
-from servelm.runners.base import KVCacheFull
+from servelm.runners.base import KVCacheFull, RestoreFailed
 from servelm.runners.media import Projector
 from servelm.runners.selfcheck import Exactness, check_exactness
 
@@ -399,8 +399,11 @@ class LlamaCppRunner:
         self.projector.embeddings(media)
 
     def step(self, plan: StepPlan) -> np.ndarray:
+        failed: set[int] = set()  # slots whose Restore the model refused, and slots copied from them since
         for op in plan.ops:
-            self._apply(op)
+            self._apply(op, failed)
+        if failed:
+            raise RestoreFailed(failed)
         first, total = [], 0  # each chunk's first logits row
         for chunk in plan.chunks:
             first.append(total)
@@ -409,18 +412,30 @@ class LlamaCppRunner:
             self._decode(plan.chunks, call, first)
         return self._logits[:total]
 
-    def _apply(self, op: KVOp) -> None:
+    def _apply(self, op: KVOp, failed: set[int]) -> None:
         if isinstance(op, Clear):
             C.llama_memory_seq_rm(self._mem, op.slot, -1, -1)
         elif isinstance(op, Keep):
             C.llama_memory_seq_rm(self._mem, op.slot, op.n, -1)
+        elif isinstance(op, Copy) and op.src in failed:  # nothing to copy: the destination is as lost
+            C.llama_memory_seq_rm(self._mem, op.dst, -1, -1)
+            failed.add(op.dst)
         elif isinstance(op, Copy):  # a copy between streams copies the whole stream; what lies past n is dropped
             C.llama_memory_seq_cp(self._mem, op.src, op.dst, -1, -1)
             C.llama_memory_seq_rm(self._mem, op.dst, op.n, -1)
         elif isinstance(op, Save):
             op.into.data = self.save_seq(op.slot)
         else:
-            self.load_seq(op.slot, op.data)
+            try:
+                self.load_seq(op.slot, op.data)
+                held = int(C.llama_memory_seq_pos_max(self._mem, op.slot)) + 1
+                if int(C.llama_memory_seq_pos_min(self._mem, op.slot)) != 0 or held < op.n:
+                    raise RuntimeError(f"the state holds positions up to {held}, not the {op.n} promised")
+            except RuntimeError as exc:
+                log.warning("a saved prefix-cache state was refused by the model (%s); slot %d is read from its "
+                            "prompt instead", exc, op.slot)
+                C.llama_memory_seq_rm(self._mem, op.slot, -1, -1)
+                failed.add(op.slot)
 
     def save_seq(self, slot: int) -> bytes:
         """The slot's stream as llama.cpp's per-sequence state (positions, keys and values of every layer)."""

@@ -5,7 +5,15 @@ to --prefix-cache-dir, and one restarted on the directory answers the cached pro
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+
+import httpx
+import openai
 import pytest
+
+from servelm.config import GEMMA_MODEL_ID
+from servelm.engine.spill import SUFFIX, read_header, write_state
 
 from . import ray_mode
 from .conftest import own_server
@@ -51,3 +59,54 @@ def test_a_restarted_server_answers_from_disk_and_another_build_ignores_the_file
         log = srv.log_path.read_text()
     assert other_usage.prompt_tokens_details.cached_tokens == 0, "another context layout never loads the state"
     assert "ignored: made for another model or build" in log
+
+
+async def test_a_forged_state_the_model_refuses_hurts_nobody_and_is_gone(tmp_path_factory) -> None:
+    """Issue 32: a file with this server's valid header, fingerprint and SHA-256 around another model's state bytes
+    (Gemma 3 270M's). Its prompt sent while 4 other requests ran failed them all, then kept answering a wrong
+    answer from 'cached' tokens, and the file stayed. Now the neighbours never notice, the prompt is read and
+    answers as a fresh server does, the file goes, and the refusal is logged and counted."""
+    foreign, ours = tmp_path_factory.mktemp("foreign"), tmp_path_factory.mktemp("ours")
+    with own_server(tmp_path_factory, "--model-path", GEMMA_MODEL_ID, "--model-id", "gemma", "--prefix-cache-dir",
+                    str(foreign), *FAST) as srv:
+        client_for(srv.base_url).chat.completions.create(model="gemma", messages=LONG, max_tokens=2)
+    with own_server(tmp_path_factory, "--prefix-cache-dir", str(ours), *FAST) as srv:
+        reference = ask(srv.base_url, LONG)
+    (gemma_file,) = foreign.glob(f"*{SUFFIX}")
+    (our_file,) = ours.glob(f"*{SUFFIX}")
+    header = read_header(our_file)
+    their_state = gemma_file.read_bytes()[-read_header(gemma_file)["size"]:]
+    our_file.unlink()
+    forged, _ = write_state(ours, header["fingerprint"], header["scope"], tuple(header["tokens"]), their_state)
+
+    with own_server(tmp_path_factory, "--prefix-cache-dir", str(ours), *FAST) as srv:
+        neighbours = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def neighbour(k: int, stream: bool) -> str:
+            messages = [{"role": "user", "content": f"Neighbour {k}: tell me about rivers. " * (k + 2)}]
+            if not stream:
+                r = await neighbours.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+                return r.choices[0].message.content
+            text = ""
+            async for chunk in await neighbours.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                                                       temperature=0, stream=True):
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            return text
+
+        running = [asyncio.ensure_future(neighbour(k, k % 2 == 0)) for k in range(4)]
+        await asyncio.sleep(0.5)  # they are decoding when the forged prompt comes
+        answer = await asyncio.to_thread(ask, srv.base_url, LONG)
+        texts = await asyncio.gather(*running)
+        await neighbours.close()
+        metrics = httpx.get(srv.base_url + "/metrics", timeout=10).text
+        gone = not forged.exists()
+        again = ask(srv.base_url, LONG)
+        log = srv.log_path.read_text()
+    assert all(texts), "every neighbour answered"
+    assert answer[:2] == reference[:2] and answer[2].prompt_tokens_details.cached_tokens == 0
+    assert again[:2] == reference[:2]
+    assert gone, "the forged file is gone: no restart reads it again"
+    assert not forged.exists() or read_header(forged)["sha256"] != hashlib.sha256(their_state).hexdigest(), \
+        "what the graceful stop wrote under that name is the computed state"
+    assert 'servelm_prefix_cache_restore_failures_total{model="smollm2-135m-instruct"} 1.0' in metrics
+    assert "refused by the model" in log and "Traceback" not in log

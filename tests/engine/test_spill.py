@@ -4,12 +4,13 @@ scopes, and a file of another model or a corrupt one is never loaded."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
 from servelm.engine.local import LocalEngine
 from servelm.engine.plan import Restore, Save
-from servelm.engine.spill import MIN_SPILL, SUFFIX, SpillStore, read_header
+from servelm.engine.spill import MIN_SPILL, SUFFIX, SpillStore, read_header, write_state
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.runners.fake import FakeRunner
 
@@ -148,3 +149,34 @@ async def test_files_of_another_model_or_corrupt_ones_are_ignored_and_logged(tmp
             eng.stop()
     assert last.cached_tokens == 0 and not ops(eng, Restore), "the corrupt state was not loaded: the prompt was read"
     assert "checksum" in caplog.text
+
+
+async def test_a_state_the_runner_refuses_is_dropped_and_the_prompt_read_while_neighbours_go_on(tmp_path, caplog):
+    """Issue 32: a file with this server's header, fingerprint and checksum around a state the model refuses (another
+    model's). It failed every request in the step, kept reporting its cached tokens with a wrong answer, and stayed on
+    disk. Now: the entry and its file go, the slot is emptied, its request reads its prompt and answers as without a
+    cache, its neighbours never notice, and the failure is logged and counted."""
+    forged = write_state(tmp_path, "fake-model", "", tuple(LONG), b'["another-models-state", [1, 2, 3]]')[0]
+    eng = LocalEngine(FakeRunner(num_slots=5, max_step_tokens=64, context_window=256),
+                      spill=SpillStore("fake-model", 1 << 20, tmp_path, 1 << 20))
+    eng.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            results = await asyncio.gather(*[ask(eng, f"n{k}", OTHERS[k % 3][: 20 + k]) for k in range(4)],
+                                           ask(eng, "forged", LONG))
+        fresh = LocalEngine(FakeRunner(num_slots=1, max_step_tokens=64, context_window=256))
+        fresh.start()
+        try:
+            reference = [await ask(fresh, f"r{k}", OTHERS[k % 3][: 20 + k]) for k in range(4)]
+            expected, _ = await ask(fresh, "rl", LONG)
+        finally:
+            fresh.stop()
+        assert [r[0] for r in results[:4]] == [r[0] for r in reference], "every neighbour answered"
+        answer, last = results[4]
+        assert answer == expected and last.cached_tokens == 0, "read from its prompt, not from the refused state"
+        assert not forged.exists() and eng.stats().spill_entries == 0, "the entry and its file are gone"
+        assert eng.stats().spill_restore_failures == 1 and "refused" in caplog.text
+        again, last = await ask(eng, "again", LONG)
+        assert again == expected and not forged.exists()
+    finally:
+        eng.stop()
