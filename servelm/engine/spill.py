@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ log = logging.getLogger("servelm.engine.spill")
 MAGIC = b"servelm prefix cache 1\n"
 SUFFIX = ".kvstate"
 MIN_SPILL = 64  # shorter entries are cheaper to read again than to keep
+TMP_GRACE_S = 60.0  # an unfinished file younger than this may be another server's write in progress
 
 
 @dataclass(eq=False)
@@ -231,8 +233,19 @@ class SpillStore:
         self._writer.shutdown(wait=True)
 
     def _index(self) -> None:
-        """The directory's entries for this model; the rest ignored and logged."""
+        """The directory's entries for this model; the rest ignored and logged. Temporary files a write left behind
+        (a crash while writing) go, unless they are younger than a minute (another server's write in progress)."""
         assert self.directory is not None
+        stale = 0
+        for tmp in self.directory.glob("*.tmp"):
+            try:
+                if time.time() - tmp.stat().st_mtime > TMP_GRACE_S:
+                    tmp.unlink()
+                    stale += 1
+            except OSError:
+                pass
+        if stale:
+            log.info("prefix cache: removed %d unfinished file(s) from %s", stale, self.directory)
         found = []
         for path in sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
             try:
@@ -259,11 +272,15 @@ def write_state(directory: Path, fingerprint: str, scope: str, tokens: tuple[int
     header = json.dumps({"fingerprint": fingerprint, "scope": scope, "tokens": list(tokens), "size": len(data),
                          "sha256": digest}).encode()
     path = directory / f"{name}{SUFFIX}"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + len(header).to_bytes(8, "little") + header)
-        f.write(data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")  # no other writer's
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(header).to_bytes(8, "little") + header)
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+        raise
     return path, digest
 
 

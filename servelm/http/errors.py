@@ -53,7 +53,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _fastapi_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(InvalidParameter(str(exc), None), request.url.path)
+        return error_response(query_error(exc), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -64,6 +64,18 @@ def install(app: FastAPI) -> None:
         kind.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         kind.headers = dict(exc.headers or {})
         return error_response(kind, request.url.path)
+
+
+def query_error(exc: RequestValidationError) -> ApiError:
+    """A query or path parameter FastAPI could not read (`?limit=abc`): the first problem, naming its parameter;
+    never FastAPI's own rendering, which quotes the route's source file and line."""
+    errors = exc.errors()
+    if not errors:
+        return InvalidParameter("The request's parameters are not valid.", None)
+    loc = [str(part) for part in errors[0].get("loc", ()) if part not in ("query", "path", "body", "header")]
+    param = ".".join(loc) or None
+    message = str(errors[0].get("msg", "not valid")).rstrip(".")
+    return InvalidParameter(f"Invalid value for '{param}': {message}." if param else f"{message}.", param)
 
 
 def unknown_route(method: str, path: str) -> ApiError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from servelm.protocol.chat import FunctionName
 from servelm.protocol.common import NamedEvent, Probability, ResponseModel, WireModel
@@ -39,12 +39,22 @@ class ToolResultBlock(WireModel):
 
 
 class ThinkingBlock(WireModel):
-    """An earlier answer's thinking, resent: not shown to the model again (as Anthropic drops it)."""
+    """An earlier answer's thinking, resent: not shown to the model again (as Anthropic drops it). As on Anthropic's
+    API, a thinking block carries its text and its signature (as it came back: servelm's are empty strings), a
+    redacted one its data."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ThinkingBlock:
+        if self.type == "thinking" and (self.thinking is None or self.signature is None):
+            raise ValueError("a thinking block needs its `thinking` and its `signature`, as the answer gave them")
+        if self.type == "redacted_thinking" and self.data is None:
+            raise ValueError("a redacted_thinking block needs its `data`")
+        return self
 
 
 class MediaBlock(WireModel):
@@ -60,7 +70,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
 
 class Message(WireModel):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
 
 class CustomTool(WireModel):

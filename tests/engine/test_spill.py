@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from pathlib import Path
 
 from servelm.engine.local import LocalEngine
@@ -180,3 +182,17 @@ async def test_a_state_the_runner_refuses_is_dropped_and_the_prompt_read_while_n
         assert again == expected and not forged.exists()
     finally:
         eng.stop()
+
+
+def test_unfinished_files_a_crash_left_are_removed_at_start(tmp_path, caplog):
+    """Issue 32: leftover *.tmp files were never removed nor counted against the disk budget."""
+    old = [tmp_path / f"entry{k}.tmp" for k in range(3)]
+    for path in old:
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    fresh = tmp_path / "writing.123.tmp"  # another server's write in progress
+    fresh.write_bytes(b"y")
+    with caplog.at_level(logging.INFO, logger="servelm.engine.spill"):
+        SpillStore("fake-model", 1 << 20, tmp_path, 1 << 20)
+    assert not any(p.exists() for p in old) and fresh.exists()
+    assert "removed 3 unfinished" in caplog.text

@@ -86,3 +86,35 @@ def test_cache_control_pins_the_prompt(fake_server_factory):
 def test_chat_only_fields_are_a_400_on_completions(fake_server, field):
     r = httpx.post(fake_server.base_url + "/v1/completions", json={"model": "fake-model", "prompt": "hi", **field})
     assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(field))
+
+
+def test_a_bad_query_parameter_names_itself_and_shows_no_source(keyed):
+    """Issue 32: ?limit=abc was a 400 whose message quoted FastAPI's traceback line and a source path, param null."""
+    r = post(keyed, "/v1/responses", {"model": "fake-model", "input": "hi", "max_output_tokens": 3}).json()
+    bad = httpx.get(f"{keyed.base_url}/v1/responses/{r['id']}/input_items?limit=abc",
+                    headers={"authorization": f"Bearer {ALICE}"})
+    err = bad.json()["error"]
+    assert bad.status_code == 400 and err["param"] == "limit" and "limit" in err["message"]
+    assert ".py" not in err["message"] and "File" not in err["message"] and "\n" not in err["message"]
+
+
+@pytest.mark.parametrize("content", [
+    [],  # an empty content list
+    [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "hi"}],  # a thinking block without its signature
+    [{"type": "redacted_thinking"}, {"type": "text", "text": "hi"}],
+])
+def test_messages_refuse_what_anthropic_refuses(keyed, content):
+    """Issue 32: these answered 200 where Anthropic's API answers 400."""
+    body = {"model": "fake-model", "max_tokens": 3, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": content}, {"role": "user", "content": "more"}]}
+    r = post(keyed, "/v1/messages", body, header="x-api-key")
+    assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_thinking_block_resent_as_it_came_back_is_taken(keyed):
+    body = {"model": "fake-model", "max_tokens": 3, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                          {"type": "text", "text": "hi"}]},
+        {"role": "user", "content": "more"}]}
+    assert post(keyed, "/v1/messages", body, header="x-api-key").status_code == 200
