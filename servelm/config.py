@@ -166,7 +166,12 @@ class ServerSettings(BaseSettings):
     )
     api_key_file: Path | None = Field(
         None, description="a file of API keys, one a line (`#` comments; a line may add deployments=a,b rpm=N "
-        "tpm=N; a key may be written as sha256:HEX)",
+        "tpm=N, or monitor for a key that also reads /metrics; a key may be written as sha256:HEX)",
+    )
+    monitor_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, repr=False, description="a key for monitoring only (repeatable; SERVELM_MONITOR_KEY "
+        "takes several separated by commas): with API keys on, /metrics and the prefix-cache counters of /health "
+        "answer only to it, since they add up every key's traffic; it may use no model",
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
     rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (per client address "
@@ -184,7 +189,7 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 
-    @field_validator("api_key", "cors_allow_origins", "allowed_media_domains", mode="before")
+    @field_validator("api_key", "monitor_key", "cors_allow_origins", "allowed_media_domains", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

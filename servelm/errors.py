@@ -98,6 +98,14 @@ class Unauthorized(ClientError):
         self.headers = {"WWW-Authenticate": challenge}
 
 
+class Forbidden(ClientError):
+    status = 403
+    type = "permission_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="forbidden")
+
+
 class PayloadTooLarge(ClientError):
     status = 413
 

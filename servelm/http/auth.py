@@ -8,7 +8,7 @@ import hmac
 from collections.abc import Sequence
 from typing import Protocol
 
-from servelm.errors import ModelNotFound, Unauthorized
+from servelm.errors import Forbidden, ModelNotFound, Unauthorized
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, header, send_error
 from servelm.keys import KeySpec, hash_key
 
@@ -16,6 +16,9 @@ OPENAPI_PATH = "/openapi.json"
 # probes, scrapers, the API's description, and the playground's page (it holds nothing; it asks for a key itself)
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", OPENAPI_PATH, "/"})
 SCOPE_KEY = "servelm.key"  # the request's KeySpec, set in the ASGI scope by AuthMiddleware
+KEYS_ON = "servelm.keys_on"  # set in the scope when the server has API keys
+# open, but what they say depends on the key: /health says more to a key, /metrics answers only a monitor key
+KEYED_OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
            "Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an api-key or x-api-key header.")
@@ -47,7 +50,22 @@ class AuthMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        scope[KEYS_ON] = True
+        if scope["path"] in KEYED_OPEN_PATHS:
+            spec = self.match(presented_keys(scope))
+            if scope["path"] == "/metrics" and (spec is None or not spec.monitor):
+                await send_error(send, Unauthorized(MISSING) if spec is None else
+                                 Forbidden("/metrics answers a monitoring key only (--monitor-key): its counters "
+                                           "add up every key's traffic."), scope)
+                return
+            if spec is not None:
+                scope[SCOPE_KEY] = spec
+            await self.app(scope, receive, send)
+            return
+        if scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         presented = presented_keys(scope)
@@ -74,6 +92,16 @@ class AuthMiddleware:
 
 def current_key(scope: Scope) -> KeySpec | None:
     return scope.get(SCOPE_KEY)
+
+
+def sees_counters(scope: Scope) -> tuple[bool, bool]:
+    """What /health may tell this caller: (the engines' load and state, the prefix cache's counters). Everything on an
+    open server; with keys on, nothing but up or down without a key, the load to any key, and the prefix cache's
+    counters (every key's hits added up: a side channel on what another key sent) to a monitoring key only."""
+    if not scope.get(KEYS_ON):
+        return True, True
+    spec = current_key(scope)
+    return spec is not None, spec is not None and spec.monitor
 
 
 def allowed(scope: Scope, *names: str | None) -> bool:

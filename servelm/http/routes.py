@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ModelNotFound
 from servelm.http.asgi import Scope
-from servelm.http.auth import can_use, check_access, current_key
+from servelm.http.auth import can_use, check_access, current_key, sees_counters
 from servelm.http.errors import validation_error
 from servelm.http.limits import admit, bounded, limits_of
 from servelm.http.middleware import FILTERED_NOTE
@@ -185,10 +185,14 @@ def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:
         return await embed(request, await parse_body(request, EmbeddingRequest), embeddings)
 
     @router.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         ok = deployments.all_alive()
-        stats = {d.name: _deployment_stats(d) for d in deployments.all()}
-        return JSONResponse({"status": "ok" if ok else "unavailable", "deployments": stats}, status_code=200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+        load, cache = sees_counters(request.scope)
+        if load:  # a key's own deployments (a monitoring key: all)
+            body["deployments"] = {d.name: _deployment_stats(d, cache) for d in deployments.all()
+                                   if cache or can_use(request.scope, deployments, d.name)}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     return router
 
@@ -205,12 +209,21 @@ async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingSe
     return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
 
 
-def _deployment_stats(d: Deployment) -> dict[str, Any]:
-    """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model."""
+# what the prefix cache did, added up over every key: told to a monitoring key only when keys are on
+_CACHE_COUNTERS = ("kv_cells_cached", "cache_hits", "cached_tokens", "spill_ram_bytes", "spill_disk_bytes",
+                   "spill_entries", "spill_restored", "spill_restore_failures")
+
+
+def _deployment_stats(d: Deployment, cache: bool = True) -> dict[str, Any]:
+    """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model. Without
+    `cache`, none of the prefix cache's counters."""
     embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
     if not isinstance(d, TextDeployment):
         return embedder or {}
     stats = dataclasses.asdict(d.engine.stats())
+    if not cache:
+        for name in _CACHE_COUNTERS:
+            stats.pop(name, None)
     stats["exact"], stats["exactness"] = d.facts.exact, d.facts.exactness or None
     if embedder is not None:
         stats["embeddings"] = embedder

@@ -55,6 +55,46 @@ def test_health_stays_open(keyed):
     assert httpx.get(keyed.base_url + "/v1/models").status_code == 401
 
 
+@pytest.fixture
+def monitored(fake_server_factory):
+    keys = [key_spec("sk-a"), key_spec("sk-b"), key_spec("sk-mon", deployments=(), monitor=True)]
+    return fake_server_factory(security=SecurityConfig(keys=keys), prefix_cache=True)
+
+
+def test_without_a_key_health_says_only_whether_the_server_is_up_and_hides_other_keys_cache_hits(monitored):
+    """Issue 32: /health, open, showed the prefix cache's counters: key A's cache hit appeared to anyone as a jump in
+    cached_tokens equal to A's own figure. With keys on, no key sees whether the server is up; a key sees the load
+    of its deployments; only a monitoring key sees the prefix cache's counters."""
+    url = monitored.base_url
+    prompt = {**CHAT, "messages": [{"role": "user", "content": "a long shared prompt " * 4}]}
+    for _ in range(2):  # the second is a cache hit of key A
+        assert post(monitored, prompt, Authorization="Bearer sk-a").status_code == 200
+    bare = httpx.get(url + "/health")
+    assert bare.status_code == 200 and bare.json() == {"status": "ok"}
+    tenant = httpx.get(url + "/health", headers={"Authorization": "Bearer sk-b"}).json()["deployments"]["fake-model"]
+    assert "running" in tenant and "total_slots" in tenant
+    assert not {"cache_hits", "cached_tokens", "kv_cells_cached", "spill_entries"} & set(tenant)
+    monitor = httpx.get(url + "/health", headers={"Authorization": "Bearer sk-mon"}).json()["deployments"]["fake-model"]
+    assert monitor["cache_hits"] >= 1 and monitor["cached_tokens"] > 0
+    assert httpx.get(url + "/health", headers={"Authorization": "Bearer sk-wrong"}).json() == {"status": "ok"}
+
+
+def test_metrics_answer_a_monitoring_key_only(monitored):
+    url = monitored.base_url + "/metrics"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": "Bearer sk-a"}).status_code == 403
+    r = httpx.get(url, headers={"Authorization": "Bearer sk-mon"})
+    assert r.status_code == 200 and "servelm_prefix_cache_hits" in r.text
+    assert post(monitored, Authorization="Bearer sk-mon").status_code == 404, "a monitoring key runs no model"
+
+
+def test_a_monitoring_key_from_the_flag_the_file_and_a_table():
+    assert load_keys(ServerSettings(monitor_key=["sk-m"]))[0].monitor
+    (spec,) = parse_key_file("sk-x monitor rpm=5")
+    assert spec.monitor and spec.rpm == 5 and spec.deployments is None
+    assert key_spec("sk-y").monitor is False
+
+
 def test_a_key_limited_to_other_deployments_gets_404_model_not_found(keyed):
     r = post(keyed, Authorization="Bearer sk-other")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
