@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import io
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -51,40 +53,35 @@ def _hook_logs(verbose: bool) -> None:
     M.mtmd_helper_log_set(_log_callback, ctypes.c_void_p(0))
 
 
+_FORMATS = {"PNG": "png", "JPEG": "jpeg", "GIF": "gif", "BMP": "bmp"}  # what libmtmd's stb_image decodes
+_SOF = re.compile(rb"\xff[\xc0-\xc3\xc5-\xc7\xc9-\xcb\xcd-\xcf]")  # JPEG's start-of-frame markers
+
+
 def image_size(data: bytes) -> tuple[str, int, int]:
-    """The format and pixel size from an image file's header (png, jpeg, gif, bmp), without decoding it. Raises
-    ValueError for anything else (webp included: libmtmd's decoder does not read it)."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24:
-        w, h = struct.unpack(">II", data[16:24])
-        return "png", w, h
-    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
-        w, h = struct.unpack("<HH", data[6:10])
-        return "gif", w, h
-    if data.startswith(b"BM") and len(data) >= 26:
-        w, h = struct.unpack("<ii", data[18:26])
-        return "bmp", abs(w), abs(h)
-    if data.startswith(b"\xff\xd8"):
-        return ("jpeg", *_jpeg_size(data))
+    """The format and the largest pixel size a decoder could read from an image file (png, jpeg, gif, bmp), without
+    decoding it. The header is read by Pillow, which reads markers and header variants as decoders do (JPEG fill
+    bytes, OS/2 bitmap headers, a PNG's IHDR first); a JPEG's size is also the largest of every frame header its
+    bytes hold anywhere, since a decoder takes the first it meets and a crafted file can hide one from a parser that
+    reads another. Raises ValueError for anything else (webp included: libmtmd's decoder does not read it)."""
+    from PIL import Image, UnidentifiedImageError
+
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         raise ValueError("WebP images cannot be decoded by this server; send png, jpeg, gif or bmp")
-    raise ValueError("the data is not an image this server decodes (png, jpeg, gif or bmp)")
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int]:
-    i = 2
-    while i + 9 <= len(data):
-        if data[i] != 0xFF:
-            break
-        marker = data[i + 1]
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # markers without a length
-            i += 2
-            continue
-        length = struct.unpack(">H", data[i + 2 : i + 4])[0]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a start of frame
-            h, w = struct.unpack(">HH", data[i + 5 : i + 9])
-            return w, h
-        i += 2 + length
-    raise ValueError("the JPEG data has no frame header")
+    if data.startswith(b"\x89PNG") and data[12:16] != b"IHDR":  # a decoder takes the first chunk as the header
+        raise ValueError("the PNG data does not begin with its header chunk (IHDR)")
+    try:
+        with Image.open(io.BytesIO(data), formats=list(_FORMATS)) as image:
+            fmt, (width, height) = _FORMATS[str(image.format)], image.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, struct.error, Image.DecompressionBombError) as exc:
+        raise ValueError("the data is not an image this server decodes (png, jpeg, gif or bmp)") from exc
+    if fmt == "jpeg":
+        for match in _SOF.finditer(data):
+            at = match.start()
+            if at + 9 <= len(data):
+                h, w = struct.unpack(">HH", data[at + 5 : at + 9])
+                if w * h > width * height:
+                    width, height = w, h
+    return fmt, width, height
 
 
 class Projector:

@@ -147,6 +147,23 @@ def test_bad_images_are_4xx_naming_their_part(oai):
         assert e.value.body["param"] == "messages[0].content[1]", url
 
 
+def test_a_huge_image_hidden_behind_a_decoy_header_is_refused_before_it_is_decoded(vision, oai):
+    """Issue 32: an 8192 x 8192 JPEG frame header after a fill byte, a decoy 32 x 32 one in a comment: it passed the
+    pixel check and was decoded (1.7 s, +384 MiB). Now a 400 naming the part, at once."""
+    def segment(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+    def sof(w: int, h: int) -> bytes:
+        return segment(0xC0, bytes([8]) + struct.pack(">HH", h, w) + bytes([1, 1, 0x11, 0]))
+
+    jpeg = b"\xff\xd8" + segment(0xFE, b"xx" + sof(32, 32)) + b"\xff" + sof(8192, 8192) + b"\x00" * 800_000 + b"\xff\xd9"
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    assert e.value.body["param"] == "messages[0].content[1]" and "8192 x 8192" in e.value.body["message"]
+
+
 def test_models_report_vision(vision):
     card = httpx.get(vision.base_url + "/v1/models").json()["data"][0]
     assert card["modalities"] == {"vision": True, "audio": False}
