@@ -375,6 +375,27 @@ def slowloris(target: Target, n: int, seconds: float) -> dict[str, Any]:
             "client_latency_s_max": round(lat[-1], 3) if lat else None}
 
 
+# -- cheap bodies: large requests that must be refused for less than a small constant -------------------------------
+def cheap_bodies(target: Target) -> dict[str, Any]:
+    """Bodies near the body limit that cannot be served (too many messages, too long a prompt), each sent alone:
+    the time to its 4xx and the server's memory after it."""
+    big = {
+        "chat: 200,000 one-character messages": ("/v1/chat/completions", {"max_tokens": 4, "messages": [{"role": "user", "content": "a"}] * 200_000}),
+        "chat: 2,048 messages of 3 KB": ("/v1/chat/completions", {"max_tokens": 4, "messages": [{"role": "user", "content": "word " * 600}] * 2048}),
+        "chat: one 6 MB message": ("/v1/chat/completions", {"max_tokens": 4, "messages": [{"role": "user", "content": "word " * 1_200_000}]}),
+        "responses: 200,000 input items": ("/v1/responses", {"max_output_tokens": 4, "input": [{"role": "user", "content": "a"}] * 200_000}),
+        "messages: 200,000 messages": ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "a"}] * 200_000}),
+    }
+    out: dict[str, Any] = {"rss_mib_before": _mib(target.rss_mib())}
+    for name, (path, body) in big.items():
+        data = json.dumps({"model": MODEL, **body}).encode()
+        start = time.monotonic()
+        r = httpx.post(target.url + path, content=data, headers={"content-type": "application/json"}, timeout=300)
+        out[name] = {"mb": round(len(data) / 1e6, 1), "status": r.status_code, "seconds": round(time.monotonic() - start, 3),
+                     "rss_mib_after": _mib(target.rss_mib())}
+    return out
+
+
 def _mib(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
@@ -382,7 +403,7 @@ def _mib(v: float | None) -> float | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.abuse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", choices=["fuzz", "disconnects", "soak", "burst", "slowloris"])
+    p.add_argument("run", choices=["fuzz", "disconnects", "soak", "burst", "slowloris", "cheap-bodies"])
     p.add_argument("--url", default=None, help="a server already running (default: start servelm here)")
     p.add_argument("--pid", type=int, default=None, help="with --url: its process, for memory")
     p.add_argument("--server-arg", action="append", default=[], help="a flag for the servelm started here")
@@ -412,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             result = asyncio.run(soak(target, args.streams, args.seconds or 300))
         elif args.run == "burst":
             result = asyncio.run(burst(target, args.n or 300, args.stream))
+        elif args.run == "cheap-bodies":
+            result = cheap_bodies(target)
         else:
             result = slowloris(target, args.n or 2000, args.seconds or 60)
         result = {"run": args.run, "server_flags": flags, **result}

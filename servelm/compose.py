@@ -125,6 +125,7 @@ class RunnerVocabulary:
     def __init__(self, runner: ModelRunner, grammars: Grammars) -> None:
         self._runner, self._grammars = runner, grammars
         self.size = runner.vocab_size
+        self.max_token_bytes = max((len(b) for b in grammars.spelled), default=1) or 1
 
     def tokenize(self, text: str) -> list[int]:
         ids = self._runner.tokenize(text, add_special=True, parse_special=True)

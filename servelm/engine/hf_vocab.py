@@ -80,6 +80,7 @@ class HfTokenizer:
         self._special = {text: i for i, text in added.items()}
         pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
         self._bytes = token_bytes_table(pieces, added, byte_level_vocab(pieces))
+        self.max_token_bytes = max((len(b) for b in self._bytes), default=1) or 1
 
     @property
     def size(self) -> int:

@@ -83,8 +83,10 @@ def unknown_route(method: str, path: str) -> ApiError:
 
 
 def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
-    """The first problem pydantic found, with `param` naming the field as OpenAI does (a.b[0].c)."""
-    err = exc.errors()[0]
+    """The first problem pydantic found, with `param` naming the field as OpenAI does (a.b[0].c); a list over its
+    bound first (of a field that may be a string or a list, the string's complaint would mislead)."""
+    errors = exc.errors()
+    err = next((e for e in errors if e["type"] == "too_long"), errors[0])
     kind = err["type"]
     if kind == "json_invalid":
         return invalid_json()

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from servelm.protocol.chat import FunctionName
-from servelm.protocol.common import NamedEvent, Probability, ResponseModel, WireModel
+from servelm.protocol.common import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, NamedEvent, Probability, ResponseModel, WireModel
 
 
 class CacheControl(WireModel):
@@ -70,7 +70,7 @@ ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBl
 
 class Message(WireModel):
     role: Literal["user", "assistant"]
-    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
+    content: str | Annotated[list[ContentBlock], Field(min_length=1, max_length=MAX_PARTS)]
 
 
 class CustomTool(WireModel):
@@ -122,9 +122,9 @@ class OutputConfig(WireModel):
 
 class CountTokensRequest(WireModel):
     model: str
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: str | list[TextBlock] | None = None
-    tools: list[ToolParam] | None = None
+    tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None

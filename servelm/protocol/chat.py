@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from servelm.protocol.common import GenerationFields, ResponseModel, Usage, WireModel
+from servelm.protocol.common import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, GenerationFields, ResponseModel, Usage, WireModel
 
 
 class TextPart(WireModel):
@@ -43,7 +43,7 @@ class ToolCallIn(WireModel):
 
 class ChatMessage(WireModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_PARTS)] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -127,7 +127,7 @@ class NamedToolChoice(WireModel):
 
 
 class ChatCompletionRequest(GenerationFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     # structured output and tools
     response_format: ResponseFormat | None = None
@@ -136,7 +136,7 @@ class ChatCompletionRequest(GenerationFields):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # deprecated, as OpenAI still serves them: tools of one call, answered as message.function_call

@@ -105,6 +105,13 @@ class NamedEvent(ResponseModel):
     type: str
 
 
+# What one request may hold, bounded before any work is done on it (the body is at most --max-body-bytes too):
+# messages (OpenAI's own cap on chat messages is 2,048), content parts of one message, and tools (OpenAI's 128).
+MAX_MESSAGES = 2048
+MAX_PARTS = 256
+MAX_TOOLS = 128
+
+
 class ModelCard(ResponseModel):
     id: str
     object: str = "model"

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from servelm.protocol.chat import FunctionName
-from servelm.protocol.common import NamedEvent, ResponseModel, SamplingExtras, WireModel
+from servelm.protocol.common import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, NamedEvent, ResponseModel, SamplingExtras, WireModel
 
 
 # -- input items -------------------------------------------------------------------------------------------
@@ -36,7 +36,7 @@ ContentItem = Annotated[InputText | Refusal | InputMedia, Field(discriminator="t
 class MessageItem(WireModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentItem]
+    content: str | Annotated[list[ContentItem], Field(max_length=MAX_PARTS)]
     id: str | None = None
     status: str | None = None
     phase: str | None = None
@@ -154,12 +154,12 @@ class ResponsesStreamOptions(WireModel):
 
 
 class ResponsesRequest(SamplingExtras):
-    input: str | list[InputItem] = []
+    input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)] = []
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     text: TextParam | None = None
-    tools: list[ToolParam] | None = None
+    tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None

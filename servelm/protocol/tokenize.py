@@ -7,14 +7,14 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from servelm.protocol.chat import ChatMessage, Tool
-from servelm.protocol.common import ResponseModel, WireModel
+from servelm.protocol.common import MAX_MESSAGES, ResponseModel, WireModel
 
 
 class TokenizeRequest(WireModel):
     model: str | None = None  # the only text model when left out
     prompt: str | None = None
     content: str | None = None  # llama-server's name for prompt
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None

@@ -28,6 +28,12 @@ class Vocabulary(Protocol):
     @property
     def size(self) -> int: ...
 
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in bytes (control tokens spelled out): text of n bytes is at least n / this
+        tokens, which bounds a prompt's length before it is tokenized."""
+        ...
+
     def tokenize(self, text: str) -> list[int]:
         """A rendered prompt → token ids: the BOS the model asks for (once), special-token text parsed."""
         ...

@@ -9,7 +9,7 @@ from typing import Any
 from servelm.chat.template import TemplateError
 from servelm.chat.tools import HERMES, tool_response_text
 from servelm.engine.types import MediaChunk, MediaSpan
-from servelm.errors import InvalidParameter
+from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart
 from servelm.service.deployments import TextDeployment
 from servelm.service.media import Piece
@@ -97,6 +97,11 @@ def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[
         text = dep.template.render(messages, add_generation_prompt=True, **extra)
     except TemplateError as exc:
         raise InvalidParameter(str(exc), "messages") from None
+    at_least = len(text.encode("utf-8", errors="replace")) // dep.vocab.max_token_bytes
+    if at_least >= dep.context_window:  # refused before the tokenizer spends time on it (it would be refused after)
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {dep.context_window} tokens. However, your messages resulted in "
+            f"at least {at_least} tokens. Please reduce the length of the messages.", "messages")
     texts = text.split(image_mark) if images else [text]
     if len(texts) != len(images or ()) + 1:
         raise InvalidParameter("The model's chat template did not place every image of the messages in the prompt.",
