@@ -164,9 +164,9 @@ def content_filter_of(spec: ContentFilterSpec | None) -> ContentFilter | None:
 
     if spec is None:
         return None
-    lists = [Blocklist.read(path) for path in spec.blocklist]
+    lists = [Blocklist.read(path, whole_words=spec.whole_words) for path in spec.blocklist]
     if spec.terms:
-        lists.append(Blocklist(spec.terms, "terms"))
+        lists.append(Blocklist(spec.terms, "terms", whole_words=spec.whole_words))
     guard = None
     if spec.guard is not None:
         g = spec.guard

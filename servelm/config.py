@@ -379,6 +379,9 @@ class ContentFilterSpec(BaseModel):
                         "many tokens (and one check) behind the engine")
     blocklist: list[Path] = Field(default_factory=list, description="files of terms (one a line, `re:` regexes)")
     terms: list[str] = Field(default_factory=list, description="terms (and `re:` regexes) written inline")
+    whole_words: bool = Field(False, description="the lists' terms match whole words only (as a `word:` entry does): "
+                              "`bad` no longer blocks `badge`, and `xbadx` no longer blocks either. Off: a term is "
+                              "found wherever it stands, glued to letters or to itself")
     guard: GuardSpec | None = None
     categories: dict[str, CategoryRule | Literal["block", "annotate", "off"]] = Field(
         default_factory=dict, description="per category (hate, sexual, violence, self_harm, a guard's other "

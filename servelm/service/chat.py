@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -80,7 +81,7 @@ class ChatService:
         mark = f"\ue002{uuid.uuid4().hex}\ue003" if images else ""  # where each image goes, found again once rendered
         messages = template_messages(req, output.system_text or "", dep.tool_style.native, mark)
         extra = {**template_switches(req, dep), **({"tools": output.template_tools} if output.template_tools else {})}
-        prompt, media = prompt_ids(dep, messages, extra, mark, images)
+        prompt, media, rendered = prompt_ids(dep, messages, extra, mark, images)
         ep = EndpointParams(
             max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
             max_tokens_param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
@@ -100,7 +101,8 @@ class ChatService:
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
                                        scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        screening = Screening.of(dep, self.deployments, [prompt_texts(req)], scope, ctx.on_filtered)
+        texts = [prompt_texts(req, rendered)] if dep.content_filter is not None else []
+        screening = Screening.of(dep, self.deployments, texts, scope, ctx.on_filtered)
         return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools,
                             legacy, markers, bool(req.timings_per_request or ctx.timings), screening)
 
@@ -246,8 +248,11 @@ class ChatService:
         return choices
 
 
-def prompt_texts(req: ChatCompletionRequest) -> list[PromptText]:
-    """What an input check reads of a chat request: each message's text, named `messages[i].content`."""
+def prompt_texts(req: ChatCompletionRequest, rendered: str = "") -> list[PromptText]:
+    """What an input check reads of a chat request: everything the model will read. Each message's text, named
+    `messages[i].content`; each earlier tool call's name and arguments (`messages[i].tool_calls[j]`); each tool's
+    definition, its name, description and parameters with their enums (`tools[k]`); then the rendered prompt as a
+    whole (`messages`: what the template adds and what a term split across messages spells)."""
     texts = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -255,7 +260,16 @@ def prompt_texts(req: ChatCompletionRequest) -> list[PromptText]:
             else content or ""
         if text:
             texts.append(PromptText(f"messages[{i}].content", m.role, text))
+        for j, call in enumerate(m.tool_calls or ()):
+            texts.append(PromptText(f"messages[{i}].tool_calls[{j}]", "tool_call",
+                                    f"{call.function.name} {call.function.arguments}"))
+    for k, tool in enumerate(req.tools or ()):
+        texts.append(PromptText(f"tools[{k}]", "tool_definition", json.dumps(tool.function.model_dump(
+            exclude_none=True), ensure_ascii=False)))
+    if rendered:
+        texts.append(PromptText("messages", "prompt", rendered))
     return texts
+
 
 
 def _stops_on_repeat(p: PreparedChat) -> bool:

@@ -152,7 +152,7 @@ class Guard:
         extra = {"role": role, "categories": [{"label": lab.label, "name": lab.name} for lab in self.labels]}
         room = view.context_window - self.max_tokens
         while True:
-            ids, _ = prompt_ids(view, messages, extra)
+            ids, _, _ = prompt_ids(view, messages, extra)
             if len(ids) <= room:
                 return ids
             if len(messages) > 1:

@@ -86,10 +86,11 @@ def _args_text(arguments: str) -> str:
 
 
 def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[str, Any], image_mark: str = "",
-               images: list[list[Piece]] | None = None) -> tuple[list[int], tuple[MediaSpan, ...]]:
+               images: list[list[Piece]] | None = None) -> tuple[list[int], tuple[MediaSpan, ...], str]:
     """The chat prompt's token ids: the messages rendered with the deployment's template, its control tokens the
     template's own (the request's text stays text: chat/markers.py); and where each image's pieces go in place of
-    its mark: their tokens, and media spans whose positions hold the image's placeholder ids."""
+    its mark: their tokens, and media spans whose positions hold the image's placeholder ids; and the rendered text
+    (what the content filter reads as the prompt as a whole)."""
     markers = dep.markers
     if markers is not None:
         messages, extra = markers.escape(messages), markers.escape(extra)
@@ -122,4 +123,4 @@ def prompt_ids(dep: TextDeployment, messages: list[dict[str, Any]], extra: dict[
             ids.extend(dep.vocab.tokenize_bare(piece, True))
         else:
             ids.extend(dep.vocab.tokenize(piece))
-    return ids, tuple(spans)
+    return ids, tuple(spans), text

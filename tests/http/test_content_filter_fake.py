@@ -60,7 +60,10 @@ def test_a_blocked_prompt_is_a_400_naming_its_message_and_runs_nothing(fake_serv
     assert r.status_code == 400 and r.headers["x-ms-error-code"] == "content_filter"
     assert body["code"] == "content_filter" and body["status"] == 400 and body["error"]["status"] == 400
     assert body["error"]["param"] == "messages[3].content" and body["message"]
-    assert chat(server, [{"role": "user", "content": "forbidden wordsmith"}]).status_code == 200  # a longer word
+    # a longer word holds the term: found by default (issue 32), not by a whole-word entry
+    assert chat(server, [{"role": "user", "content": "forbidden wordsmith"}]).status_code == 400
+    whole = fake_server_factory(content_filter=policy("word:forbidden words"))
+    assert chat(whole, [{"role": "user", "content": "forbidden wordsmith"}]).status_code == 200
 
 
 def test_a_clean_answer_is_annotated_as_azure_openai_does(fake_server_factory):
@@ -281,3 +284,37 @@ def test_a_blocked_prompt_gives_its_max_tokens_charge_back(fake_server_factory):
     assert chat(server, [{"role": "user", "content": "say nope"}], max_tokens=60).status_code == 400
     # had the 60 reserved tokens stayed charged, the key would be in debt and this a 429
     assert chat(server, max_tokens=20).status_code == 200
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "lookup", "description": "finds forbiddenword things"}}]},
+     "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "enum": ["ok", "forbiddenword"]}}}}}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "forbiddenword_tool"}}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                       "name": "f", "arguments": "{\"q\": \"forbiddenword\"}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "done"}]}, "messages[1].tool_calls[0]"),
+])
+def test_tool_definitions_and_earlier_calls_are_screened(fake_server_factory, body, param):
+    """Issue 32: tool definitions (name, description, enum values) and an assistant's earlier calls reached the
+    prompt unscreened."""
+    server = fake_server_factory(content_filter=policy("forbiddenword"), context_window=4096)
+    r = post(server, "/v1/chat/completions", {"model": server.model, "messages": HI, "max_tokens": 5, **body})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "content_filter", r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_the_rendered_prompt_as_a_whole_is_screened(fake_server_factory):
+    """What the template itself writes is read too: a term the fake template spells around a role name."""
+    server = fake_server_factory(content_filter=policy("<user>hi"))
+    r = chat(server)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_an_answer_with_a_term_glued_inside_is_stopped(fake_server_factory):
+    """The fake model answers "hi" with the alphabet from b: "klm" stands glued between other letters."""
+    server = fake_server_factory(content_filter=policy("klm"))
+    r = chat(server)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "content_filter"

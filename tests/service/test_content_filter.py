@@ -19,8 +19,26 @@ def test_look_alike_spellings_of_a_term_are_caught(text):
     assert Blocklist(["bad"]).search(text), text
 
 
-@pytest.mark.parametrize("text", ["badge", "abad", "ba d", "good"])
-def test_a_term_matches_whole_words_only(text):
+@pytest.mark.parametrize("text", ["xforbiddenword", "forbiddenwords", "_forbiddenword_", "ꜰᴏʀʙɪᴅᴅᴇɴᴡᴏʀᴅ",
+                                  "forbıddenword", "aaaaaaaaaaforbiddenword done", "FORBIDDEN_WORD".replace("_", "")])
+def test_a_term_is_found_glued_to_letters_and_in_look_alike_letters(text):
+    """Issue 32's bypass corpus: glued spellings, small capitals and a dotless i all passed."""
+    assert Blocklist(["forbiddenword"]).search(text), text
+
+
+def test_a_term_glued_to_itself_is_found():
+    assert Blocklist(["Hello"]).search("HelloHelloHello")
+
+
+@pytest.mark.parametrize("text", ["badge", "abad", "xbadx"])
+def test_whole_word_terms_and_lists_match_whole_words_only(text):
+    assert not Blocklist(["word:bad"]).search(text) and not Blocklist(["bad"], whole_words=True).search(text)
+    assert Blocklist(["bad"]).search(text), "the default finds it glued"
+    assert Blocklist(["word:bad"]).search("a bad day") and Blocklist(["bad"], whole_words=True).search("bad!")
+
+
+@pytest.mark.parametrize("text", ["ba d", "good"])
+def test_a_term_is_not_found_where_it_is_not(text):
     assert not Blocklist(["bad"]).search(text)
 
 
