@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
 EMBEDDING_WINDOW = 2048  # most tokens per input (and per pass) of an embedding model: attention is quadratic in it
+EMBEDDING_CONTEXT_BYTES = 128 << 20  # an embedding context's own buffers, at most (its cache and compute graph)
 
 
 def build_deployment(
@@ -81,6 +82,12 @@ def build_deployment(
     projector = getattr(runner, "projector", None)  # a vision projector: images in prompts
     if projector is not None:
         deployment.images = ImageInput(projector, image_sources)
+    deployment.memory = {
+        "weights": runner.weights_bytes, "kv_cache": runner.kv_cells * runner.kv_cell_bytes,
+        "logits": (runner.max_step_tokens + 1) * runner.vocab_size * 4, "grammar_cache": grammars.limits.cache_bytes,
+        "prefix_cache_ram": spill.ram_bytes if spill is not None else 0,
+        "image_embeddings": projector.kept_bytes_max if projector is not None else 0,
+    }
     controls = runner.control_tokens()
     if controls is not None and not special_tokens_in_content:
         deployment.markers = ControlMarkers([ControlToken(*c) for c in controls])
@@ -372,6 +379,7 @@ def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any]
                              verbose=verbose)
     embedders.append(model)
     deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
+    deployment.memory = {"weights": path.stat().st_size, "embedding_context": EMBEDDING_CONTEXT_BYTES}
     deployment.max_waiting = spec.limits.max_waiting
     workers.append(engine)
     deployments.append(deployment)

@@ -192,6 +192,10 @@ def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:
         if load:  # a key's own deployments (a monitoring key: all)
             body["deployments"] = {d.name: _deployment_stats(d, cache) for d in deployments.all()
                                    if cache or can_use(request.scope, deployments, d.name)}
+        if cache:  # the most memory the server may take, part by part (docs/robustness.md)
+            parts = {d.name: d.memory for d in deployments.all() if d.memory}
+            body["memory"] = {"budget_bytes": RUNTIME_BYTES + sum(sum(p.values()) for p in parts.values()),
+                              "runtime_bytes": RUNTIME_BYTES, "deployments": parts}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     return router
@@ -209,6 +213,7 @@ async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingSe
     return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
 
 
+RUNTIME_BYTES = 256 << 20  # the interpreter, its libraries, the vocabularies' tables and the HTTP server's buffers
 # what the prefix cache did, added up over every key: told to a monitoring key only when keys are on
 _CACHE_COUNTERS = ("kv_cells_cached", "cache_hits", "cached_tokens", "spill_ram_bytes", "spill_disk_bytes",
                    "spill_entries", "spill_restored", "spill_restore_failures")

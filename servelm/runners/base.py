@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from servelm.engine.plan import MediaChunk, StepPlan
 
-if TYPE_CHECKING:
-    from servelm.runners.selfcheck import Exactness
+
+@dataclass(frozen=True)
+class Exactness:
+    """What the self-check found: exact or not, why not, and the fences it took (runners/llamacpp.py)."""
+
+    exact: bool
+    reason: str = ""  # the first shape whose logits differed (empty when exact)
+    fences: tuple[str, ...] = ()
+    checked: bool = True  # False: no check ran (a runner that does not compute, such as a vocabulary-only one)
+
+    def describe(self) -> str:
+        if not self.checked:
+            return "not checked"
+        if self.exact:
+            return "exact" + (f" (fences: {', '.join(self.fences)})" if self.fences else "")
+        return f"NOT exact: {self.reason}"
 
 
 class ModelRunner(Protocol):
@@ -30,6 +45,7 @@ class ModelRunner(Protocol):
     description: str
     fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
     trained_context: int  # the context the model was trained for
+    weights_bytes: int  # the model's weights in memory
     exactness: Exactness  # what the start-up self-check found (runners/selfcheck.py)
 
     @property

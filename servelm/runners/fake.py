@@ -17,8 +17,7 @@ import time
 import numpy as np
 
 from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan
-from servelm.runners.base import RestoreFailed
-from servelm.runners.selfcheck import Exactness
+from servelm.runners.base import Exactness, RestoreFailed
 
 EOS = 0
 FIRST_WORD = 1
@@ -66,6 +65,7 @@ class FakeRunner:
         self.description = "fake"
         self.state_fingerprint = "fake-model"
         self.quantization = "F32"
+        self.weights_bytes = 0
         self.trained_context = context_window
         self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1

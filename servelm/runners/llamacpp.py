@@ -45,9 +45,9 @@ import llama_cpp as C  # noqa: E402
 import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
-from servelm.runners.base import KVCacheFull, RestoreFailed
+from servelm.runners.base import Exactness, KVCacheFull, RestoreFailed
 from servelm.runners.media import Projector
-from servelm.runners.selfcheck import Exactness, check_exactness
+from servelm.runners.selfcheck import check_exactness
 
 _LOG_LEVEL_WARN = 3
 # the KV cache's types: ggml's type, and its block (values, bytes): q8_0 is 32 int8 and a float16 scale
@@ -182,6 +182,7 @@ class LlamaCppRunner:
         self.trained_context = train_ctx
         self.kv_cache_type = kv_cache_type
         self.kv_cell_bytes = 0 if vocab_only else self._cell_bytes()  # a vocabulary-only model has no layers
+        self.weights_bytes = int(C.llama_model_size(self._model))
         if context_window is None and vocab_only:
             context_window = train_ctx or 2048
         elif context_window is None:

@@ -117,6 +117,7 @@ class Projector:
         self._lock = threading.Lock()
         self._kept: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
         self._kept_bytes = 0
+        self.kept_bytes_max = _CACHE_BYTES + int(self.path.stat().st_size)  # its cache, and its weights
         self.encoded = 0  # chunks encoded since start
         self.encode_seconds = 0.0
 

@@ -12,8 +12,6 @@ under load. The check takes a few dozen forward passes of the probe's length; it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from servelm.engine.plan import Clear, ScheduledChunk, StepPlan
@@ -23,23 +21,6 @@ PROBE_TOKENS = 24
 _PIECES = (5, 1, 7, 11)  # the probe read in chunks of these sizes
 _NEIGHBOURS = 9  # decode rows beside the probe's: past the 8 rows where some kernels switch
 _READY = object()  # the samplers of a chunk whose last row is wanted (the runner only asks whether there are any)
-
-
-@dataclass(frozen=True)
-class Exactness:
-    """What the self-check found: exact or not, why not, and the fences it took (runners/llamacpp.py)."""
-
-    exact: bool
-    reason: str = ""  # the first shape whose logits differed (empty when exact)
-    fences: tuple[str, ...] = ()
-    checked: bool = True  # False: no check ran (a runner that does not compute, such as a vocabulary-only one)
-
-    def describe(self) -> str:
-        if not self.checked:
-            return "not checked"
-        if self.exact:
-            return "exact" + (f" (fences: {', '.join(self.fences)})" if self.fences else "")
-        return f"NOT exact: {self.reason}"
 
 
 def _probe(vocab_size: int, n: int, seed: int) -> list[int]:

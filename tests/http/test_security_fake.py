@@ -209,3 +209,13 @@ def test_a_key_may_use_a_weighted_endpoint_only_if_it_may_use_every_deployment_b
     assert not can_use(only_a, deps, "b") and not can_use(only_a, deps, "ab") and not can_use(only_a, deps, "zz")
     both = {SCOPE_KEY: key_spec("k", deployments=["a", "b"])}
     assert can_use(both, deps, "ab") and can_use({}, deps, "ab")
+
+
+def test_health_states_the_memory_budget_part_by_part(fake_server):
+    """Issue 32: the default caps add up to a stated total that /health reports (fuzzing's RSS is measured
+    against it in docs/robustness.md)."""
+    memory = httpx.get(fake_server.base_url + "/health").json()["memory"]
+    parts = memory["deployments"]["fake-model"]
+    assert set(parts) == {"weights", "kv_cache", "logits", "grammar_cache", "prefix_cache_ram", "image_embeddings"}
+    assert parts["grammar_cache"] == 512 << 20 and parts["kv_cache"] > 0
+    assert memory["budget_bytes"] == memory["runtime_bytes"] + sum(sum(p.values()) for p in memory["deployments"].values())

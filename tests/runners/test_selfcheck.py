@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from servelm.engine.plan import StepPlan
+from servelm.runners.base import Exactness
 from servelm.runners.fake import FakeRunner
-from servelm.runners.selfcheck import Exactness, check_exactness
+from servelm.runners.selfcheck import check_exactness
 
 
 class _RoundsByRows(FakeRunner):
