@@ -222,6 +222,7 @@ class FakeProjector:
     def __init__(self, *, length: int = 6, causal: bool = False) -> None:
         self.length = length
         self.causal = causal
+        self.kept_bytes_max = 0  # it keeps no embeddings
 
     def read(self, data: bytes) -> list[tuple[int, ...] | MediaChunk]:
         if not data.startswith((b"IMG", b"fail")):

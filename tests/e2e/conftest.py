@@ -68,12 +68,13 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Runni
     srv = RunningServer(f"http://127.0.0.1:{port}", proc, log_path)
     if cluster is not None:
         ray_mode.adopt(srv, cluster)
-    _wait_ready(srv, slots, args[args.index("--model-id") + 1] if "--model-id" in args else MODEL)
+    key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None  # with keys on, /health tells a key
+    _wait_ready(srv, slots, args[args.index("--model-id") + 1] if "--model-id" in args else MODEL, key)
     return srv
 
 
-def _wait_ready(srv: RunningServer, slots: int | None, name: str = MODEL) -> None:
-    """Until /health lists the model `name` (with `slots` sequence slots, if given); else fail the test."""
+def _wait_ready(srv: RunningServer, slots: int | None, name: str = MODEL, key: str | None = None) -> None:
+    """Until /health lists the model `name` (with `slots` sequence slots, if given) to `key`; else fail the test."""
     timeout = ray_mode.STARTUP_TIMEOUT_S if ray_mode.ENABLED else STARTUP_TIMEOUT_S
     deadline = time.monotonic() + timeout
     while True:
@@ -81,7 +82,7 @@ def _wait_ready(srv: RunningServer, slots: int | None, name: str = MODEL) -> Non
             stop_server(srv)
             pytest.fail(f"the server exited with code {srv.process.returncode} while starting:\n{srv.log_tail()}")
         try:
-            r = httpx.get(f"{srv.base_url}/health", timeout=2)
+            r = httpx.get(f"{srv.base_url}/health", timeout=2, headers={"authorization": f"Bearer {key}"} if key else None)
             model = r.json().get("deployments", {}).get(name) if r.status_code == 200 else None
             if model is not None and (slots is None or model.get("total_slots") == slots):
                 return
