@@ -435,21 +435,21 @@ def check_tool_answers(req: ChatCompletionRequest) -> None:
                     f"message before it; no call has the id {m.tool_call_id!r}.", f"messages.[{i}].tool_call_id")
             continue
         if open_calls:
-            missing = ", ".join(open_calls)
-            raise InvalidParameter(
-                f"An assistant message with 'tool_calls' must be followed by tool messages responding to each "
-                f"'tool_call_id'. The following tool_call_ids did not have response messages: {missing}",
-                f"messages.[{next(iter(open_calls.values()))}].role")
+            raise _unanswered(open_calls, "role")
         for call in m.tool_calls or ():
             open_calls[call.id] = i
     # a conversation may end on the assistant's calls (a client asking the model to go on from them), but not on
     # tool answers that leave some of its calls unanswered
     if open_calls and req.messages and req.messages[-1].role == "tool":
-        missing = ", ".join(open_calls)
-        raise InvalidParameter(
-            f"An assistant message with 'tool_calls' must be followed by tool messages responding to each "
-            f"'tool_call_id'. The following tool_call_ids did not have response messages: {missing}",
-            f"messages.[{next(iter(open_calls.values()))}].tool_calls")
+        raise _unanswered(open_calls, "tool_calls")
+
+
+def _unanswered(open_calls: dict[str, int], field: str) -> InvalidParameter:
+    """OpenAI's 400 for tool calls left without an answer, naming `field` of the assistant message that made them."""
+    return InvalidParameter(
+        f"An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+        f"'tool_call_id'. The following tool_call_ids did not have response messages: {', '.join(open_calls)}",
+        f"messages.[{next(iter(open_calls.values()))}].{field}")
 
 
 def _reject_unsupported(req: ChatCompletionRequest) -> None:
