@@ -2,7 +2,7 @@
 
 Pure bookkeeping, no model and no KV: the engine hands each step's processed logits rows (one per beam,
 after logit_bias, penalties and banned tokens) to `step`, which returns each new beam's parent and token.
-The scheduler then moves KV cells to match (`Scheduler.rebeam`): a parent's first child stays in its
+The scheduler then moves KV cells to match (`Scheduler.update`, by `beam_hosts`): a parent's first child stays in its
 slot, further children get the slots of beams that left no child, sharing the parent's cells.
 
 Scores follow Hugging Face's (which OpenVINO Model Server documents): a hypothesis scores its cumulative
@@ -209,3 +209,19 @@ class BeamSearch:
         for beam in self.beams[: n - len(best)] if len(best) < n else ():
             best.append(Hypothesis(beam, NEG_INF, "length"))
         return best
+
+
+def beam_hosts(parents: list[int], width: int) -> list[int]:
+    """Which of a request's `width` sequences holds each new beam (new beam i continues beam parents[i]): a
+    parent's first child stays in the parent's sequence (and slot); each further child takes the sequence of a
+    beam that left no child (and gets a copy of the parent's cells: Scheduler.update)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    spare = [j for j in range(width) if j not in children]
+    host = [0] * len(parents)
+    for p, kids in children.items():
+        host[kids[0]] = p
+        for k in kids[1:]:
+            host[k] = spare.pop()
+    return host

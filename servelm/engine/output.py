@@ -1,80 +1,134 @@
-"""The output side of a step: what each sequence's sampled token means for its request.
+"""The output stage of a step: what each sampled token means for its request.
 
-Per sequence it owns the output state (the sampler's history, the detokenizer, the grammar matcher, logprobs
-taken since the last output), applies the stop rules (end-of-generation and stop tokens, stop strings, a
-finished grammar, max_tokens, the context window), scores prompts for their logprobs, drives beam search, and
-turns all of it into GenerationOutputs, gathered per request for the loop to send. The loop (engine/local.py)
-calls it under its containment: whatever one request's output raises fails that request alone.
+Per sequence it keeps the choice's state (engine/choice.py: the sampler's history, the detokenizer, the grammar
+matcher, logprobs taken since the last output), applies the stop rules (end-of-generation and stop tokens, stop
+strings, a finished grammar, max_tokens, the context window), files prompt scores, drives beam search, and turns
+all of it into a StepResult: GenerationOutputs (or an error) per request for the loop to send, and the events the
+scheduler applies (a sequence finished, a request failed, beams moved). It changes no scheduler state: that is
+Scheduler.update's, from this result. Whatever one request's output raises fails that request alone.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
 
 import numpy as np
 
-from servelm.constrain.grammars import Grammars, plain_error
-from servelm.constrain.masks import MaskComputer
-from servelm.engine.beam import BeamSearch
+from servelm.constrain.grammars import Grammars
+from servelm.engine.beam import BeamSearch, beam_hosts
+from servelm.engine.choice import Choice, RequestState, constraint_failed
 from servelm.engine.detokenizer import Detokenizer
-from servelm.engine.plan import ScheduledChunk
-from servelm.engine.sampling import SamplerState, log_softmax, logprob_entry
-from servelm.engine.scheduler import Scheduler
-from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
+from servelm.engine.plan import SeqKey
+from servelm.engine.sampler import SampledStep
+from servelm.engine.sampling import SamplerState
+from servelm.engine.sequence import SequenceGroup
 from servelm.engine.thinking import ThinkTracker
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
-from servelm.errors import ConstraintFailed
+from servelm.errors import ApiError, ServerError
 from servelm.runners.base import ModelRunner
 
-Outputs = dict[str, Any]  # request id → its outputs this step (a list), or the exception it failed with
+log = logging.getLogger("servelm.engine")
 
 
-@dataclass(eq=False)
-class SeqState:
-    """One sequence's output state, from its admission to its last output."""
+class EngineError(ServerError, RuntimeError):
+    """The engine could not finish a request for a reason of its own (not the client's): a 500 in the envelope."""
 
-    sampler: SamplerState
-    detok: Detokenizer
-    matcher: Any = None  # the llguidance matcher of a constrained choice
-    free_unless: tuple[str, ...] = ()  # see Constraint.free_unless
-    head: str = ""  # the output so far, while free_unless is undecided
-    beam: BeamSearch | None = None  # shared by every beam of a beam-search request
-    tokens: list[int] = field(default_factory=list)  # taken since the last output was sent
-    logprobs: list[TokenLogprob] | None = None  # theirs, when asked for
-    cumulative: float = 0.0
-    prompt_logprobs: dict[int, TokenLogprob] | None = None  # by position, while the prompt is read
-    grammar_param: str | None = None  # the request parameter the matcher's grammar came from
-    think: ThinkTracker | None = None  # a choice that may think: its thought's tokens, and its budget
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_error")
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The sequence's last output is made: its slot goes back (its cells kept as a cache entry)."""
+
+    seq: SeqKey
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request failed in this step: every sequence of it ends."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class BeamMove:
+    """Beam search moved on: new beam i continues beam parents[i] with tokens[i] (engine/beam.py's beam_hosts says
+    which sequence holds it)."""
+
+    request_id: str
+    parents: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+Event = Finish | Failed | BeamMove
+Outputs = dict[str, list[GenerationOutput] | ApiError]  # request id → its outputs this step, or what it failed with
+
+
+@dataclass
+class StepResult:
+    outputs: Outputs = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)  # in the order they happened
+
+    def extend(self, more: StepResult) -> None:
+        """A later round of the same step: its outputs after these; a failure replaces what its request had."""
+        for request_id, news in more.outputs.items():
+            mine = self.outputs.get(request_id)
+            if isinstance(news, ApiError) or mine is None:
+                self.outputs[request_id] = news
+            elif not isinstance(mine, ApiError):
+                mine += news
+        self.events += more.events
 
 
 class OutputProcessor:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, grammars: Grammars | None) -> None:
+    def __init__(self, runner: ModelRunner, grammars: Grammars | None) -> None:
         self.runner = runner
-        self.scheduler = scheduler
         self.grammars = grammars
-        self.eog = np.asarray(runner.eog_ids, dtype=np.int64)
-        self._masks = MaskComputer(runner.vocab_size) if grammars is not None else None
-        self._eog_set = frozenset(int(t) for t in self.eog)
+        self._eog = frozenset(int(t) for t in runner.eog_ids)
+        self.choices: dict[SeqKey, Choice] = {}  # every admitted sequence's, until its request ends
+        self.requests: dict[str, RequestState] = {}  # and its request's, by id
 
-    def attach(self, request: GenerationRequest, group: SequenceGroup) -> None:
-        """Give each sequence of a new request its output state."""
+    # -- a request's state ------------------------------------------------------------------------
+    def prepare(self, request: GenerationRequest, group: SequenceGroup) -> RequestState:
+        """A new request's state (made on the caller's thread; `attach` files it on the engine's)."""
         params, constraint = request.params, request.constraint
-        search = None
+        state = RequestState(group, prompt_logprobs={} if params.prompt_logprobs is not None else None)
         if params.beam is not None:
-            search = BeamSearch(params, len(group.seqs), self._eog_set, self._token_text(params.skip_special_tokens))
+            state.beam = BeamSearch(params, len(group.seqs), self._eog, self._token_text(params.skip_special_tokens))
         for seq in group.seqs:
             sampler = SamplerState.create(params, seq.index, self.runner.vocab_size, request.prompt_token_ids)
             matcher = self.grammars.matcher(constraint) if constraint is not None and self.grammars else None
-            seq.state = SeqState(sampler, self._detokenizer(params), matcher,
-                                 constraint.free_unless if constraint is not None else (), beam=search,
-                                 logprobs=[] if params.logprobs is not None else None,
-                                 grammar_param=constraint.param if constraint is not None else None,
-                                 think=ThinkTracker(request.thinking) if request.thinking is not None else None)
-        if params.prompt_logprobs is not None:
-            group.seqs[0].state.prompt_logprobs = {}
+            state.choices.append(Choice(
+                seq.key, seq.index, state, sampler, self._detokenizer(params), matcher,
+                constraint.free_unless if constraint is not None else (),
+                logprobs=[] if params.logprobs is not None else None,
+                grammar_param=constraint.param if constraint is not None else None,
+                think=ThinkTracker(request.thinking) if request.thinking is not None else None))
+        return state
+
+    def attach(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for choice in state.choices:
+            self.choices[choice.key] = choice
+
+    def forget(self, group: SequenceGroup) -> None:
+        state = self.requests.get(group.request_id)
+        if state is not None and state.group is group:
+            del self.requests[group.request_id]
+        for seq in group.seqs:
+            self.choices.pop(seq.key, None)
+
+    def request_id(self, key: SeqKey) -> str:
+        return self.choices[key].request.request_id
+
+    def live(self, key: SeqKey) -> bool:
+        choice = self.choices.get(key)
+        return choice is not None and choice.live
 
     def _detokenizer(self, params: SamplingParams) -> Detokenizer:
         return Detokenizer(self._token_text(params.skip_special_tokens), params.stop,
@@ -86,172 +140,180 @@ class OutputProcessor:
         texts = self.grammars.spelled  # control tokens spelled out
         return lambda token: texts[token] if 0 <= token < len(texts) else b""
 
-    def masks(self, samplers: list[Sequence]) -> tuple[np.ndarray, np.ndarray] | None:
-        """The allowed tokens of every masked row in this step: a grammar's (computed in one call), or the one
-        token a spent thinking budget writes next."""
-        forced = {i: s.state.think.forced[0] for i, s in enumerate(samplers) if s.state.think and s.state.think.forced}
-        constrained = [i for i, s in enumerate(samplers) if s.state.matcher is not None and i not in forced]
-        grammar = None
-        if constrained and self._masks is not None:
-            grammar = self._masks.allowed([samplers[i].state.matcher for i in constrained])
-            for i in constrained:
-                if samplers[i].state.matcher.is_error():  # past llguidance's per-step limits: its request fails
-                    raise constraint_failed(samplers[i])
-        if not forced:  # the common case: the grammar's rows as they are
-            return (np.asarray(constrained), grammar) if grammar is not None else None
-        rows = list(forced) + (constrained if grammar is not None else [])
-        allowed = np.zeros((len(rows), self.runner.vocab_size), dtype=bool)
-        allowed[np.arange(len(forced)), list(forced.values())] = True
-        if grammar is not None:
-            allowed[len(forced):] = grammar
-        return np.asarray(rows), allowed
+    # -- the stage --------------------------------------------------------------------------------
+    def process(self, sampled: SampledStep) -> StepResult:
+        """The sampled step's tokens, beam rows and prompt scores, taken in the order they were drawn."""
+        result = StepResult()
+        for request_id, exc in sampled.failed.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.failed:
+                self._fail(request, exc, result)
+        for key, scores in sampled.prompt.items():
+            request = self.choices[key].request
+            if request.prompt_logprobs is not None and not request.failed:
+                request.prompt_logprobs.update(scores)
+        for key, drawn in sampled.drawn.items():
+            choice = self.choices[key]
+            choice.draft_tokens += drawn.drafted
+            guesses_from = len(drawn.tokens) - drawn.accepted  # the tokens from here on are guesses that held
+            for n, (token, entry) in enumerate(zip(drawn.tokens, drawn.entries)):
+                if not choice.live:
+                    break
+                choice.draft_accepted += n >= guesses_from
+                self._contain(choice.request, result, partial(self._advance, choice, token, entry, result))
+        for request_id, rows in sampled.beams.items():
+            request = self.requests[request_id]
+            if not request.failed:
+                self._contain(request, result, partial(self._beam_step, request, rows, result))
+        return result
+
+    def _contain(self, request: RequestState, result: StepResult, fn: Callable[[], None]) -> None:
+        """fn() for one request; if it raises, that request alone fails, and the step goes on for every other."""
+        try:
+            fn()
+        except Exception as exc:  # a bug or a pathological input in one request must not fail its neighbours
+            log.exception("request %s failed in the engine; the others go on", request.request_id)
+            self._fail(request, exc, result)
 
     @staticmethod
-    def score_prompt(chunk: ScheduledChunk, logits: np.ndarray, last: int) -> None:
-        """A prompt chunk read for its logprobs: each row scores the prompt's next token (raw model)."""
-        st = chunk.seq.state
-        prompt = chunk.seq.group.prompt_token_ids
-        k = chunk.seq.group.params.prompt_logprobs or 0
-        first = last - len(chunk.tokens) + 1
-        positions = [chunk.start + j + 1 for j in range(len(chunk.tokens)) if chunk.start + j + 1 < len(prompt)]
-        if not positions:
-            return
-        logp = log_softmax(logits[first : first + len(positions)])
-        for j, pos in enumerate(positions):
-            st.prompt_logprobs[pos] = logprob_entry(logp[j], prompt[pos], k)
+    def _fail(request: RequestState, exc: BaseException, result: StepResult) -> None:
+        request.failed = True
+        if not isinstance(exc, ApiError):
+            exc = EngineError(f"the engine failed on this request: {type(exc).__name__}: {exc}")
+        result.outputs[request.request_id] = exc  # replaces what the request had this step: only the error goes out
+        result.events.append(Failed(request.request_id))
 
-    def advance(self, seq: Sequence, token: int, entry: TokenLogprob | None, outputs: Outputs) -> None:
+    def _advance(self, choice: Choice, token: int, entry: TokenLogprob | None, result: StepResult) -> None:
         """Account for one sampled token: stop conditions, new text, and the output to send."""
-        st = seq.state
-        params = seq.group.params
-        st.sampler.record(token)
-        st.tokens.append(token)
-        if st.think is not None:
-            st.think.step(token, self.runner.token_bytes(token))
+        params = choice.request.group.params
+        choice.generated += 1
+        choice.sampler.record(token)
+        choice.tokens.append(token)
+        if choice.think is not None:
+            choice.think.step(token, self.runner.token_bytes(token))
         if entry is not None:
-            st.cumulative += entry.logprob
-            if st.logprobs is not None:
-                st.logprobs.append(entry)
-        if st.matcher is not None and not st.matcher.consume_token(token):
-            raise constraint_failed(seq)
-        if token in self._eog_set and (not params.ignore_eos or st.matcher is not None and st.matcher.is_stopped()):
-            return self._finish_output(seq, FinishReason.STOP, None, outputs, ended_by_token=True)
+            choice.cumulative += entry.logprob
+            if choice.logprobs is not None:
+                choice.logprobs.append(entry)
+        matcher = choice.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            raise constraint_failed(choice)
+        if token in self._eog and (not params.ignore_eos or matcher is not None and matcher.is_stopped()):
+            return self._finish(choice, FinishReason.STOP, None, result, ended_by_token=True)
         if token in params.stop_token_ids:
-            return self._finish_output(seq, FinishReason.STOP, token, outputs, ended_by_token=True)
-        text, hit = st.detok.push(token)
-        if st.free_unless and text:
-            self._maybe_release(st, text)
+            return self._finish(choice, FinishReason.STOP, token, result, ended_by_token=True)
+        text, hit = choice.detok.push(token)
+        if choice.free_unless and text:
+            self._maybe_release(choice, text)
         if hit is not None:
-            return self._finish_output(seq, FinishReason.STOP, hit, outputs, text=text, flush=False)
-        if st.matcher is not None and st.matcher.is_stopped():  # the grammar is complete: nothing may follow
-            return self._finish_output(seq, FinishReason.STOP, None, outputs, text=text)
-        if seq.num_generated >= params.max_tokens or len(seq.token_ids) >= self.runner.context_window:
-            return self._finish_output(seq, FinishReason.LENGTH, None, outputs, text=text)
-        if text or st.logprobs:  # tokens without text yet (part of a character) wait unless logprobs are asked for
-            self._emit(seq, text, None, None, outputs)
+            return self._finish(choice, FinishReason.STOP, hit, result, text=text, flush=False)
+        if choice.matcher is not None and choice.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return self._finish(choice, FinishReason.STOP, None, result, text=text)
+        prompt_len = choice.request.group.prompt_len
+        if choice.generated >= params.max_tokens or prompt_len + choice.generated >= self.runner.context_window:
+            return self._finish(choice, FinishReason.LENGTH, None, result, text=text)
+        if text or choice.logprobs:  # tokens without text yet (part of a character) wait unless logprobs are asked for
+            self._emit(choice, text, None, None, result)
 
     @staticmethod
-    def _maybe_release(st: SeqState, text: str) -> None:
+    def _maybe_release(choice: Choice, text: str) -> None:
         """Drop the matcher once the output is text that no marker of free_unless can begin."""
-        st.head += text
-        head = st.head.lstrip()
+        choice.head += text
+        head = choice.head.lstrip()
         if not head:
             return
-        if any(head.startswith(m) for m in st.free_unless):
-            st.free_unless = ()  # committed to the constrained branch: keep the grammar to the end
-        elif not any(m.startswith(head) for m in st.free_unless):
-            st.matcher = None
-            st.free_unless = ()
+        if any(head.startswith(m) for m in choice.free_unless):
+            choice.free_unless = ()  # committed to the constrained branch: keep the grammar to the end
+        elif not any(m.startswith(head) for m in choice.free_unless):
+            choice.matcher = None
+            choice.free_unless = ()
 
-    def _finish_output(
+    def _finish(
         self,
-        seq: Sequence,
+        choice: Choice,
         reason: FinishReason,
         stop_reason: str | int | None,
-        outputs: Outputs,
+        result: StepResult,
         *,
         text: str = "",
         flush: bool = True,
         ended_by_token: bool = False,
     ) -> None:
-        st = seq.state
-        if st.beam is not None:  # a beam cannot end alone (it ran out of cells): end the search
-            return self._finish_beams(seq.group, outputs)
-        if ended_by_token and st.tokens:  # EOS or a stop token is not part of the text: not reported either
-            st.tokens.pop()
-            if st.logprobs:
-                st.logprobs.pop()
+        if choice.request.beam is not None:  # a beam cannot end alone (it ran out of cells): end the search
+            return self._finish_beams(choice.request, result)
+        if ended_by_token and choice.tokens:  # EOS or a stop token is not part of the text: not reported either
+            choice.tokens.pop()
+            if choice.logprobs:
+                choice.logprobs.pop()
         if flush:
-            text += st.detok.flush()
-        self.scheduler.finish(seq)
-        self._emit(seq, text, reason, stop_reason, outputs)
+            text += choice.detok.flush()
+        choice.done = True
+        result.events.append(Finish(choice.key))
+        self._emit(choice, text, reason, stop_reason, result)
 
-    def _emit(self, seq: Sequence, text: str, reason: FinishReason | None, stop_reason: str | int | None,
-              outputs: Outputs) -> None:
+    def _emit(self, choice: Choice, text: str, reason: FinishReason | None, stop_reason: str | int | None,
+              result: StepResult) -> None:
         """Send the sequence's news: its text and the tokens (and logprobs) taken since the last output."""
-        st = seq.state
-        group = seq.group
-        if not group.first_token_at:
-            group.first_token_at = time.perf_counter()
+        request = choice.request
+        group = request.group
+        if not request.first_token_at:
+            request.first_token_at = time.perf_counter()
         out = GenerationOutput(
-            group.request_id, seq.index, text, st.tokens, finish_reason=reason, stop_reason=stop_reason,
-            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated, cached_tokens=group.cached_tokens,
-            logprobs=st.logprobs, cumulative_logprob=st.cumulative,
-            reasoning_tokens=st.think.reasoning_tokens if st.think is not None else 0,
+            group.request_id, choice.index, text, choice.tokens, finish_reason=reason, stop_reason=stop_reason,
+            prompt_tokens=group.prompt_len, completion_tokens=choice.generated, cached_tokens=group.cached_tokens,
+            logprobs=choice.logprobs, cumulative_logprob=choice.cumulative,
+            reasoning_tokens=choice.think.reasoning_tokens if choice.think is not None else 0,
             queued_seconds=max(0.0, group.started_at - group.received_at) if group.started_at else 0.0,
-            prompt_seconds=max(0.0, group.first_token_at - group.started_at) if group.started_at else 0.0,
-            draft_tokens=seq.draft_tokens, draft_accepted=seq.draft_accepted,
+            prompt_seconds=max(0.0, request.first_token_at - group.started_at) if group.started_at else 0.0,
+            draft_tokens=choice.draft_tokens, draft_accepted=choice.draft_accepted,
         )
-        st.tokens = []
-        if st.logprobs is not None:
-            st.logprobs = []
-        self._deliver(seq.group, out, outputs)
+        choice.tokens = []
+        if choice.logprobs is not None:
+            choice.logprobs = []
+        self._deliver(request, out, result)
 
-    def _deliver(self, group: SequenceGroup, out: GenerationOutput, outputs: Outputs) -> None:
-        if isinstance(outputs.get(group.request_id), BaseException):  # it failed this step: only the error goes
+    @staticmethod
+    def _deliver(request: RequestState, out: GenerationOutput, result: StepResult) -> None:
+        mine = result.outputs.setdefault(request.request_id, [])
+        if isinstance(mine, ApiError):  # it failed this step: only the error goes
             return
-        first = group.seqs[0].state
-        if first.prompt_logprobs is not None:  # the request's first output carries the prompt's logprobs
-            prompt = group.prompt_token_ids
-            out.prompt_logprobs = [None, *(first.prompt_logprobs.get(p) for p in range(1, len(prompt)))]
-            first.prompt_logprobs = None
-        outputs.setdefault(group.request_id, []).append(out)
+        if request.prompt_logprobs is not None:  # the request's first output carries the prompt's logprobs
+            prompt = request.group.prompt_token_ids
+            out.prompt_logprobs = [None, *(request.prompt_logprobs.get(p) for p in range(1, len(prompt)))]
+            request.prompt_logprobs = None
+        mine.append(out)
 
     # -- beam search ------------------------------------------------------------------------------
-    def beam_step(self, group: SequenceGroup, rows: np.ndarray, outputs: Outputs) -> None:
-        """One step of a beam-search request: choose the next beams, move their KV and state, or finish."""
-        seqs = group.seqs
-        if any(s.status is SeqStatus.FINISHED for s in seqs):  # aborted meanwhile
+    def _beam_step(self, request: RequestState, rows: np.ndarray, result: StepResult) -> None:
+        """One step of a beam-search request: choose the next beams and move their state, or finish."""
+        search = request.beam
+        choices = request.choices
+        if search is None or any(c.done for c in choices):
             return
-        search = seqs[0].state.beam
-        assert search is not None  # a beam step runs for beam-search groups only
         moves = search.step(rows)
         if search.done:
-            return self._finish_beams(group, outputs)
-        samplers = [s.state.sampler for s in seqs]
-        host = self.scheduler.rebeam(group, [m.parent for m in moves], [m.token for m in moves])
+            return self._finish_beams(request, result)
+        parents = [m.parent for m in moves]
+        host = beam_hosts(parents, len(choices))
+        samplers = [c.sampler for c in choices]
         for i, move in enumerate(moves):
             sampler = samplers[move.parent].fork()
             sampler.record(move.token)
-            seqs[host[i]].state.sampler = sampler
-        search.beams = [search.beams[host.index(j)] for j in range(len(seqs))]
+            choices[host[i]].sampler = sampler
+        search.beams = [search.beams[host.index(j)] for j in range(len(choices))]
+        result.events.append(BeamMove(request.request_id, tuple(parents), tuple(m.token for m in moves)))
 
-    def _finish_beams(self, group: SequenceGroup, outputs: Outputs) -> None:
-        search = group.seqs[0].state.beam
-        assert search is not None  # a beam step runs for beam-search groups only
-        if search.closed:
+    def _finish_beams(self, request: RequestState, result: StepResult) -> None:
+        search = request.beam
+        if search is None or search.closed:
             return
         search.closed = True
         for beam in search.beams if not search.done else ():
             search.add_running(beam)
-        for seq in group.seqs:
-            self.scheduler.finish(seq)
+        for choice in request.choices:
+            choice.done = True
+            result.events.append(Finish(choice.key))
+        group = request.group
         for out in search.outputs(group.request_id, group.prompt_len, group.cached_tokens,
                                   lambda: self._detokenizer(group.params)):
-            self._deliver(group, out, outputs)
-
-
-def constraint_failed(seq: Sequence) -> ConstraintFailed:
-    st = seq.state
-    return ConstraintFailed(f"The output constraint could not be followed after {seq.num_generated} tokens: "
-                            f"{plain_error(st.matcher.get_error())}.", st.grammar_param)
+            self._deliver(request, out, result)

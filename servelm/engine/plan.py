@@ -8,10 +8,13 @@ its neighbours (docs/exactness.md). The runner reads the chunks under the rules 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import NewType, Protocol
 
 from servelm.engine.types import MediaChunk as MediaChunk  # what a runner reads an image chunk as
+
+SeqKey = NewType("SeqKey", int)  # a sequence, as the engine's stages name it (engine/sequence.py's Sequence.key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +70,12 @@ KVOp = Clear | Keep | Copy | Save | Restore
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    seq: Any  # the engine's Sequence (runners read only the fields below)
+    seq: SeqKey  # the sequence whose tokens these are (runners read only the fields below)
     slot: int
     start: int  # position of the first token
     tokens: tuple[int, ...]
     prev_token: int | None = None  # the token at start - 1, which a runner may read again beside a lone row
-    samplers: tuple[Any, ...] = ()  # the engine's sequences that sample from the chunk's last row
+    samplers: tuple[SeqKey, ...] = ()  # the sequences that sample from the chunk's last row
     all_logits: bool = False  # a logits row for every token (prompt logprobs), not only the last
     # an image's positions: their inputs are its embeddings from `offset` on (tokens hold its placeholders)
     media: MediaChunk | None = None
@@ -96,6 +99,9 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     ops: list[KVOp] = field(default_factory=list)  # in the order they were decided, before the forward pass
+    # slots whose Restore the runner refused (runners.base.RestoreFailed): the plan as read again without their
+    # chunks and without its (done) operations; Scheduler.update has those sequences read their prompts instead
+    refused: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +114,14 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         return bool(self.chunks or self.ops)
+
+    @property
+    def max_drafted(self) -> int:
+        return max((c.drafted for c in self.chunks), default=0)
+
+    def without(self, keep: Callable[[ScheduledChunk], bool]) -> StepPlan:
+        """The plan with only the chunks `keep` accepts (its operations and refusals as they are)."""
+        return StepPlan([c for c in self.chunks if keep(c)], self.ops, self.refused)
 
     def rows(self) -> list[int]:
         """For each chunk, the logits row its samplers read (-1 when it has none): the last token's, or for a

@@ -1,6 +1,9 @@
 """Continuous batching as pure data: which tokens of which sequences go into the next forward pass.
 
-schedule() → StepPlan; the engine runs the plan through the model, samples, then calls update(). Each step
+Its surface is four calls: add(group) and abort(request_id) between steps, schedule() → StepPlan before one, and
+update(plan, sampled, result) after it, with what the sampler drew and what the output processor made of it. Only
+these change a sequence's state (status, slot, tokens, cells computed, drafts) and queue KV operations; the rest
+(the counts /health and /metrics show) is read-only. Each step
 carries one token for every decoding sequence, then prompt chunks (first come, first served) under the step's
 token budget, so a long prompt is read a chunk at a time while the others keep decoding. A sequence reads at
 most `max_rows` tokens a step (the runner's kernels give a row the same numerics whatever shares its step only
@@ -23,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Mapping
 
-from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save, ScheduledChunk, StepPlan
+from servelm.engine.beam import beam_hosts
+from servelm.engine.output import BeamMove, Failed, Finish, StepResult
+from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save, ScheduledChunk, SeqKey, StepPlan
+from servelm.engine.sampler import SampledStep
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
 from servelm.engine.slots import Slot, Slots, common_prefix
-from servelm.engine.speculate import Speculator
+from servelm.engine.speculate import Candidate, Drafter, Speculator
 from servelm.engine.spill import Spilled, SpillStore
 from servelm.engine.types import MediaSpan
 
@@ -59,6 +64,7 @@ class Scheduler:
         self.draft_tokens = 0  # guesses read since start, and how many of them held
         self.draft_accepted = 0
         self._restoring: dict[int, Spilled] = {}  # this step's Restore ops: the spilled entry by slot
+        self._seqs: dict[SeqKey, Sequence] = {}  # every sequence of a waiting or running group
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -92,6 +98,12 @@ class Scheduler:
         if len(group.seqs) > self.num_slots:
             raise ValueError(f"a request of {len(group.seqs)} choices exceeds the {self.num_slots} sequence slots")
         self.waiting.append(group)
+        for seq in group.seqs:
+            self._seqs[seq.key] = seq
+
+    def sequence(self, key: SeqKey) -> Sequence | None:
+        """A waiting or running sequence, by key (a view: change it only through update)."""
+        return self._seqs.get(key)
 
     def find(self, request_id: str) -> SequenceGroup | None:
         for group in (*self.running, *self.waiting):
@@ -103,10 +115,10 @@ class Scheduler:
         group = self.find(request_id)
         if group is not None:
             for seq in group.live:
-                self.finish(seq)
+                self._finish(seq)
         return group
 
-    def finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
         seq.status = SeqStatus.FINISHED
@@ -123,6 +135,8 @@ class Scheduler:
                 self.running.remove(group)
             elif group in self.waiting:
                 self.waiting.remove(group)
+            for s in group.seqs:
+                self._seqs.pop(s.key, None)
 
     # -- the step ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -137,7 +151,7 @@ class Scheduler:
                     plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
                     budget -= 1
         if self.speculator is not None and plan.chunks and budget > 0:
-            budget -= self.speculator.draft(plan, budget, self.context_window, self.max_rows)
+            budget -= self.speculator.draft(plan, budget, self.max_rows, self._draft_candidates(plan))
         for group in self.running:
             for seq in group.seqs:
                 if budget <= 0:
@@ -165,6 +179,19 @@ class Scheduler:
                     budget -= self._read(seq, budget, plan)
         plan.ops, self._ops = self._ops, []
         return plan
+
+    def _draft_candidates(self, plan: StepPlan) -> dict[int, Candidate]:
+        """The decode chunks (by index) that may carry guesses: a plain sequence's, sampled by it alone."""
+        out = {}
+        for i, chunk in enumerate(plan.chunks):
+            seq = self._seqs[chunk.seq]
+            params = seq.group.params
+            if chunk.media is None and not chunk.all_logits and chunk.samplers == (chunk.seq,) and params.beam is None:
+                if seq.drafter is None:
+                    seq.drafter = Drafter()
+                room = min(params.max_tokens - seq.num_generated - 1, self.context_window - chunk.start - 1)
+                out[i] = Candidate(seq.drafter, seq.token_ids, room)
+        return out
 
     def _read(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Put the sequence's next chunk in the plan, within the step's token budget; returns its length (0: none
@@ -296,20 +323,63 @@ class Scheduler:
         assert seq.slot is not None
         start = seq.num_computed
         tokens = tuple(seq.token_ids[start : start + take])
-        samplers: tuple[Sequence, ...] = ()
+        samplers: tuple[SeqKey, ...] = ()
         if start + take == len(seq.token_ids):
-            pending = [s for s in seq.group.seqs if s.status is SeqStatus.FORK_PENDING]
-            samplers = (seq, *pending)
+            pending = [s.key for s in seq.group.seqs if s.status is SeqStatus.FORK_PENDING]
+            samplers = (seq.key, *pending)
         all_logits = seq.group.params.prompt_logprobs is not None and start < seq.prompt_len
         prev = seq.token_ids[start - 1] if start > 0 and seq.token_ids[start - 1] >= 0 else None  # not an image's
         media, offset = (span.chunk, start - span.start) if span is not None else (None, 0)
-        return ScheduledChunk(seq, seq.slot, start, tokens, prev, samplers, all_logits, media, offset)
+        return ScheduledChunk(seq.key, seq.slot, start, tokens, prev, samplers, all_logits, media, offset)
 
-    def restore_failed(self, slots: set[int]) -> list[Sequence]:
+    def update(self, plan: StepPlan, sampled: SampledStep, result: StepResult) -> list[SequenceGroup]:
+        """Record a step: the cells its pass computed (and its refused restores), the tokens drawn (a drafted chunk's
+        guesses that held count as computed), forks of fresh siblings, then the output's events in their order
+        (finished sequences, failed requests, beam moves), then the failed guesses' cells dropped. Returns the
+        requests that ended."""
+        if plan.refused:
+            self._restore_failed(plan.refused)
+        for chunk in plan.chunks:
+            seq = self._seqs.get(chunk.seq)
+            if seq is None or seq.status is SeqStatus.FINISHED:
+                continue
+            seq.num_computed += len(chunk.tokens) - chunk.drafted  # a guess's cell counts once it holds
+            self.draft_tokens += chunk.drafted
+            for key in chunk.samplers:
+                sampler = self._seqs[key]
+                if sampler.status is SeqStatus.FORK_PENDING:
+                    self._fork(seq, sampler)
+                drawn = sampled.drawn.get(key)
+                if drawn is not None:
+                    sampler.token_ids += drawn.tokens
+            if chunk.drafted and chunk.seq in sampled.drawn:
+                accepted = sampled.drawn[chunk.seq].accepted
+                seq.num_computed += accepted
+                self.draft_accepted += accepted
+        touched: list[SequenceGroup] = []
+        for event in result.events:
+            if isinstance(event, Finish):
+                seq = self._seqs.get(event.seq)
+                if seq is not None:
+                    touched.append(seq.group)
+                    self._finish(seq)
+            elif isinstance(event, Failed):
+                group = self.abort(event.request_id)
+                if group is not None:
+                    touched.append(group)
+            elif isinstance(event, BeamMove):
+                group = self.find(event.request_id)
+                if group is not None:
+                    self._rebeam(group, list(event.parents), list(event.tokens))
+        for chunk in plan.chunks:
+            if chunk.drafted:
+                self._settle(chunk)
+        return list({id(g): g for g in touched if g.finished}.values())
+
+    def _restore_failed(self, slots: frozenset[int]) -> None:
         """The runner refused this step's restores into `slots` (and emptied them, and any slot copied from them): the
         sequences there read their prompts from the start, reported as uncached, and the spilled entries go (their
-        files too). Returns those sequences (their chunks of this step are not to be read)."""
-        reset = []
+        files too). Their chunks of this step were not read."""
         for group in self.running:
             for seq in group.seqs:
                 if seq.slot in slots and seq.status is SeqStatus.RUNNING:
@@ -318,47 +388,18 @@ class Scheduler:
                         self.cached_tokens -= group.cached_tokens
                         group.cached_tokens = 0
                     seq.num_computed = 0
-                    reset.append(seq)
         if self.spill is not None:
             for slot in slots:
                 entry = self._restoring.pop(slot, None)
                 if entry is not None:
                     self.spill.discard(entry)
-        return reset
 
-    def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> None:
-        """Record a finished forward pass: computed cells, sampled tokens, and forks of fresh siblings."""
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            if seq.status is SeqStatus.FINISHED:
-                continue
-            seq.num_computed += len(chunk.tokens) - chunk.drafted  # a guess's cell counts once it holds (accept)
-            seq.draft_tokens += chunk.drafted
-            self.draft_tokens += chunk.drafted
-            for sampler in chunk.samplers:
-                if sampler.status is SeqStatus.FORK_PENDING:
-                    self._fork(seq, sampler)
-                if sampler in sampled and sampler.status is not SeqStatus.FINISHED:
-                    sampler.token_ids.append(sampled[sampler])
-
-    def verifies(self, chunk: ScheduledChunk, j: int) -> bool:
-        """Whether the drafted chunk's row j (the row after its guess j - 1) is the sequence's next: every guess
-        before held, and the sequence runs on."""
-        seq = chunk.seq
-        return (seq.status is SeqStatus.RUNNING and j <= chunk.drafted and seq.num_computed == chunk.start + j
-                and seq.token_ids[-1] == chunk.tokens[j])
-
-    def accept(self, seq: Sequence, token: int) -> None:
-        """The guess before this row held: its cell counts, and the row's token is the sequence's next."""
-        seq.num_computed += 1
-        seq.token_ids.append(token)
-        seq.draft_accepted += 1
-        self.draft_accepted += 1
-
-    def settle(self, chunk: ScheduledChunk) -> None:
+    def _settle(self, chunk: ScheduledChunk) -> None:
         """A drafted chunk is verified: its sequence learns how its guesses did, and the cells of those that failed
         go."""
-        seq = chunk.seq
+        seq = self._seqs.get(chunk.seq)
+        if seq is None:
+            return
         kept = max(0, seq.num_computed - chunk.start - 1)  # (-1: it failed before its first row was taken)
         running = seq.status is SeqStatus.RUNNING
         if seq.drafter is not None:
@@ -366,33 +407,20 @@ class Scheduler:
         if running and seq.slot is not None and seq.num_computed < chunk.start + len(chunk.tokens):
             self._ops.append(Keep(seq.slot, seq.num_computed))
 
-    def rebeam(self, group: SequenceGroup, parents: list[int], tokens: list[int]) -> list[int]:
-        """Beam search moved on: new beam i continues beam parents[i] with tokens[i].
-
-        A parent's first child stays in the parent's slot; each further child takes the slot of a beam that left
-        no child and gets a copy of the parent's cells. Returns, for each new beam, the index of the sequence that
-        now holds it.
-        """
+    def _rebeam(self, group: SequenceGroup, parents: list[int], tokens: list[int]) -> None:
+        """Beam search moved on: new beam i continues beam parents[i] with tokens[i], held by the sequence
+        beam_hosts names, which gets a copy of the parent's cells when it is not the parent's own."""
         seqs = group.seqs
         old = [(list(s.token_ids), s.num_computed) for s in seqs]
-        children: dict[int, list[int]] = {}
+        host = beam_hosts(parents, len(seqs))
         for i, p in enumerate(parents):
-            children.setdefault(p, []).append(i)
-        spare = [j for j in range(len(seqs)) if j not in children]
-        host = [0] * len(parents)
-        for p, kids in children.items():
-            host[kids[0]] = p
-            for k in kids[1:]:
-                j = spare.pop()
-                host[k] = j
-                src, dst = seqs[p].slot, seqs[j].slot
-                if src is not None and dst is not None:
-                    self._ops.append(Copy(src, dst, old[p][1]))
+            src, dst = seqs[p].slot, seqs[host[i]].slot
+            if host[i] != p and src is not None and dst is not None:
+                self._ops.append(Copy(src, dst, old[p][1]))
         for i, p in enumerate(parents):
             seq = seqs[host[i]]
             seq.token_ids = old[p][0] + [tokens[i]]
             seq.num_computed = old[p][1] if seq.slot is not None else 0
-        return host
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         group = parent.group

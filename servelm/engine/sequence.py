@@ -1,4 +1,7 @@
-"""Per-sequence and per-request state that the scheduler and the engine loop share.
+"""Per-sequence and per-request state as the scheduler keeps it: which tokens, which slot, how far computed.
+
+Only the scheduler writes it (Scheduler.update after each step, add/abort/schedule between them); the other stages
+of a step name a sequence by its key (plan.SeqKey) and keep their own state of it (engine/choice.py).
 
 A request with n choices is a SequenceGroup of n Sequences. The group's prompt is computed once, by its
 first sequence; the others then get copies of those KV cells in their own slots (a fork) and sample their
@@ -11,13 +14,10 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from servelm.engine.plan import SeqKey
+from servelm.engine.speculate import Drafter
 from servelm.engine.types import MediaSpan, SamplingParams
-
-if TYPE_CHECKING:  # annotations only: engine/output.py and engine/speculate.py make them
-    from servelm.engine.output import SeqState
-    from servelm.engine.speculate import Drafter
 
 
 class SeqStatus(enum.Enum):
@@ -38,12 +38,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV cells are in its slot's stream
     slot: int | None = None  # the llama.cpp sequence id (its own KV stream) while it holds one
-    key: int = field(default_factory=lambda: next(_seq_keys))
+    key: SeqKey = field(default_factory=lambda: SeqKey(next(_seq_keys)))
     drafter: Drafter | None = None  # its prompt-lookup index and rate of kept guesses, once it decodes
-    draft_tokens: int = 0  # guesses it read, and how many of them held
-    draft_accepted: int = 0
-    # the output processor's per-sequence state (RNG, detokenizer, matcher, logprobs), set when it is admitted
-    state: SeqState = field(init=False)
 
     @property
     def prompt_len(self) -> int:

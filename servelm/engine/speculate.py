@@ -25,6 +25,7 @@ pays only for a sequence whose guesses nearly always hold.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,16 @@ MAX_DRAFT = 16  # guesses one sequence reads in a step at most
 PRIOR = 0.5  # a new sequence's rate of kept guesses
 LEARN = 0.15  # weight of one verified position in the moving rate
 DRIFT = 0.01  # per step without a draft, the rate moves this much of the way back to PRIOR
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A decoding sequence that may draft: its lookup state, its tokens, and how many more it may take (its
+    max_tokens and the context window allow)."""
+
+    drafter: Drafter
+    history: Seq[int]
+    room: int
 
 
 @dataclass(eq=False, slots=True)
@@ -99,12 +110,6 @@ class Speculator:
         self.call_cost = call_cost_rows
         self.lone_row_from = lone_row_from
 
-    @staticmethod
-    def eligible(chunk: ScheduledChunk) -> bool:
-        seq = chunk.seq
-        return (chunk.media is None and not chunk.all_logits and chunk.samplers == (seq,)
-                and seq.group.params.beam is None)
-
     def cost(self, chunks: list[ScheduledChunk]) -> float:
         """What the decode chunks cost in rows' time: each call's own cost, each token's row, and the row a lone
         row reads again."""
@@ -117,25 +122,19 @@ class Speculator:
                     total += 1
         return total
 
-    def draft(self, plan: StepPlan, budget: int, window: int, max_rows: int) -> int:
-        """Turn some of the plan's decode chunks (one token each, the plan's only chunks yet) into drafted ones,
-        within `budget` step tokens, `max_rows` a chunk and the context window; returns the tokens added."""
+    def draft(self, plan: StepPlan, budget: int, max_rows: int, candidates: Mapping[int, Candidate]) -> int:
+        """Turn some of the plan's decode chunks (one token each, the plan's only chunks yet) into drafted ones:
+        those of `candidates` (by chunk index), within `budget` step tokens and `max_rows` a chunk; returns the
+        tokens added."""
         chunks = plan.chunks
         offers: list[tuple[float, int, list[int]]] = []
-        for i, chunk in enumerate(chunks):
-            if not self.eligible(chunk):
-                continue
-            seq = chunk.seq
-            if seq.drafter is None:
-                seq.drafter = Drafter()
-            params = seq.group.params
-            limit = min(MAX_DRAFT, max_rows - 1, params.max_tokens - seq.num_generated - 1, window - chunk.start - 1,
-                        budget)
-            guess = seq.drafter.propose(seq.token_ids, limit) if limit > 0 else []
+        for i, candidate in candidates.items():
+            limit = min(MAX_DRAFT, max_rows - 1, candidate.room, budget)
+            guess = candidate.drafter.propose(candidate.history, limit) if limit > 0 else []
             if guess:
-                offers.append((seq.drafter.rate, i, guess))
+                offers.append((candidate.drafter.rate, i, guess))
             else:
-                seq.drafter.rest()
+                candidate.drafter.rest()
         if not offers:
             return 0
         made = float(len(chunks))  # the step's expected tokens, and its cost in rows' time
@@ -143,7 +142,6 @@ class Speculator:
         added = 0
         for rate, i, guess in sorted(offers, key=lambda o: -o[0]):
             guess = guess[: budget - added]
-            seq = chunks[i].seq
             # the first guess's cost (a row, and the calls a longer chunk splits off, or nothing in place of a lone
             # row's re-read); each further guess is a row more
             first = self.cost([*chunks[:i], _drafted(chunks[i], guess[:1]), *chunks[i + 1 :]]) - cost if guess else 0
@@ -153,7 +151,7 @@ class Speculator:
                 if value > best:
                     best, best_k = value, k
             if not best_k:
-                seq.drafter.rest()
+                candidates[i].drafter.rest()
                 continue
             chunks[i] = _drafted(chunks[i], guess[:best_k])
             made += expected_kept(rate, best_k)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from servelm.engine.plan import Clear, ScheduledChunk, StepPlan
+from servelm.engine.plan import Clear, ScheduledChunk, SeqKey, StepPlan
 from servelm.runners.base import ModelRunner
 
 PROBE_TOKENS = 24
 _PIECES = (5, 1, 7, 11)  # the probe read in chunks of these sizes
 _NEIGHBOURS = 9  # decode rows beside the probe's: past the 8 rows where some kernels switch
-_READY = object()  # the samplers of a chunk whose last row is wanted (the runner only asks whether there are any)
 
 
 def _probe(vocab_size: int, n: int, seed: int) -> list[int]:
@@ -29,7 +28,7 @@ def _probe(vocab_size: int, n: int, seed: int) -> list[int]:
 
 
 def _chunk(slot: int, start: int, tokens: list[int], *, prev: int | None, all_logits: bool = False) -> ScheduledChunk:
-    return ScheduledChunk(None, slot, start, tuple(tokens), prev, samplers=(_READY,), all_logits=all_logits)
+    return ScheduledChunk(SeqKey(slot), slot, start, tuple(tokens), prev, samplers=(SeqKey(slot),), all_logits=all_logits)
 
 
 class _Compare:

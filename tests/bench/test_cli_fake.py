@@ -56,7 +56,7 @@ def test_levels_send_fresh_prompts_and_a_warmup_of_its_own(fake_server_factory, 
     def spy(plan):
         for chunk in plan.chunks:
             if chunk.start == 0:
-                seen.append(repr(chunk.seq.group.prompt_token_ids))
+                seen.append(repr(s.engine.scheduler.sequence(chunk.seq).group.prompt_token_ids))
         return original(plan)
 
     s.runner.step = spy

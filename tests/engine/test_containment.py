@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from servelm.engine import local as local_module
+from servelm.engine import sampler as sampler_module
 from servelm.engine import sampling
 from servelm.engine.beam import BeamSearch
 from servelm.engine.local import EngineError, LocalEngine
@@ -71,26 +71,26 @@ async def test_a_failure_in_one_rows_processing_fails_that_request_alone(engine,
 
 
 async def test_a_failure_in_one_rows_draw_fails_that_request_alone(engine, monkeypatch):
-    original = local_module.pick_rows
+    original = sampler_module.pick_rows
 
     def pick(rows, states):
         if any(st.params.frequency_penalty == FAULTY and st.num_generated >= 2 for st in states):
             raise ZeroDivisionError("injected")
         return original(rows, states)
 
-    monkeypatch.setattr(local_module, "pick_rows", pick)
+    monkeypatch.setattr(sampler_module, "pick_rows", pick)
     await neighbours_and_faulty(engine)
 
 
 async def test_a_failure_in_one_requests_logprobs_fails_it_alone(engine, monkeypatch):
-    original = local_module.token_logprobs
+    original = sampler_module.token_logprobs
 
     def logprobs(rows, tokens, ks):
         if 7 in ks:
             raise ValueError("injected")
         return original(rows, tokens, ks)
 
-    monkeypatch.setattr(local_module, "token_logprobs", logprobs)
+    monkeypatch.setattr(sampler_module, "token_logprobs", logprobs)
     await neighbours_and_faulty(engine, logprobs=7)
 
 

@@ -11,6 +11,7 @@ import pytest
 from servelm.engine.local import LocalEngine
 from servelm.engine.types import GenerationRequest, MediaChunk, MediaSpan, SamplingParams
 from servelm.runners.fake import FakeProjector, FakeRunner
+from tests.engine.steps import request_ids
 
 
 def prompt_with(images: list[bytes], length: int = 6, causal: bool = False, text: int = 5) -> tuple[tuple[int, ...], tuple[MediaSpan, ...]]:
@@ -89,6 +90,7 @@ async def test_a_causal_image_is_read_in_pieces_of_at_most_max_rows():
 async def test_one_image_a_step_while_text_streams_keep_decoding():
     # steps of 20 ms: the text's 40 steps outlast the six image steps even when a loaded machine posts the images late
     eng, runner = engine_with(step_delay=0.02)
+    requests = request_ids(eng)
     try:
         text = run(eng, "text", (1, 2, 3), (), max_tokens=40)
         images = [run(eng, f"img{i}", *prompt_with([f"IMG-{i}".encode(), f"IMG-{i}b".encode()])) for i in range(3)]
@@ -97,7 +99,7 @@ async def test_one_image_a_step_while_text_streams_keep_decoding():
         with_image = [n for n, plan in enumerate(runner.steps) if plan.has_media]
         assert len(with_image) == 6  # three requests of two images each, one a step
         # and every one of those steps decoded the text stream too (it runs for 40 steps)
-        assert all(any(c.seq.group.request_id == "text" for c in runner.steps[n].chunks) for n in with_image)
+        assert all(any(requests[c.seq] == "text" for c in runner.steps[n].chunks) for n in with_image)
     finally:
         eng.stop()
 
@@ -119,6 +121,7 @@ async def test_the_prefix_cache_reuses_the_same_image_and_stops_before_another()
 
 async def test_a_cached_prefix_ending_inside_an_image_is_cut_back_to_its_start():
     eng, runner = engine_with(length=6)
+    requests = request_ids(eng)
     try:
         prompt, spans = prompt_with([b"IMG-red"], text=5)
         # a first request whose prompt is the same up to the middle of the image (its cells then end there)
@@ -129,7 +132,7 @@ async def test_a_cached_prefix_ending_inside_an_image_is_cut_back_to_its_start()
         _, final = await run(eng, "b", prompt, spans)
         assert final.cached_tokens == 5
         last = media_chunks(runner)[-1]
-        assert last.seq.group.request_id == "b" and last.offset == 0 and len(last.tokens) == 6
+        assert requests[last.seq] == "b" and last.offset == 0 and len(last.tokens) == 6
     finally:
         eng.stop()
 

@@ -8,33 +8,33 @@ from __future__ import annotations
 import random
 
 from servelm.engine.plan import Clear, Copy, Keep
-from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SequenceGroup
 from servelm.engine.types import SamplingParams
 from servelm.runners.fake import FakeRunner
+from tests.engine.steps import Recording
 
 
-def cache(num_slots: int = 2, max_step_tokens: int = 64, **kw) -> Scheduler:
-    return Scheduler(num_slots, kw.pop("context_window", 512), max_step_tokens, **kw)
+def cache(num_slots: int = 2, max_step_tokens: int = 64, **kw) -> Recording:
+    return Recording(num_slots, kw.pop("context_window", 512), max_step_tokens, **kw)
 
 
-def run_step(s: Scheduler, token: int = 7, runner: FakeRunner | None = None):
+def run_step(s: Recording, token: int = 7, runner: FakeRunner | None = None):
     plan = s.schedule()
     if runner is not None:
         runner.step(plan)  # raises on a copy or trim of cells that are not there, or a chunk at the wrong position
-    s.update(plan, {seq: token for c in plan.chunks for seq in c.samplers})
+    s.record(plan, {seq: token for c in plan.chunks for seq in c.samplers})
     if runner is not None:  # never fewer: a fork's copy counts from its decision, the runner's from the next step
         assert runner.cells_in_use() <= s.kv_cells_used + s.kv_cells_cached, "the scheduler undercounts the cells"
     return plan
 
 
-def ask(s: Scheduler, rid: str, prompt, max_tokens: int = 2, scope: str = "", **kw) -> SequenceGroup:
+def ask(s: Recording, rid: str, prompt, max_tokens: int = 2, scope: str = "", **kw) -> SequenceGroup:
     g = SequenceGroup(rid, tuple(prompt), SamplingParams(max_tokens=max_tokens, **kw), scope=scope)
     s.add(g)
     return g
 
 
-def finish(s: Scheduler, g: SequenceGroup) -> None:
+def finish(s: Recording, g: SequenceGroup) -> None:
     for seq in g.live:
         s.finish(seq)
 
@@ -122,7 +122,7 @@ def test_a_running_requests_cells_are_copied_for_a_new_one():
     plan = run_step(s)
     src = long_running.seqs[0].slot
     assert b.cached_tokens == 80 and Copy(src, b.seqs[0].slot, 80) in plan.ops
-    assert [(c.start, c.tokens) for c in plan.chunks if c.seq.group is b] == [(80, (2, 3))]
+    assert [(c.start, c.tokens) for c in plan.chunks if s.group(c) is b] == [(80, (2, 3))]
 
 
 def test_prompt_logprob_requests_read_everything_and_seeded_ones_reuse():
@@ -146,7 +146,7 @@ def test_an_identical_prompt_still_computes_its_last_token():
     assert [(c.start, len(c.tokens)) for c in plan.chunks] == [(9, 1)] and plan.chunks[0].wants_logits
 
 
-def arrive(s: Scheduler, rng: random.Random, systems: list[list[int]], request_id: str, ns: list[int] | None = None) -> None:
+def arrive(s: Recording, rng: random.Random, systems: list[list[int]], request_id: str, ns: list[int] | None = None) -> None:
     """Random traffic: three times in ten, a conversation over one of the shared system prompts arrives (n drawn
     from `ns`, when given)."""
     if rng.random() < 0.3:
@@ -159,7 +159,7 @@ def test_every_operation_matches_the_runners_cells_under_random_traffic():
     runner checks every copy, trim and chunk, and the scheduler's counts are its cells after every step."""
     rng = random.Random(7)
     runner = FakeRunner(num_slots=4, max_step_tokens=32, context_window=160)
-    s = Scheduler(4, 160, 32)
+    s = Recording(4, 160, 32)
     systems = [[20 + k] * rng.randint(5, 40) for k in range(4)]
     hits = 0
     for i in range(400):
@@ -183,7 +183,7 @@ def test_requests_arriving_together_with_one_long_prefix_read_it_once():
     groups = [ask(s, f"r{k}", [*system, k + 1, k + 2], max_tokens=4) for k in range(4)]
     read = 0
     for _ in range(12):
-        read += sum(len(c.tokens) for c in run_step(s).chunks if c.start < c.seq.prompt_len)
+        read += sum(len(c.tokens) for c in run_step(s).chunks if c.start < s.seq(c.seq).prompt_len)
     assert [g.cached_tokens for g in groups] == [0, 200, 200, 200]
     assert read == 202 + 3 * 2, "the shared 200 tokens were read once"
 
@@ -193,7 +193,7 @@ def test_a_request_does_not_wait_for_a_prefix_too_short_to_matter():
     a = ask(s, "a", [*range(100, 130), *range(1, 100)], max_tokens=4)
     b = ask(s, "b", [*range(100, 130), *range(200, 240)], max_tokens=4)
     plan = run_step(s)
-    assert {c.seq.group for c in plan.chunks} == {a, b}, "30 shared tokens are not worth a wait"
+    assert {s.group(c) for c in plan.chunks} == {a, b}, "30 shared tokens are not worth a wait"
 
 
 def test_a_request_does_not_wait_for_a_prefix_the_cache_already_holds_but_for_a_few_tokens():
@@ -208,7 +208,7 @@ def test_a_request_does_not_wait_for_a_prefix_the_cache_already_holds_but_for_a_
     finish(s, warm)
     groups = [ask(s, f"r{k}", [*system, 1, 2, 3, 40 + k, 50 + k], max_tokens=4) for k in range(4)]
     plan = run_step(s)
-    assert {c.seq.group for c in plan.chunks} == set(groups), "all four read their questions in the first step"
+    assert {s.group(c) for c in plan.chunks} == set(groups), "all four read their questions in the first step"
     assert [g.cached_tokens for g in groups] == [200] * 4
 
 
@@ -234,7 +234,7 @@ def test_a_request_waits_only_for_a_prompt_of_its_own_scope():
     ask(s, "b", long_prompt, max_tokens=1, scope="key-b")
     ask(s, "a2", long_prompt, max_tokens=1, scope="key-a")
     plan = s.schedule()
-    started = {c.seq.group.request_id for c in plan.chunks}
+    started = {s.group(c).request_id for c in plan.chunks}
     assert "b" in started, "another scope's request is not held back"
     assert "a2" not in started, "the same scope waits to reuse what is being read"
 
@@ -250,7 +250,7 @@ def test_without_the_cache_every_prompt_is_read_whole():
     assert again.cached_tokens == 0 and Clear(slot) in plan.ops and plan.chunks[0].start == 0
 
 
-def _rest_entries(s: Scheduler, count: int) -> list[int]:
+def _rest_entries(s: Recording, count: int) -> list[int]:
     """Fill `count` slots with finished one-token requests, one after another; their slots in that order."""
     slots = []
     for k in range(count):
@@ -304,7 +304,7 @@ def test_running_slots_stay_in_few_runs_under_random_traffic():
     opens a gap that a neighbour could have closed. Checked against the fake runner's book of cells."""
     rng = random.Random(11)
     runner = FakeRunner(num_slots=8, max_step_tokens=64, context_window=200)
-    s = Scheduler(8, 200, 64)
+    s = Recording(8, 200, 64)
     systems = [[20 + k] * rng.randint(8, 40) for k in range(3)]
     placed = 0
     for i in range(400):

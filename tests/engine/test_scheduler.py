@@ -5,27 +5,27 @@ from __future__ import annotations
 import pytest
 
 from servelm.engine.plan import Clear, Copy, Keep
-from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SeqStatus, SequenceGroup
 from servelm.engine.types import SamplingParams
+from tests.engine.steps import Recording
 
 
 def group(rid: str, prompt_len: int, n: int = 1, max_tokens: int = 8) -> SequenceGroup:
     return SequenceGroup(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, n=n))
 
 
-def sched(**kw) -> Scheduler:
+def sched(**kw) -> Recording:
     """A scheduler whose slots keep no cache (the prefix cache's own tests are in test_prefix_cache.py)."""
     kw.setdefault("context_window", 512)
     kw.setdefault("prefix_cache", False)
-    return Scheduler(**kw)
+    return Recording(**kw)
 
 
-def run_step(s: Scheduler, token: int = 7):
+def run_step(s: Recording, token: int = 7):
     """Schedule one step and pretend the model sampled `token` for every sampler."""
     plan = s.schedule()
     sampled = {seq: token for c in plan.chunks for seq in c.samplers}
-    s.update(plan, sampled)
+    s.record(plan, sampled)
     return plan
 
 
@@ -34,11 +34,11 @@ def test_admits_up_to_the_slots_and_queues_the_rest():
     for i in range(3):
         s.add(group(f"r{i}", 5))
     plan = run_step(s)
-    assert {c.seq.group.request_id for c in plan.chunks} == {"r0", "r1"}
+    assert {s.group(c).request_id for c in plan.chunks} == {"r0", "r1"}
     assert s.num_waiting == 1 and s.num_running_seqs == 2
     s.finish(s.running[0].seqs[0])
     plan = run_step(s)
-    assert "r2" in {c.seq.group.request_id for c in plan.chunks}
+    assert "r2" in {s.group(c).request_id for c in plan.chunks}
     assert isinstance(plan.ops[0], Clear), "the finished sequence's stream is emptied before the next forward pass"
 
 
@@ -50,12 +50,12 @@ def test_decode_tokens_come_first_and_prompts_are_chunked_under_the_budget():
     plans = [run_step(s) for _ in range(3)]
     for plan in plans:
         assert plan.num_tokens <= 16
-        kinds = [(c.seq.group.request_id, len(c.tokens)) for c in plan.chunks]
+        kinds = [(s.group(c).request_id, len(c.tokens)) for c in plan.chunks]
         assert kinds[0] == ("short", 1), "the decoding sequence keeps getting its token every step"
-    long_chunks = [len(c.tokens) for p in plans for c in p.chunks if c.seq.group.request_id == "long"]
+    long_chunks = [len(c.tokens) for p in plans for c in p.chunks if s.group(c).request_id == "long"]
     assert long_chunks == [15, 15, 10]
-    last = [c for c in plans[2].chunks if c.seq.group.request_id == "long"][0]
-    assert last.wants_logits and not [c for c in plans[0].chunks if c.seq.group.request_id == "long"][0].wants_logits
+    last = [c for c in plans[2].chunks if s.group(c).request_id == "long"][0]
+    assert last.wants_logits and not [c for c in plans[0].chunks if s.group(c).request_id == "long"][0].wants_logits
 
 
 def test_a_sequence_reads_at_most_max_rows_a_step():
@@ -82,8 +82,8 @@ def test_n_choices_prefill_once_then_copy_the_prompt_cells():
     s.add(g)
     plan = s.schedule()
     assert len(plan.chunks) == 1 and len(plan.chunks[0].tokens) == 10
-    assert [x.index for x in plan.chunks[0].samplers] == [0, 1, 2]
-    s.update(plan, {seq: 20 + seq.index for seq in plan.chunks[0].samplers})
+    assert [s.seq(x).index for x in plan.chunks[0].samplers] == [0, 1, 2]
+    s.record(plan, {seq: 20 + s.seq(seq).index for seq in plan.chunks[0].samplers})
     assert [seq.token_ids[-1] for seq in g.seqs] == [20, 21, 22]
     plan = s.schedule()
     parent = g.seqs[0].slot
@@ -139,7 +139,7 @@ def test_rebeam_keeps_a_first_child_in_place_and_copies_cells_for_further_ones()
     s.add(g)
     run_step(s, token=9)  # the prompt is read once; the other two beams get copies of it
     plan = s.schedule()
-    s.update(plan, {})  # beams take no sampled token: rebeam gives each its next one
+    s.record(plan, {})  # beams take no sampled token: rebeam gives each its next one
     assert sum(isinstance(op, Copy) for op in plan.ops) == 2 and len(plan.chunks) == 3
     slots = [seq.slot for seq in g.seqs]
     before = [list(seq.token_ids) for seq in g.seqs]
@@ -164,7 +164,7 @@ def test_a_request_needing_more_slots_than_rest_lets_smaller_ones_go_first_while
     s.add(group("n3", 5, n=3, max_tokens=3))  # needs three slots: two rest
     s.add(group("small", 5, max_tokens=3))
     plan = run_step(s)
-    assert "small" in {c.seq.group.request_id for c in plan.chunks}, "it could not fit even without the small one"
+    assert "small" in {s.group(c).request_id for c in plan.chunks}, "it could not fit even without the small one"
     assert [g.request_id for g in s.waiting] == ["n3"]
 
 
@@ -190,7 +190,7 @@ def test_nothing_overtakes_a_head_that_would_fit_without_the_requests_behind_it(
 def test_a_finished_sequences_stream_is_trimmed_to_what_it_counted():
     """A request failed in the middle of a step has cells computed that num_computed does not count yet: finishing
     keeps exactly what it counted (or clears the stream)."""
-    s = Scheduler(num_slots=1, context_window=64, max_step_tokens=64)  # prefix cache on
+    s = Recording(num_slots=1, context_window=64, max_step_tokens=64)  # prefix cache on
     g = group("a", 10)
     s.add(g)
     s.schedule()  # 10 prompt tokens go into the forward pass...

@@ -10,7 +10,7 @@ import pytest
 from servelm.engine.local import LocalEngine
 from servelm.engine.plan import Keep, ScheduledChunk, StepPlan
 from servelm.engine.sequence import SeqStatus, SequenceGroup
-from servelm.engine.speculate import PRIOR, Drafter, Speculator, expected_kept
+from servelm.engine.speculate import PRIOR, Candidate, Drafter, Speculator, expected_kept
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.runners.fake import END_TOKEN, FakeRunner
 
@@ -60,9 +60,11 @@ def test_expected_kept_is_a_geometric_sum():
 # -- the policy -----------------------------------------------------------------------------------
 
 
-def _decoding(n: int, history: list[int], rate: float, max_tokens: int = 100) -> StepPlan:
-    """n sequences about to decode the last token of `history` (the one before it was their prompt's last)."""
-    chunks = []
+def _decoding(n: int, history: list[int], rate: float, max_tokens: int = 100,
+              window: int = 2048) -> tuple[StepPlan, dict[int, Candidate]]:
+    """n sequences about to decode the last token of `history` (the one before it was their prompt's last), and
+    each one's candidacy for a draft as the scheduler makes it."""
+    chunks, candidates = [], {}
     for slot in range(n):
         group = SequenceGroup(f"r{slot}", tuple(history[:-1]), SamplingParams(max_tokens=max_tokens, temperature=0.0))
         seq = group.seqs[0]
@@ -70,8 +72,10 @@ def _decoding(n: int, history: list[int], rate: float, max_tokens: int = 100) ->
         seq.status = SeqStatus.RUNNING
         seq.slot, seq.num_computed = slot, len(history) - 1
         seq.drafter = Drafter(rates=[rate, rate])
-        chunks.append(ScheduledChunk(seq, slot, seq.num_computed, (history[-1],), samplers=(seq,)))
-    return StepPlan(chunks)
+        chunks.append(ScheduledChunk(seq.key, slot, seq.num_computed, (history[-1],), samplers=(seq.key,)))
+        room = min(max_tokens - seq.num_generated - 1, window - seq.num_computed - 1)
+        candidates[slot] = Candidate(seq.drafter, seq.token_ids, room)
+    return StepPlan(chunks), candidates
 
 
 HISTORY = list(range(1, 40)) + list(range(1, 6))  # the lookup proposes 6, 7, 8, ...
@@ -80,8 +84,8 @@ HISTORY = list(range(1, 40)) + list(range(1, 6))  # the lookup proposes 6, 7, 8,
 def test_one_stream_drafts_longer_the_more_its_guesses_hold():
     lengths = []
     for rate in (0.2, PRIOR, 0.9, 0.99):
-        plan = _decoding(1, HISTORY, rate)
-        Speculator(1.5).draft(plan, 256, 2048, 63)
+        plan, candidates = _decoding(1, HISTORY, rate)
+        Speculator(1.5).draft(plan, 256, 63, candidates)
         lengths.append(plan.chunks[0].drafted)
     assert lengths[0] == 0, "a sequence whose guesses fail does not draft"
     assert lengths[1] >= 1 and lengths[1] < lengths[2] < lengths[3]
@@ -89,36 +93,36 @@ def test_one_stream_drafts_longer_the_more_its_guesses_hold():
 
 
 def test_a_guess_takes_the_place_of_a_lone_rows_reread():
-    plan = _decoding(1, HISTORY, 0.2)
-    assert Speculator(1.5, lone_row_from=len(HISTORY)).draft(plan, 256, 2048, 63) == 0, "not yet a lone row"
-    plan = _decoding(1, HISTORY, 0.2)
-    assert Speculator(1.5, lone_row_from=len(HISTORY) - 1).draft(plan, 256, 2048, 63) == 1, \
+    plan, candidates = _decoding(1, HISTORY, 0.2)
+    assert Speculator(1.5, lone_row_from=len(HISTORY)).draft(plan, 256, 63, candidates) == 0, "not yet a lone row"
+    plan, candidates = _decoding(1, HISTORY, 0.2)
+    assert Speculator(1.5, lone_row_from=len(HISTORY) - 1).draft(plan, 256, 63, candidates) == 1, \
         "a lone row costs two rows: one guess, even a poor one, costs nothing more"
-    plan = _decoding(2, HISTORY, 0.2)
-    assert Speculator(1.5, lone_row_from=0).draft(plan, 256, 2048, 63) == 0, "two rows share a call: no re-read"
+    plan, candidates = _decoding(2, HISTORY, 0.2)
+    assert Speculator(1.5, lone_row_from=0).draft(plan, 256, 63, candidates) == 0, "two rows share a call: no re-read"
 
 
 def test_under_load_a_draft_must_nearly_always_hold():
-    plan = _decoding(16, HISTORY, 0.9)
-    assert Speculator(1.5).draft(plan, 256, 2048, 63) == 0, "a guess's rows and split pass cost 16 sequences' step"
+    plan, candidates = _decoding(16, HISTORY, 0.9)
+    assert Speculator(1.5).draft(plan, 256, 63, candidates) == 0, "a guess's rows and split pass cost 16 sequences' step"
     assert len(plan.calls()) == 1
-    plan = _decoding(2, HISTORY, 0.6)
-    assert Speculator(1.5).draft(plan, 256, 2048, 63) == 0
-    plan = _decoding(2, HISTORY, 0.99)
-    assert Speculator(1.5).draft(plan, 256, 2048, 63) > 0
+    plan, candidates = _decoding(2, HISTORY, 0.6)
+    assert Speculator(1.5).draft(plan, 256, 63, candidates) == 0
+    plan, candidates = _decoding(2, HISTORY, 0.99)
+    assert Speculator(1.5).draft(plan, 256, 63, candidates) > 0
 
 
 def test_a_draft_keeps_to_the_budget_the_rows_max_tokens_and_the_window():
-    plan = _decoding(1, HISTORY, 0.999)
-    assert Speculator(1.5).draft(plan, 3, 2048, 63) == 3
-    plan = _decoding(1, HISTORY, 0.999)
-    Speculator(1.5).draft(plan, 256, 2048, 4)
+    plan, candidates = _decoding(1, HISTORY, 0.999)
+    assert Speculator(1.5).draft(plan, 3, 63, candidates) == 3
+    plan, candidates = _decoding(1, HISTORY, 0.999)
+    Speculator(1.5).draft(plan, 256, 4, candidates)
     assert len(plan.chunks[0].tokens) == 4, "a chunk holds at most max_rows tokens"
-    plan = _decoding(1, HISTORY, 0.999, max_tokens=4)  # one made, three to go: the next and two guesses
-    Speculator(1.5).draft(plan, 256, 2048, 63)
+    plan, candidates = _decoding(1, HISTORY, 0.999, max_tokens=4)  # one made, three to go: the next and two guesses
+    Speculator(1.5).draft(plan, 256, 63, candidates)
     assert plan.chunks[0].drafted == 2, "the draft never reaches past max_tokens"
-    plan = _decoding(1, HISTORY, 0.999)
-    Speculator(1.5).draft(plan, 256, len(HISTORY) + 2, 63)
+    plan, candidates = _decoding(1, HISTORY, 0.999, window=len(HISTORY) + 2)
+    Speculator(1.5).draft(plan, 256, 63, candidates)
     assert plan.chunks[0].drafted == 2, "nor past the context window"
 
 
