@@ -22,12 +22,13 @@ from servelm.engine.base import Embedder, Engine
 from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
 from servelm.runners.base import ModelRunner
+from servelm.service.content_filter import check_guard
 from servelm.service.deployments import Deployment, Deployments, ModelFacts, TextDeployment
 from servelm.service.media import ImageInput, ImageSources
 
 if TYPE_CHECKING:
     from servelm.chat.template import ChatTemplate
-    from servelm.service.content_filter import ContentFilter
+    from servelm.service.policy import ContentFilter
 
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
@@ -166,8 +167,7 @@ def reasoning_of(setting: str, template_source: str | None) -> ReasoningMarkers 
 def content_filter_of(spec: ContentFilterSpec | None) -> ContentFilter | None:
     """A deployment's content policy from its config (its lists read, its guard's template read)."""
     from servelm.service.blocklist import Blocklist
-    from servelm.service.content_filter import ContentFilter, Rule
-    from servelm.service.guard import LLAMA_GUARD_LABELS, LLAMA_GUARD_TEMPLATE, Guard, GuardLabel
+    from servelm.service.policy import LLAMA_GUARD_LABELS, LLAMA_GUARD_TEMPLATE, ContentFilter, Guard, GuardLabel, Rule
 
     if spec is None:
         return None
@@ -206,7 +206,7 @@ def check_guards(deployments: Deployments) -> None:
     """Every policy's guard names a deployment that can judge (a ValueError saying which cannot)."""
     for d in deployments.generators():
         if d.content_filter is not None:
-            d.content_filter.check_guard(deployments)
+            check_guard(d.content_filter, deployments)
 
 
 def grammar_limits(e: EngineSettings) -> GrammarLimits:

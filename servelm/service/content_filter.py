@@ -23,37 +23,16 @@ from typing import Any
 from servelm.engine.base import Engine
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest
 from servelm.errors import ContentFiltered
-from servelm.service.blocklist import Blocklist
+from servelm.service import guard as guards
 from servelm.service.deployments import Deployments, TextDeployment
-from servelm.service.guard import Guard, GuardUnavailable
-
-SEVERITIES = ("safe", "low", "medium", "high")
-LISTS = "blocklist"  # the category a list's hit counts as (its rule; annotated as custom_blocklists)
-GUARD_SEVERITY = "high"  # a guard's flag: its labels have no degrees
+from servelm.service.guard import GuardUnavailable
+from servelm.service.policy import GUARD_SEVERITY
+from servelm.service.policy import ContentFilter as ContentFilter
+from servelm.service.policy import Finding as Finding
+from servelm.service.policy import Rule as Rule
 
 # (deployment, direction "input" or "output", the categories that blocked): for /metrics and the access log
 FilterEvents = Callable[[str, str, Sequence[str]], None]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a category's finding does: `block` at `severity` or above (annotated below it), `annotate` only, or
-    `off` (neither checked into the answer nor reported)."""
-
-    action: str = "block"
-    severity: str = "low"
-
-    def blocks(self, severity: str) -> bool:
-        return self.action == "block" and severity != "safe" and SEVERITIES.index(severity) >= SEVERITIES.index(self.severity)
-
-
-@dataclass
-class Finding:
-    """One check: each category's severity, each list's hit, and the guard's error when the policy failed open."""
-
-    severities: dict[str, str] = field(default_factory=dict)
-    lists: dict[str, bool] = field(default_factory=dict)
-    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,69 +44,27 @@ class PromptText:
     text: str
 
 
-class ContentFilter:
-    """A deployment's policy: what is checked (input, output), by what (lists, a guard), what each category's
-    finding does, and how an answer that is blocked ends."""
+def check_guard(policy: ContentFilter, deployments: Deployments) -> None:
+    """At start-up: a guard names a deployment that can judge."""
+    if policy.guard is not None:
+        guards.check(policy.guard, deployments)
 
-    def __init__(self, *, input: bool = True, output: bool = True, window: int = 32, lists: Sequence[Blocklist] = (),
-                 guard: Guard | None = None, rules: dict[str, Rule] | None = None, fail_open: bool = False,
-                 blocked_message: str = "") -> None:
-        if window < 1:
-            raise ValueError("a content filter's window is at least one token")
-        self.input, self.output, self.window = input, output, window
-        self.lists, self.guard = tuple(lists), guard
-        self.rules = dict(rules or {})
-        self.fail_open = fail_open
-        self.blocked_message = blocked_message
 
-    def rule(self, category: str) -> Rule:
-        return self.rules.get(category, Rule())
-
-    def blocked(self, f: Finding) -> list[str]:
-        """The categories that block, in the finding's order (the lists as `blocklist`)."""
-        out = [c for c, sev in f.severities.items() if self.rule(c).blocks(sev)]
-        if any(f.lists.values()) and self.rule(LISTS).blocks(GUARD_SEVERITY):
-            out.append(LISTS)
-        return out
-
-    def results(self, f: Finding) -> dict[str, Any]:
-        """Azure OpenAI's content_filter_results for a finding: the categories checked, the lists, an error."""
-        out: dict[str, Any] = {}
-        for category, severity in f.severities.items():
-            rule = self.rule(category)
-            if rule.action != "off":
-                out[category] = {"filtered": rule.blocks(severity), "severity": severity}
-        if f.lists and self.rule(LISTS).action != "off":
-            block = self.rule(LISTS).blocks(GUARD_SEVERITY)
-            details = [{"filtered": hit and block, "id": name} for name, hit in f.lists.items()]
-            out["custom_blocklists"] = {"filtered": any(d["filtered"] for d in details), "details": details}
-        if f.error is not None:
-            out["error"] = {"code": "content_filter_unavailable", "message": f.error}
-        return out
-
-    def check_guard(self, deployments: Deployments) -> None:
-        """At start-up: a guard names a deployment that can judge."""
-        if self.guard is not None:
-            self.guard.check(deployments)
-
-    def search_lists(self, text: str) -> dict[str, bool]:
-        return {lst.name: lst.search(text) for lst in self.lists} if self.rule(LISTS).action != "off" else {}
-
-    async def judge(self, deployments: Deployments, finding: Finding, conversation: list[dict[str, Any]], role: str,
-                    scope: str) -> None:
-        """The guard's verdict on the conversation's last `role` turn, into the finding (its error, failing open)."""
-        guard = self.guard
-        if guard is None or not conversation:
-            return
-        try:
-            flagged = await guard.judge(deployments, conversation, role, scope)
-        except GuardUnavailable as exc:
-            if not self.fail_open:
-                raise
-            finding.error = exc.message
-            return
-        for category in guard.categories:
-            finding.severities[category] = GUARD_SEVERITY if category in flagged else "safe"
+async def judge(policy: ContentFilter, deployments: Deployments, finding: Finding, conversation: list[dict[str, Any]], role: str,
+                scope: str) -> None:
+    """The guard's verdict on the conversation's last `role` turn, into the finding (its error, failing open)."""
+    guard = policy.guard
+    if guard is None or not conversation:
+        return
+    try:
+        flagged = await guards.judge(guard, deployments, conversation, role, scope)
+    except GuardUnavailable as exc:
+        if not policy.fail_open:
+            raise
+        finding.error = exc.message
+        return
+    for category in guard.categories:
+        finding.severities[category] = GUARD_SEVERITY if category in flagged else "safe"
 
 
 @dataclass
@@ -193,7 +130,7 @@ class Screening:
         while turns and turns[-1].role != "user":
             turns.pop()
         conversation = [{"role": t.role, "content": t.text} for t in turns]
-        await self.policy.judge(self._deployments, finding, conversation, "User", self._scope)
+        await judge(self.policy, self._deployments, finding, conversation, "User", self._scope)
         return finding, hit or (turns[-1].param if turns else texts[-1].param if texts else "messages")
 
     # -- the answer --------------------------------------------------------------------------------
@@ -240,7 +177,7 @@ class Screening:
         finding = Finding(lists=self.policy.search_lists(text))
         if not self.policy.blocked(finding):
             turns = [{"role": t.role, "content": t.text} for t in self._prompts[prompt] if t.role in ("user", "assistant")]
-            await self.policy.judge(self._deployments, finding, [*turns, {"role": "assistant", "content": text}],
+            await judge(self.policy, self._deployments, finding, [*turns, {"role": "assistant", "content": text}],
                                     "Agent", self._scope)
         return finding
 

@@ -6,7 +6,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from servelm.chat.markers import ControlMarkers
 from servelm.chat.reasoning import ReasoningMarkers
@@ -17,9 +17,7 @@ from servelm.engine.base import Embedder, Engine
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.service.admission import WaitingQueue
 from servelm.service.media import ImageInput
-
-if TYPE_CHECKING:
-    from servelm.service.content_filter import ContentFilter
+from servelm.service.policy import ContentFilter
 
 
 class Vocabulary(Protocol):
