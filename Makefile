@@ -10,7 +10,7 @@ test: install lint
 	.venv/bin/python -m pytest -q
 
 lint: install
-	.venv/bin/ruff check servelm tests bench
+	.venv/bin/ruff check servelm tests harness
 	.venv/bin/mypy
 
 # the reference in docs/ as a MkDocs site, in site/ (strict: a broken link or anchor fails the build)
@@ -25,7 +25,7 @@ test-ray-e2e: install
 	SERVELM_E2E_RAY=1 .venv/bin/python -m pytest -q tests/e2e
 
 bench: install
-	.venv/bin/python -m bench.compare
+	.venv/bin/python -m harness.compare
 
 clean:
 	rm -rf .venv build site *.egg-info

@@ -8,13 +8,13 @@
 #
 #   scripts/gpu_check.sh [MODEL]
 # MODEL: a Hugging Face repo id (needs the network or the HF cache) or a local model directory; default
-# $SERVELM_VLLM_TEST_MODEL, else Qwen/Qwen2.5-0.5B-Instruct. Results go to $OUT (default bench/results/).
+# $SERVELM_VLLM_TEST_MODEL, else Qwen/Qwen2.5-0.5B-Instruct. Results go to $OUT (default harness/results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODEL="${1:-${SERVELM_VLLM_TEST_MODEL:-Qwen/Qwen2.5-0.5B-Instruct}}"
 PORT="${PORT:-8011}"
-OUT="${OUT:-bench/results}"
+OUT="${OUT:-harness/results}"
 STAMP="$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$OUT"
 

@@ -13,7 +13,7 @@ transformer layers. What it computes, by construction:
   green, blue or white image lands exactly on the embedding of the word " red", " green", " blue" or " white".
 So an image (resized by llama.cpp to 32 x 32 pixels) becomes 2 x 2 = 4 tokens that read like the colour's name:
 the model can tell solid colours apart. Anything else it sees is a blend of those four words. `--side N` makes an
-image N x N tokens instead (bench/images.py measures what a large image's decode costs the other streams).
+image N x N tokens instead (harness/images.py measures what a large image's decode costs the other streams).
 
 The weights are written with the `gguf` package; the model's token embeddings are read from the model file (Q8_0,
 dequantized with gguf's own code).

@@ -1,5 +1,5 @@
 """Other quantizations of the embedded SmolLM2, made with llama.cpp's own llama_model_quantize (allow_requantize:
-from its Q4_1 file), for the tests' model matrix and bench/exactness_matrix.py. Each file is made once and kept in
+from its Q4_1 file), for the tests' model matrix and harness/exactness_matrix.py. Each file is made once and kept in
 a cache per llama-cpp-python version (quantizing is that build's arithmetic), outside the repository.
 
     .venv/bin/python scripts/requantize.py Q4_K_M F16     # prints each file's path

@@ -7,7 +7,7 @@ e.g. for `best_of`) has no TTFT or ITL; `/embeddings` requests of N sentences (`
 
 `run_requests` sends a spec's requests at a rate (Poisson or gamma arrivals) under a concurrency limit;
 `run_level` is its closed loop (`concurrency` clients); `summarize` condenses one level. `servelm bench`
-(servelm/bench/cli.py) and bench/compare.py both drive servers through them.
+(servelm/bench/cli.py) and harness/compare.py both drive servers through them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The named workloads: load shapes `servelm bench --dataset-name NAME` and bench/compare.py both run.
+"""The named workloads: load shapes `servelm bench --dataset-name NAME` and harness/compare.py both run.
 
 Each is a request shape (prompt and output sizes, a shared system prompt, conversations, a response format,
 best_of, embeddings) and a default concurrency and request count. `ban_eos` workloads generate exactly max_tokens:
-bench/compare.py bans the model's end tokens with logit_bias, `servelm bench` asks for `ignore_eos`.
+harness/compare.py bans the model's end tokens with logit_bias, `servelm bench` asks for `ignore_eos`.
 """
 
 from __future__ import annotations

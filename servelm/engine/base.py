@@ -1,5 +1,6 @@
 """The protocols the service layer talks to: Engine (LocalEngine generates text), Embedder (EmbeddingEngine
-pools vectors) and MediaReader (a runner's vision projector reads images)."""
+pools vectors) and MediaReader (a runner's vision projector reads images); EngineWrapper, an Engine around
+another."""
 
 from __future__ import annotations
 
@@ -31,6 +32,30 @@ class Engine(Protocol):
     def alive(self) -> bool:
         """Its worker is running (what /health and SageMaker's /ping report)."""
         ...
+
+
+class EngineWrapper:
+    """An Engine around another (service/admission.py's QueuedEngine, service/metered.py's MeteredEngine): a
+    subclass makes generate its own; the rest is the inner engine's."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        return self.inner.generate(request)
+
+    def abort(self, request_id: str) -> None:
+        self.inner.abort(request_id)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.inner.check_params(params)
+
+    def stats(self) -> EngineStats:
+        return self.inner.stats()
+
+    @property
+    def alive(self) -> bool:  # /health and /ping ask
+        return self.inner.alive
 
 
 class Embedder(Protocol):

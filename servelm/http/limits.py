@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 from servelm.errors import PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import AuthMiddleware, current_key
-from servelm.http.ratelimit import Charge, RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
+from servelm.http.ratelimit import RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
 from servelm.keys import KeySpec
-from servelm.service.admission import Ticket, WaitingQueue
+from servelm.service.admission import Admission, WaitingQueue
 
 SCOPE_LIMITS = "servelm.limits"
 T = TypeVar("T")
@@ -175,46 +175,19 @@ def timed_out(scope: Scope) -> RequestTimeout:
     return RequestTimeout(limits.timeout if limits is not None else 0)
 
 
-@dataclass(eq=False)
-class Admission:
-    """A generating request let in: its places in the waiting queue, its token charge (settled from usage), and
-    its deadline."""
-
-    scope: Scope
-    ticket: Ticket | None = None
-    charge: Charge | None = None
-
-    def settle(self, usage: Any) -> None:
-        """Give back the unused part of the max_tokens reservation, from a response's `usage`."""
-        if self.charge is not None and usage is not None:
-            fields = usage if isinstance(usage, dict) else vars(usage) | (getattr(usage, "model_extra", None) or {})
-            generated = fields.get("completion_tokens")  # OpenAI's name; the Responses and Messages APIs':
-            self.charge.settle(int(generated if generated is not None else fields.get("output_tokens") or 0))
-
-    def release(self) -> None:
-        """The request is over: whatever places it still holds in the queue are free."""
-        if self.ticket is not None:
-            self.ticket.release()
-
-    async def stream(self, chunks: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
-        """The chunks, stopped by the deadline (RequestTimeout: the SSE writer turns it into an error event;
-        closing the chunks aborts the request in the engine); usage, when a chunk has it, settles the charge."""
-        try:
-            async with aclosing(chunks) as it:
-                while True:
-                    try:
-                        chunk = await bounded(self.scope, anext(it))
-                    except StopAsyncIteration:
-                        return
-                    usage = getattr(chunk, "usage", None)
-                    response = getattr(chunk, "response", None)  # a Responses event carries the response
-                    if usage is None and isinstance(response, dict):
-                        usage = response.get("usage")
-                    if usage is not None:
-                        self.settle(usage)
-                    yield chunk
-        finally:
-            self.release()
+async def streamed(scope: Scope, admission: Admission, chunks: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """A stream's chunks, each within the request's deadline (RequestTimeout: the SSE writer turns it into an error
+    event; closing the chunks aborts the request in the engine); the admission closes with the stream."""
+    try:
+        async with aclosing(chunks) as it:
+            while True:
+                try:
+                    chunk = await bounded(scope, anext(it))
+                except StopAsyncIteration:
+                    return
+                yield chunk
+    finally:
+        admission.close()
 
 
 async def bounded(scope: Scope, step: Awaitable[T]) -> T:
@@ -264,5 +237,9 @@ def admit(scope: Scope, queue: WaitingQueue, request_ids: Sequence[str], prompt_
     if per_caller is None:
         per_caller = (total + 1) // 2
     charge = charge_tokens(scope, prompt_tokens, max_tokens)  # 429 tokens: nothing reserved yet
-    ticket = queue.reserve(caller_of(scope), request_ids, total, per_caller)
-    return Admission(scope, ticket, charge)
+    try:
+        return queue.reserve(caller_of(scope), request_ids, total, per_caller, charge)
+    except BaseException:
+        if charge is not None:
+            charge.settle(0)  # not let in: the key's tokens per minute get the reservation back
+        raise

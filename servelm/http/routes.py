@@ -15,7 +15,7 @@ from servelm.errors import ModelNotFound
 from servelm.http.asgi import Scope
 from servelm.http.auth import can_use, check_access, current_key, sees_counters
 from servelm.http.errors import validation_error
-from servelm.http.limits import admit, bounded, limits_of
+from servelm.http.limits import admit, bounded, limits_of, streamed
 from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
@@ -73,7 +73,7 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future[T]) -> 
 async def generate(request: Request, req: Req, service: GeneratingService[Req, P], framing: Framing = SSE) -> Response:
     """A text-generating request: prepared off the event loop, then streamed (SSE, or DJL's jsonlines) or answered
     whole."""
-    check_access(request.scope, service.deployments, getattr(req, "model", None))  # a key's deployments: else 404
+    check_access(request.scope, service.deployments, req.model)  # a key's deployments: else 404
     prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope))
     gens = prepared.generations
     # the deployment's queue and the caller's share of it (429 queue_full), the key's tokens per minute (429 tokens)
@@ -84,22 +84,20 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
         try:
             await bounded(request.scope, prepared.screening.check_prompt())
         except BaseException:
-            admission.settle({"completion_tokens": 0})  # nothing generated: the key's tokens per minute get it back
-            admission.release()
+            admission.close()  # nothing generated: the key's tokens per minute get the reservation back
             raise
     if prepared.stream:
         return StreamingResponse(
-            frames(admission.stream(service.stream(prepared)), framing),
+            frames(streamed(request.scope, admission, service.stream(prepared)), framing),
             media_type=framing.media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(dep)},
         )
     try:
         result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))
     finally:
-        admission.release()
+        admission.close()
     if result is None:
         return Response(status_code=499)
-    admission.settle(getattr(result, "usage", None))
     return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment))
 
 

@@ -7,6 +7,10 @@ in the event loop's own thread: the check and the count are one step, so simulta
 a check made before any of them is counted. The places are given back as each generation starts, and whatever
 is left when the request ends (finished, failed, abandoned before it started) is given back too.
 
+The same Admission settles the request's token charge (a key's tokens per minute, reserved for max_tokens of
+every sequence): QueuedEngine counts the tokens its generations make as they come out of the engine, whatever the
+API's answer calls them, and closing the admission gives back the part of the reservation they did not use.
+
 Two bounds: the deployment's (`max_waiting`, 0 for none), and each caller's (an API key, or a client address
 on a server without keys), so one caller cannot fill the queue for all.
 """
@@ -16,20 +20,30 @@ from __future__ import annotations
 import weakref
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
+from typing import Protocol
 
-from servelm.engine.base import Engine
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
+from servelm.engine.base import Engine, EngineWrapper
+from servelm.engine.types import GenerationOutput, GenerationRequest
 from servelm.errors import QueueFull
+
+
+class Charge(Protocol):
+    """A token charge reserved for a request's completion tokens (http/ratelimit.py's)."""
+
+    def settle(self, completion_tokens: int) -> None:
+        """The request made this many: the rest of the reservation goes back, once."""
+        ...
 
 
 class WaitingQueue:
     def __init__(self) -> None:
         self.total = 0
         self.by_caller: dict[str, int] = {}
-        # request id → the ticket holding its place; weak, so that a ticket nobody holds any more ends (and frees)
-        self._owner: weakref.WeakValueDictionary[str, Ticket] = weakref.WeakValueDictionary()
+        # generation id → the admission holding it; weak, so that an admission nobody holds any more ends (and frees)
+        self._owner: weakref.WeakValueDictionary[str, Admission] = weakref.WeakValueDictionary()
 
-    def reserve(self, caller: str, request_ids: Iterable[str], limit: int, caller_limit: int) -> Ticket:
+    def reserve(self, caller: str, request_ids: Iterable[str], limit: int, caller_limit: int,
+                charge: Charge | None = None) -> Admission:
         """Places for every one of the request's generations, or QueueFull (429) naming the bound that is full.
         A limit of 0 is no bound."""
         ids = list(request_ids)
@@ -39,18 +53,25 @@ class WaitingQueue:
         if caller_limit and mine + len(ids) > caller_limit:
             raise QueueFull(mine, f"Your requests already wait for {mine} places in this deployment's queue, and "
                             f"one caller may hold {caller_limit}")
-        ticket = Ticket(self, caller, set(ids))
+        admission = Admission(self, caller, set(ids), charge)
         self.total += len(ids)
         self.by_caller[caller] = mine + len(ids)
         for rid in ids:
-            self._owner[rid] = ticket
-        return ticket
+            self._owner[rid] = admission
+        return admission
 
-    def started(self, request_id: str) -> None:
-        """The generation has its first output: its place is free."""
-        ticket = self._owner.pop(request_id, None)
-        if ticket is not None:
-            ticket.leave([request_id])
+    def output(self, out: GenerationOutput) -> None:
+        """A generation's output: its place is free from its first, and its tokens count toward its charge."""
+        admission = self._owner.get(out.request_id)
+        if admission is not None:
+            admission.count(out)
+            admission.leave([out.request_id])
+
+    def ended(self, request_id: str) -> None:
+        """The generation ended (done, failed or cancelled): its place is free."""
+        admission = self._owner.get(request_id)
+        if admission is not None:
+            admission.leave([request_id])
 
     def _give_back(self, caller: str, n: int) -> None:
         self.total -= n
@@ -65,14 +86,26 @@ class WaitingQueue:
             self._owner.pop(rid, None)
 
 
-class Ticket:
-    """The places one request holds. release() (or the ticket's end, should a stream never start) gives back
-    what is left."""
+class Admission:
+    """A generating request let in: the places it holds in its deployment's queue, the tokens its generations have
+    made, and its token charge. close() (or the admission's end, should a stream never start) gives back the places
+    left and settles the charge with the tokens made."""
 
-    def __init__(self, queue: WaitingQueue, caller: str, request_ids: set[str]) -> None:
+    def __init__(self, queue: WaitingQueue, caller: str, request_ids: set[str], charge: Charge | None = None) -> None:
         self._queue = queue
         self._caller = caller
-        self._ids = request_ids
+        self._ids = request_ids  # the generations still waiting for their first output
+        self._all = frozenset(request_ids)
+        self._charge = charge
+        self._made: dict[tuple[str, int], int] = {}  # (generation, choice) → its completion tokens so far
+
+    @property
+    def generated(self) -> int:
+        return sum(self._made.values())
+
+    def count(self, out: GenerationOutput) -> None:
+        key = (out.request_id, out.index)
+        self._made[key] = max(self._made.get(key, 0), out.completion_tokens)
 
     def leave(self, request_ids: Iterable[str]) -> None:
         gone = self._ids.intersection(request_ids)
@@ -80,45 +113,33 @@ class Ticket:
             self._ids -= gone
             self._queue._give_back(self._caller, len(gone))
 
-    def release(self) -> None:
+    def close(self) -> None:
+        """The request is over: its places are free, and its charge is settled with the tokens it made."""
         ids, self._ids = self._ids, set()
         if ids:
-            self._queue._forget(ids)
             self._queue._give_back(self._caller, len(ids))
+        self._queue._forget(self._all)
+        charge, self._charge = self._charge, None
+        if charge is not None:
+            charge.settle(self.generated)
 
     def __del__(self) -> None:  # a streamed response dropped before its body started never runs its finally
-        self.release()
+        self.close()
 
 
-class QueuedEngine:
-    """An Engine that frees a generation's place in the waiting queue at its first output."""
+class QueuedEngine(EngineWrapper):
+    """An Engine that tells the waiting queue of each generation's outputs (its place is free at the first; its
+    tokens count toward its request's charge) and of its end."""
 
     def __init__(self, inner: Engine, queue: WaitingQueue) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.queue = queue
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        waiting = True
         try:
             async with aclosing(self.inner.generate(request)) as outputs:
                 async for out in outputs:
-                    if waiting:
-                        waiting = False
-                        self.queue.started(request.request_id)
+                    self.queue.output(out)
                     yield out
         finally:
-            if waiting:
-                self.queue.started(request.request_id)  # failed or cancelled before its first output
-
-    def abort(self, request_id: str) -> None:
-        self.inner.abort(request_id)
-
-    def check_params(self, params: SamplingParams) -> None:
-        self.inner.check_params(params)
-
-    def stats(self) -> EngineStats:
-        return self.inner.stats()
-
-    @property
-    def alive(self) -> bool:  # /health and /ping ask
-        return self.inner.alive
+            self.queue.ended(request.request_id)  # done, failed or cancelled (before its first output, too)

@@ -57,7 +57,14 @@ class Translated:
         return self.inner.screening
 
 
-Req = TypeVar("Req", bound=BaseModel, contravariant=True)
+class NamedRequest(Protocol):
+    """A generating request as the route sees it before it is prepared: the model it names (None: the default)."""
+
+    @property
+    def model(self) -> str | None: ...
+
+
+Req = TypeVar("Req", bound=NamedRequest, contravariant=True)
 P = TypeVar("P", bound=Prepared)
 
 

@@ -10,8 +10,8 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Protocol
 
-from servelm.engine.base import Engine
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
+from servelm.engine.base import Engine, EngineWrapper
+from servelm.engine.types import GenerationOutput, GenerationRequest
 
 
 class Meter(Protocol):
@@ -22,9 +22,9 @@ class Meter(Protocol):
     def finished(self, seconds: float, completion_tokens: int, outcome: str) -> None: ...
 
 
-class MeteredEngine:
+class MeteredEngine(EngineWrapper):
     def __init__(self, inner: Engine, meter: Meter) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.meter = meter
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
@@ -52,16 +52,3 @@ class MeteredEngine:
             raise
         finally:
             self.meter.finished(clock() - start, sum(completion.values()), outcome)
-
-    def abort(self, request_id: str) -> None:
-        self.inner.abort(request_id)
-
-    def check_params(self, params: SamplingParams) -> None:
-        self.inner.check_params(params)
-
-    def stats(self) -> EngineStats:
-        return self.inner.stats()
-
-    @property
-    def alive(self) -> bool:  # /health and /ping ask
-        return self.inner.alive

@@ -1,6 +1,6 @@
 """Bodies that once hurt the server (issue 13's probe: fuzzing, malformed numbers, giant grammars and batches,
 forged role markers, wrong content types), each with the answer it must get now. Shared by the fake-model test
-(tests/http/test_abuse_corpus_fake.py) and the load generator's fuzz mode (bench/fuzz.py)."""
+(tests/http/test_abuse_corpus_fake.py) and the load generator's fuzz mode (harness/abuse.py)."""
 
 from __future__ import annotations
 

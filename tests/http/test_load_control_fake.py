@@ -192,15 +192,20 @@ def test_one_key_cannot_fill_the_queue_for_all(fake_server_factory):
     assert results == [200] * 4 and wait_idle(server)
 
 
-@pytest.mark.parametrize("usage", [{"output_tokens": 10},  # an Anthropic message_delta event's usage
-                                   {"input_tokens": 5, "output_tokens": 10, "total_tokens": 15}])
-def test_every_api_settles_the_charge_from_its_usage(usage):
-    # a streamed Messages or Responses answer carries its usage as a plain object: it settles like chat's
-    from servelm.http.limits import Admission
+@pytest.mark.parametrize("outputs", [[(0, 4), (0, 10)],  # one choice's outputs: its count so far, each time
+                                     [(0, 6), (1, 4)]])  # two choices' (n = 2)
+def test_every_api_settles_the_charge_from_its_usage(outputs):
+    # the admission counts what the engine made, whatever the API's answer calls it (completion_tokens, a Messages
+    # event's output_tokens, a Responses event's): it settles alike for every API
+    from servelm.engine.types import GenerationOutput
+    from servelm.service.admission import WaitingQueue
 
     clock = Clock()
     b = TokenBucket(60, clock)
     b.take_on_credit(100)
-    admission = Admission({}, charge=Charge(b, reserved=30))
-    admission.settle(usage)
+    queue = WaitingQueue()
+    admission = queue.reserve("caller", ["gen-1"], 0, 0, Charge(b, reserved=30))
+    for index, made in outputs:
+        queue.output(GenerationOutput("gen-1", index, "", [], completion_tokens=made))
+    admission.close()
     assert b.take_on_credit(1) == pytest.approx(20.0)  # 20 of the 30 reserved came back, not 30

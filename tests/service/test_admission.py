@@ -6,8 +6,14 @@ import gc
 
 import pytest
 
+from servelm.engine.types import GenerationOutput
 from servelm.errors import QueueFull
 from servelm.service.admission import WaitingQueue
+
+
+def output(q: WaitingQueue, request_id: str) -> None:
+    """The engine's output of one generation, as QueuedEngine passes it on."""
+    q.output(GenerationOutput(request_id, 0, "x", [7], completion_tokens=1))
 
 
 def test_a_request_reserves_a_place_per_generation_all_or_none():
@@ -34,12 +40,12 @@ def test_one_caller_holds_at_most_its_share():
 def test_places_come_back_at_the_first_output_and_the_rest_at_the_end():
     q = WaitingQueue()
     t = q.reserve("a", ["1", "2", "3"], limit=3, caller_limit=3)
-    q.started("1")
-    q.started("1")  # once only
+    output(q, "1")
+    output(q, "1")  # once only
     assert q.total == 2 and q.by_caller == {"a": 2}
-    t.release()
+    t.close()
     assert q.total == 0 and q.by_caller == {}
-    q.started("2")  # a late first output after the end changes nothing
+    output(q, "2")  # a late first output after the end changes nothing
     assert q.total == 0
 
 

@@ -3,7 +3,7 @@ arriving beside them, on a server started with a vision projector.
 
     .venv/bin/python scripts/make_test_projector.py /tmp/proj256.gguf --side 16   # an image = 256 positions
     .venv/bin/servelm serve --mmproj /tmp/proj256.gguf --no-embedding-model &
-    .venv/bin/python -m bench.images --url http://127.0.0.1:8000 --streams 4 --images 8
+    .venv/bin/python -m harness.images --url http://127.0.0.1:8000 --streams 4 --images 8
 
 The text streams each write `--tokens` tokens (end of text banned); in the second run, `--images` image requests
 (one at a time, back to back) run beside them. It prints ITL p50/p99/max of the text streams for both runs and the

@@ -6,7 +6,7 @@ llama.cpp's defaults on the same file (tiled K-quant matmul on, repacked weights
 a process of its own: prompt reading (4 prompts of 126 tokens in chunks of 63), one stream decoding, 16 streams
 decoding; each the best of three runs. Measure on a quiet machine: llama.cpp's threads spin.
 
-    .venv/bin/python -m bench.exactness_matrix [--types Q4_K_M,F16] [--json out.json]
+    .venv/bin/python -m harness.exactness_matrix [--types Q4_K_M,F16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _measure(path: str, fenced: bool) -> dict:
 
 def _run(path: str, fenced: bool) -> dict:
     env = {**os.environ, "GGML_CPU_TILED_MM": "0" if fenced else "1"}
-    code = f"import json, bench.exactness_matrix as m; print(json.dumps(m._measure({path!r}, {fenced})))"
+    code = f"import json, harness.exactness_matrix as m; print(json.dumps(m._measure({path!r}, {fenced})))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,8 +10,8 @@ ten times, and each answer is compared with its reference, byte for byte:
 That is 100 answers compared per server; the figure is how many differ from their reference. The
 --max-step-tokens pattern of issue 14 is servelm's own flag: tests/e2e/test_exactness.py covers it.
 
-    .venv/bin/python -m bench.exactness                      # llama-server and servelm, about 10 minutes
-    .venv/bin/python -m bench.exactness --servers servelm
+    .venv/bin/python -m harness.exactness                      # llama-server and servelm, about 10 minutes
+    .venv/bin/python -m harness.exactness --servers servelm
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import llama_server, servers
+from harness import llama_server, servers
 from servelm.bench.loadgen import build_prompt
 
 PROMPT_WORDS = (20, 45, 70, 95, 120, 160, 200, 260, 330, 420)

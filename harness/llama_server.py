@@ -3,10 +3,10 @@
 The version comes from the `llama-cpp-python==X` pin in pyproject.toml; the source comes from that
 version's sdist on PyPI (it carries `vendor/llama.cpp`); the CMake flags are exactly those of
 `scripts/llama_cmake_args.py`, the same ones servelm's llama-cpp-python wheel is compiled with, so the
-two servers run the same kernels. The result is cached at `bench/.build/<version>/llama-server`.
+two servers run the same kernels. The result is cached at `harness/.build/<version>/llama-server`.
 
-    python -m bench.llama_server            # build (or find) it and print its path
-    python -m bench.llama_server --force    # rebuild
+    python -m harness.llama_server            # build (or find) it and print its path
+    python -m harness.llama_server --force    # rebuild
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BUILD_ROOT = REPO / "bench" / ".build"
+BUILD_ROOT = REPO / "harness" / ".build"
 PIN = re.compile(r'"llama-cpp-python==([0-9][0-9A-Za-z.]*)"')
 
 # Only the server is wanted: no tests, examples, or other tools; one static binary.

@@ -2,12 +2,12 @@
 what its neighbours see meanwhile. Each run starts `servelm serve` on the default model (127.0.0.1, a free port)
 unless `--url` names a server already running, sends bounded traffic to 127.0.0.1 only, and stops by itself.
 
-    .venv/bin/python -m bench.abuse fuzz --bodies 10000 --server-arg=--context-window --server-arg=1024
+    .venv/bin/python -m harness.abuse fuzz --bodies 10000 --server-arg=--context-window --server-arg=1024
                                                              # generated bodies: 0 5xx, 0 resets, peak RSS
-    .venv/bin/python -m bench.abuse disconnects --n 100      # streams dropped mid-way: every cell freed
-    .venv/bin/python -m bench.abuse soak --streams 32 --seconds 300   # RSS over time under steady load
-    .venv/bin/python -m bench.abuse burst --n 300            # 300 at once against --max-waiting 16
-    .venv/bin/python -m bench.abuse slowloris --n 2000       # slow-header connections beside a normal client
+    .venv/bin/python -m harness.abuse disconnects --n 100      # streams dropped mid-way: every cell freed
+    .venv/bin/python -m harness.abuse soak --streams 32 --seconds 300   # RSS over time under steady load
+    .venv/bin/python -m harness.abuse burst --n 300            # 300 at once against --max-waiting 16
+    .venv/bin/python -m harness.abuse slowloris --n 2000       # slow-header connections beside a normal client
 
 Every run prints one JSON object (also written with `--out FILE`).
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench import procfs, servers
+from harness import procfs, servers
 
 MODEL = servers.MODEL_ID
 CHAT = "/v1/chat/completions"
@@ -401,7 +401,7 @@ def _mib(v: float | None) -> float | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.abuse", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m harness.abuse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", choices=["fuzz", "disconnects", "soak", "burst", "slowloris", "cheap-bodies"])
     p.add_argument("--url", default=None, help="a server already running (default: start servelm here)")

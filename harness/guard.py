@@ -2,7 +2,7 @@
 in one server (no policy; a blocklist; a guard model, the same model loaded as a fourth deployment with Llama
 Guard 3's template), and the guard's own tokens and time from /metrics.
 
-    .venv/bin/python -m bench.guard --requests 8 --tokens 64 --window 32
+    .venv/bin/python -m harness.guard --requests 8 --tokens 64 --window 32
 
 The server is started by this script (on 127.0.0.1, a free port) from a config it writes; requests run one at a
 time, streamed, greedy, `--tokens` tokens each (end of text banned), the same questions on every deployment.

@@ -1,7 +1,7 @@
 """Issue 21's restart target: the first token of a ~2,000-token prompt on a server restarted on its
 --prefix-cache-dir, against a cold read of the same prompt (on servelm before the restart, and on llama-server).
 
-    .venv/bin/python -m bench.restart
+    .venv/bin/python -m harness.restart
 
 Each server runs on its defaults (servelm with --prefix-cache-dir added) on 127.0.0.1 with 2 threads. servelm:
 start, the prompt (a cold read: its TTFT), a graceful stop (the entry is written to the directory), start again
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import llama_server, servers
+from harness import llama_server, servers
 from servelm.bench.loadgen import build_prompt, stream_one
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import procfs
+from harness import procfs
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

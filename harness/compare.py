@@ -1,14 +1,14 @@
 """Compare servelm with llama.cpp's own llama-server on the same model file and machine.
 
-    .venv/bin/python -m bench.compare                       # llama-server, then servelm
-    .venv/bin/python -m bench.compare --servers llama-server --requests 4
-    .venv/bin/python -m bench.compare --with-llama-cpp-python
+    .venv/bin/python -m harness.compare                       # llama-server, then servelm
+    .venv/bin/python -m harness.compare --servers llama-server --requests 4
+    .venv/bin/python -m harness.compare --with-llama-cpp-python
 
 Each server in turn is started, waited for, given every workload, and stopped; its peak resident
 memory is sampled throughout. Workloads on the embedding model (embed-32) get a second process of each
 server, serving that model. The result is a markdown table of each server's figures, the ratios
 servelm / llama-server, the within-server ratios of RATIOS (constraint overhead = tok/s of json-8-free ÷
-tok/s of json-8), and a JSON file under bench/results/. A workload declared for some servers only (the
+tok/s of json-8), and a JSON file under harness/results/. A workload declared for some servers only (the
 json ones, beam-4: servelm) is skipped on the others.
 """
 
@@ -31,11 +31,11 @@ from typing import Any
 
 import httpx
 
-from bench import llama_server, procfs, servers
+from harness import llama_server, procfs, servers
 from servelm.bench.loadgen import LevelResult, run_level
 from servelm.bench.workloads import CHAT, EMBEDDING, WORKLOADS, Workload
 
-RESULTS = servers.REPO / "bench" / "results"
+RESULTS = servers.REPO / "harness" / "results"
 BASELINE = "llama-server"
 ALL_SERVERS = ("llama-server", "servelm", "llama-cpp-python", "servelm-ray")
 # SmolLM2's end tokens: <|endoftext|> and <|im_end|>. Banned so every request yields max_tokens.
@@ -458,7 +458,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--servelm-arg", action="append", default=[],
                    help="extra `servelm serve` argument (every servelm process: chat and embedding)")
     p.add_argument("--llama-cpp-python-arg", action="append", default=[], help="extra llama_cpp.server argument")
-    p.add_argument("--json-out", default=None, help="default: bench/results/compare-<UTC time>.json")
+    p.add_argument("--json-out", default=None, help="default: harness/results/compare-<UTC time>.json")
     return p.parse_args(argv)
 
 

@@ -1,7 +1,7 @@
 """What a quantized KV cache buys and costs: per `--kv-cache-type`, the streams that fit in a memory budget, the
 server's peak memory, and how far the prompt tokens' logprobs move from an f16 cache on a fixed prompt set.
 
-    .venv/bin/python -m bench.kv_cache --budget-mib 512 --prompts 8
+    .venv/bin/python -m harness.kv_cache --budget-mib 512 --prompts 8
 
 For each type one servelm (the embedded model, 16 slots of 2,048 cells, no embedding model) is started on
 127.0.0.1, asked for every prompt's token logprobs (`prompt_logprobs`: the model's logprob of each prompt token
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import servers
+from harness import servers
 from servelm.bench.loadgen import build_prompt
 
 TYPES = ("f16", "q8_0", "q4_0")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     prompts = [build_prompt(args.prompt_tokens, f"kv-cache-{i}") for i in range(args.prompts)]
-    log_dir = servers.REPO / "bench" / "results"
+    log_dir = servers.REPO / "harness" / "results"
     log_dir.mkdir(parents=True, exist_ok=True)
     runs = [measure(kind, prompts, log_dir, args.threads) for kind in TYPES]
     base = runs[0]

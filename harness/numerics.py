@@ -6,7 +6,7 @@ with the reference's, bitwise. For each setting (flash attention on/off, a unifi
 it prints whether the rows are identical and the largest difference, then the speed of each setting on three
 shapes (16 sequences decoding, one decoding, a 768-token prompt read in 256-token chunks).
 
-    .venv/bin/python -m bench.numerics            # about two minutes on 2 cores; run it on a quiet machine
+    .venv/bin/python -m harness.numerics            # about two minutes on 2 cores; run it on a quiet machine
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import llama_cpp as C
 import numpy as np
 
-from bench.servers import default_model_path
+from harness.servers import default_model_path
 from servelm.bench.loadgen import build_prompt
 
 Item = tuple[int, int, int, bool]  # (sequence, position, token, wants logits)
