@@ -129,3 +129,80 @@ def test_errors_are_rendered_only_in_http_errors():
     rendering = re.compile(r"(?<!request)\.body\(\)")  # an ApiError's body(), not a Starlette request's
     bad = [m for m, p in modules() if m not in ("servelm.http.errors", "servelm.errors") and rendering.search(p.read_text())]
     assert not bad
+
+
+def _imports_all(path: Path, name: str) -> set[str]:
+    """Every servelm module a module imports, wherever the import is (type-only and in functions too), relative
+    imports resolved, `from package import module` counted as the module."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def test_no_import_circle_anywhere():
+    """Drawn as floors, every module stands above what it imports: no loop, type-only imports included."""
+    names = {}
+    for m, p in modules():
+        names[m.removesuffix(".__init__")] = p
+    graph = {m: {i for i in _imports_all(p, m) if i in names and i != m} for m, p in names.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for i in sorted(graph[m]):
+            if state.get(i) == 1:
+                raise AssertionError("import circle: " + " → ".join(path[path.index(i):] + [i]))
+            if i not in state:
+                visit(i)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_output_processor_does_not_know_the_scheduler():
+    """engine/output.py turns sampled tokens into outputs and events; the scheduler applies them (Scheduler.update)."""
+    for module in ("output", "sampler", "choice"):
+        path = ROOT / "engine" / f"{module}.py"
+        assert "servelm.engine.scheduler" not in _imports_all(path, f"servelm.engine.{module}"), module
+
+
+def test_sequence_imports_nothing_above_it():
+    """engine/sequence.py is the scheduler's record of a sequence: it knows the plan's key type, the value types and
+    the drafter's state, nothing of the stages that read it."""
+    path = ROOT / "engine" / "sequence.py"
+    mine = {i for i in imports_of(path) if starts(i, "servelm")}
+    assert mine <= {"servelm.engine.plan", "servelm.engine.speculate", "servelm.engine.types"}, mine
+
+
+def test_only_scheduler_update_changes_a_sequences_state():
+    """A sequence's status, slot, tokens and computed cells are assigned in engine/scheduler.py alone (add, abort,
+    schedule, update and their helpers), nowhere else in the package."""
+    fields = {"status", "slot", "num_computed", "token_ids", "drafter", "cached_tokens", "started_at"}
+    bad = []
+    for m, p in modules():
+        if m == "servelm.engine.scheduler" or m == "servelm.engine.sequence":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.value, ast.Name) \
+                        and t.value.id in {"seq", "sequence", "group", "sampler", "child", "parent"}:
+                    bad.append((m, t.value.id, t.attr, node.lineno))
+    assert not bad
