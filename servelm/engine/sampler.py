@@ -128,11 +128,10 @@ class StepSampler:
                 out.beams[choice.request.request_id] = np.stack([search.rows.pop(j) for j in range(search.width)])
         if not plain:
             return
-        rows, choices = rows[plain], [choices[i] for i in plain]
+        rows, choices = _only(rows, choices, plain)
         drawn = self._each(choices, out, lambda idx: [int(t) for t in pick_rows(
-            rows[idx], [choices[i].sampler for i in idx])])
-        ok = [i for i, t in enumerate(drawn) if t is not None]
-        rows, choices = rows[ok], [choices[i] for i in ok]
+            rows if len(idx) == len(choices) else rows[idx], [choices[i].sampler for i in idx])])
+        rows, choices = _only(rows, choices, [i for i, t in enumerate(drawn) if t is not None])
         tokens = [t for t in drawn if t is not None]
         want = [i for i, c in enumerate(choices) if c.request.group.params.wants_cumulative]
         entries: list[TokenLogprob | None] = [None] * len(choices)
@@ -224,3 +223,10 @@ class StepSampler:
             out.prompt[chunk.seq] = [(pos, logprob_entry(logp[j], prompt[pos], k)) for j, pos in enumerate(positions)]
         except Exception as exc:
             self._fail(choice, exc, out)
+
+
+def _only(rows: np.ndarray, choices: list[Choice], keep: list[int]) -> tuple[np.ndarray, list[Choice]]:
+    """The rows (and their choices) at `keep`: the same array when that is all of them (no copy of a step's rows)."""
+    if len(keep) == len(choices):
+        return rows, choices
+    return rows[keep], [choices[i] for i in keep]
