@@ -76,3 +76,4 @@ def test_a_beam_step_is_an_event_with_each_new_beams_parent_and_token():
     (move,) = result.events
     assert isinstance(move, BeamMove) and move.parents == (0, 0) and move.tokens == (5, 6)
     assert "beam" not in result.outputs, "beams report at the end of the search"
+    assert all(out.live(s.key) for s in g.seqs), "both beams go on"
