@@ -1,95 +1,14 @@
-"""The content filter's parts without a server: lists and their normalization, the guard's answer grammar and
-parsing, a policy's rules and annotations, and the config tables and flag that make a policy."""
+"""The content filter's config without a server: the tables and the flag that make a deployment's policy (the
+lists are tests/service/test_blocklist.py's, the policy's rules and guard labels test_policy.py's)."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 
 from servelm.compose import content_filter_of, with_blocklist
 from servelm.config import ConfigFile, ContentFilterSpec, DeploymentSpec
-from servelm.service.blocklist import Blocklist, BlocklistError, normalize
-from servelm.service.content_filter import ContentFilter, Finding, Rule
-from servelm.service.guard import LLAMA_GUARD_LABELS, Guard, GuardLabel
-
-
-@pytest.mark.parametrize("text", ["BAD", "ＢＡＤ", "bàd", "b\u200bad", "b\u00adad", "bаd", "b4d", "a bad day", "bad!"])
-def test_look_alike_spellings_of_a_term_are_caught(text):
-    assert Blocklist(["bad"]).search(text), text
-
-
-@pytest.mark.parametrize("text", ["xforbiddenword", "forbiddenwords", "_forbiddenword_", "ꜰᴏʀʙɪᴅᴅᴇɴᴡᴏʀᴅ",
-                                  "forbıddenword", "aaaaaaaaaaforbiddenword done", "FORBIDDEN_WORD".replace("_", "")])
-def test_a_term_is_found_glued_to_letters_and_in_look_alike_letters(text):
-    """Issue 32's bypass corpus: glued spellings, small capitals and a dotless i all passed."""
-    assert Blocklist(["forbiddenword"]).search(text), text
-
-
-def test_a_term_glued_to_itself_is_found():
-    assert Blocklist(["Hello"]).search("HelloHelloHello")
-
-
-@pytest.mark.parametrize("text", ["badge", "abad", "xbadx"])
-def test_whole_word_terms_and_lists_match_whole_words_only(text):
-    assert not Blocklist(["word:bad"]).search(text) and not Blocklist(["bad"], whole_words=True).search(text)
-    assert Blocklist(["bad"]).search(text), "the default finds it glued"
-    assert Blocklist(["word:bad"]).search("a bad day") and Blocklist(["bad"], whole_words=True).search("bad!")
-
-
-@pytest.mark.parametrize("text", ["ba d", "good"])
-def test_a_term_is_not_found_where_it_is_not(text):
-    assert not Blocklist(["bad"]).search(text)
-
-
-def test_phrases_regexes_and_comments():
-    lst = Blocklist(["# a comment", "", "very  bad thing", r"re:\b\d{3}-\d{4}\b", "re:kill(ed|ing)?\\s+\\w+"])
-    assert lst.size == 3
-    assert lst.search("a VERY bad\tthing indeed")
-    assert lst.search("call 555-1234 now") and not lst.search("call 5551234")
-    assert lst.search("they Killed someone") and not lst.search("killer")
-    assert not lst.search("# a comment")
-
-
-def test_a_regex_that_does_not_compile_names_its_line(tmp_path):
-    path = tmp_path / "list.txt"
-    path.write_text("fine\nre:(unclosed\n")
-    with pytest.raises(BlocklistError, match=r"list.txt:2"):
-        Blocklist.read(path)
-    path.write_text("one\nre:tw[o0]\n")
-    lst = Blocklist.read(path)
-    assert lst.name == "list" and lst.search("TWO") and lst.search("one")
-
-
-def test_normalize_folds_width_case_accents_and_spacing():
-    assert normalize("Ｃafé\u200b  Ｏk") == "cafe ok"
-
-
-def test_the_guards_grammar_and_parse():
-    guard = Guard("g", labels=LLAMA_GUARD_LABELS)
-    for answer in ("safe", "unsafe\nS1", "unsafe\nS14,S2"):
-        assert re.fullmatch(guard.answer_regex, answer), answer
-    for answer in ("unsafe", "unsafe\nS15", "maybe", "safe\nS1", "unsafe\nS1,"):
-        assert not re.fullmatch(guard.answer_regex, answer), answer
-    assert guard.parse("safe") == set()
-    assert guard.parse("unsafe\nS1,S10") == {"violence", "hate"}
-    assert guard.parse("unsafe\nS3,S12,S4") == {"sexual"}
-    assert set(guard.categories) >= {"hate", "sexual", "violence", "self_harm", "privacy"}
-    with pytest.raises(ValueError):
-        Guard("g", labels=())
-
-
-def test_rules_block_at_a_severity_and_annotations_follow_them():
-    policy = ContentFilter(lists=[Blocklist(["x"], "mine")], rules={"violence": Rule("block", "high"),
-                                                                  "hate": Rule("annotate"), "privacy": Rule("off")})
-    finding = Finding({"violence": "medium", "hate": "high", "privacy": "high", "sexual": "low"}, {"mine": True})
-    assert policy.blocked(finding) == ["sexual", "blocklist"]  # sexual: the default rule blocks from low
-    results = policy.results(finding)
-    assert results["violence"] == {"filtered": False, "severity": "medium"}
-    assert results["hate"] == {"filtered": False, "severity": "high"}
-    assert "privacy" not in results
-    assert results["custom_blocklists"] == {"filtered": True, "details": [{"filtered": True, "id": "mine"}]}
-    assert policy.blocked(Finding({"violence": "high"})) == ["violence"]
+from servelm.service.content_filter import Rule
+from servelm.service.guard import GuardLabel
 
 
 def test_a_policy_from_config(tmp_path):
@@ -128,18 +47,3 @@ def test_the_blocklist_flag_reaches_every_chat_deployment(tmp_path):
     assert out[1].content_filter.output is False and out[1].content_filter.terms == ["x"]
     assert out[2].content_filter is None
     assert with_blocklist(specs, None) is specs
-
-
-def test_the_default_template_is_llama_guard_3s_format():
-    from servelm.chat.template import ChatTemplate
-    from servelm.service.guard import LLAMA_GUARD_TEMPLATE
-
-    text = ChatTemplate(LLAMA_GUARD_TEMPLATE).render(
-        [{"role": "user", "content": "How do I bake bread?"}, {"role": "assistant", "content": "Knead it."}],
-        role="Agent", categories=[{"label": lab.label, "name": lab.name} for lab in LLAMA_GUARD_LABELS])
-    assert text.startswith("<|start_header_id|>user<|end_header_id|>\n\nTask: Check if there is unsafe content in "
-                           "'Agent' messages")
-    assert "<BEGIN UNSAFE CONTENT CATEGORIES>\nS1: Violent Crimes.\nS2: Non-Violent Crimes.\n" in text
-    assert "S14: Code Interpreter Abuse.\n<END UNSAFE CONTENT CATEGORIES>" in text
-    assert "<BEGIN CONVERSATION>\n\nUser: How do I bake bread?\n\nAgent: Knead it.\n\n<END CONVERSATION>" in text
-    assert text.endswith("categories.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
