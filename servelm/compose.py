@@ -19,9 +19,9 @@ from servelm.chat.reasoning import THINK, ReasoningMarkers
 from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
+from servelm.engine.runner import ModelRunner
 from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
-from servelm.runners.base import ModelRunner
 from servelm.service.content_filter import check_guard
 from servelm.service.deployments import Deployment, Deployments, ModelFacts, TextDeployment
 from servelm.service.media import ImageInput, ImageSources

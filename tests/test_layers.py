@@ -88,12 +88,15 @@ def test_only_servelm_ray_imports_ray():
 
 
 def test_runners_know_the_engine_only_through_the_plan():
-    """A runner is given a StepPlan; the scheduler, the slots and the loop are none of its business."""
+    """A runner is given a StepPlan and implements engine/runner.py's protocol; the scheduler, the slots and the loop
+    are none of its business, and the engine knows runners only through that protocol."""
     for m, p in modules():
         if starts(m, "servelm.runners"):
             engine = [i for i in imports_of(p) if starts(i, "servelm.engine")]
-            assert all(i == "servelm.engine.plan" for i in engine), (m, engine)
+            assert all(i in ("servelm.engine.plan", "servelm.engine.runner") for i in engine), (m, engine)
             assert not any(starts(i, "servelm.service", "servelm.http", "servelm.constrain") for i in imports_of(p)), m
+        if starts(m, "servelm.engine"):
+            assert not any(starts(i, "servelm.runners") for i in imports_of(p)), m
 
 
 def test_speculation_is_pure_data_over_the_plan():

@@ -22,6 +22,7 @@ from servelm.engine.choice import RequestState
 from servelm.engine.output import EngineError as EngineError  # the error a request fails with for the engine's reasons
 from servelm.engine.output import OutputProcessor, StepResult
 from servelm.engine.plan import StepPlan
+from servelm.engine.runner import ModelRunner, RestoreFailed
 from servelm.engine.sampler import SampledStep, StepSampler
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SequenceGroup
@@ -29,7 +30,6 @@ from servelm.engine.speculate import Speculator
 from servelm.engine.spill import SpillStore
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 from servelm.errors import ApiError
-from servelm.runners.base import ModelRunner, RestoreFailed
 
 log = logging.getLogger("servelm.engine")
 

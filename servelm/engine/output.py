@@ -23,13 +23,13 @@ from servelm.engine.beam import BeamSearch, beam_hosts
 from servelm.engine.choice import Choice, RequestState, constraint_failed
 from servelm.engine.detokenizer import Detokenizer
 from servelm.engine.plan import SeqKey
+from servelm.engine.runner import ModelRunner
 from servelm.engine.sampler import SampledStep
 from servelm.engine.sampling import SamplerState
 from servelm.engine.sequence import SequenceGroup
 from servelm.engine.thinking import ThinkTracker
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from servelm.errors import ApiError, ServerError
-from servelm.runners.base import ModelRunner
 
 log = logging.getLogger("servelm.engine")
 

@@ -58,7 +58,7 @@ class Save:
 class Restore:
     """The slot's stream is replaced by cells a Save copied out (from host memory, or a file), which must hold at
     least its first `n` positions. A runner that cannot restore them empties the slot and reports it (the step's
-    other operations done, none of its chunks read): runners.base.RestoreFailed."""
+    other operations done, none of its chunks read): engine.runner.RestoreFailed."""
 
     slot: int
     data: bytes
@@ -99,7 +99,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     ops: list[KVOp] = field(default_factory=list)  # in the order they were decided, before the forward pass
-    # slots whose Restore the runner refused (runners.base.RestoreFailed): the plan as read again without their
+    # slots whose Restore the runner refused (engine.runner.RestoreFailed): the plan as read again without their
     # chunks and without its (done) operations; Scheduler.update has those sequences read their prompts instead
     refused: frozenset[int] = frozenset()
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan
-from servelm.runners.base import Exactness, RestoreFailed
+from servelm.engine.runner import Exactness, RestoreFailed
 
 EOS = 0
 FIRST_WORD = 1

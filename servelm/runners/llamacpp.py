@@ -45,7 +45,7 @@ import llama_cpp as C  # noqa: E402
 import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
-from servelm.runners.base import Exactness, KVCacheFull, RestoreFailed
+from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
 from servelm.runners.media import Projector
 from servelm.runners.selfcheck import check_exactness
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from servelm.engine.plan import Clear, ScheduledChunk, SeqKey, StepPlan
-from servelm.runners.base import ModelRunner
+from servelm.engine.runner import ModelRunner
 
 PROBE_TOKENS = 24
 _PIECES = (5, 1, 7, 11)  # the probe read in chunks of these sizes

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from servelm.engine.plan import StepPlan
-from servelm.runners.base import Exactness
+from servelm.engine.runner import Exactness
 from servelm.runners.fake import FakeRunner
 from servelm.runners.selfcheck import check_exactness
 
