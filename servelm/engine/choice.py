@@ -1,9 +1,9 @@
 """A request's state beside the scheduler's: what each choice's next row is sampled with, and what its output is made
 of so far.
 
-The output processor makes it when a request enters the engine (OutputProcessor.attach) and keeps it by sequence
-key until the request ends; the sampler reads it (a choice's RNG and penalties, its grammar matcher and a thought's
-forced token shape its row) and the output processor moves it on, a token at a time. The scheduler's state of the
+The output processor makes it for a new request (OutputProcessor.prepare, filed by attach on the engine thread) and
+keeps it by sequence key until the request ends; the sampler reads it (a choice's RNG and penalties, its grammar
+matcher and a thought's forced token shape its row) and the output processor moves it on, a token at a time. The scheduler's state of the
 same sequences (engine/sequence.py) is not touched here.
 """
 

@@ -117,3 +117,25 @@ async def test_a_runner_failure_fails_the_requests_but_not_the_engine():
         assert finals[0].completion_tokens == 3 and eng.alive
     finally:
         eng.stop()
+
+
+async def test_nothing_of_a_request_stays_in_the_engine_once_it_ends(engine):
+    """Finished, aborted (a client gone), failed or a beam search: each stage lets go of every sequence it knew."""
+    from servelm.engine.types import BeamParams
+
+    await collect(engine, "done", [3] * 5, max_tokens=4, n=2)
+    await collect(engine, "beams", [3] * 5, max_tokens=4, best_of=2, beam=BeamParams())
+    gen = engine.generate(GenerationRequest("gone", (3, 4), SamplingParams(max_tokens=500, temperature=0.0)))
+    await anext(gen)
+    await gen.aclose()  # the client went away: its abort goes to the engine
+    from servelm.engine.local import EngineError
+
+    with pytest.raises(EngineError):
+        await collect(engine, "bad", [3], max_tokens=4, logit_bias=((10**9, 1.0),))  # fails inside the step
+    for _ in range(100):
+        if not engine.scheduler.has_unfinished():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert engine.output.choices == {} and engine.output.requests == {}
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.has_unfinished()
