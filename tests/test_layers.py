@@ -209,3 +209,11 @@ def test_only_scheduler_update_changes_a_sequences_state():
                         and t.value.id in {"seq", "sequence", "group", "sampler", "child", "parent"}:
                     bad.append((m, t.value.id, t.attr, node.lineno))
     assert not bad
+
+
+def test_the_steps_values_are_typed_through():
+    """The step's modules name no `Any`: a chunk's sequence is a SeqKey, a request's outputs a list or its error, a
+    matcher llguidance's LLMatcher (the one third-party object the stages hold, in engine/choice.py)."""
+    for module in ("plan", "scheduler", "sampler", "output", "choice", "local", "sequence"):
+        tree = ast.parse((ROOT / "engine" / f"{module}.py").read_text())
+        assert not [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "Any"], module
