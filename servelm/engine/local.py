@@ -85,8 +85,9 @@ class LocalEngine:
         if spill is None or spill.directory is None:
             return
         spill.settle()
+        pending = self.scheduler.copies_pending  # cells a copy has not written yet are not what the slot holds
         for slot in self.scheduler.slots.slots:
-            if slot.seq is None and spill.wants(slot.cached, slot.scope):
+            if slot.seq is None and slot.index not in pending and spill.wants(slot.cached, slot.scope):
                 try:
                     spill.persist(slot.cached, slot.scope, self.runner.save_seq(slot.index))
                 except Exception:  # one slot's state must not keep the others from disk

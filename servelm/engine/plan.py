@@ -34,7 +34,11 @@ class Keep:
 
 @dataclass(frozen=True, slots=True)
 class Copy:
-    """Slot `dst` gets the first `n` positions of slot `src` (a fork, a beam, a prefix another request read)."""
+    """Slot `dst` gets the first `n` positions of slot `src` (a fork, a beam, a prefix another request read).
+
+    llama.cpp copies one stream to another at its next forward pass, not when asked: until a plan with chunks is
+    read, no Save of `dst` and no Restore into either slot may follow (the cells saved would be the ones `dst` held
+    before; restored ones would be overwritten, or copied on). The scheduler keeps to it; the fake runner checks it."""
 
     src: int
     dst: int

@@ -65,6 +65,10 @@ class Scheduler:
         self.draft_accepted = 0
         self._restoring: dict[int, Spilled] = {}  # this step's Restore ops: the spilled entry by slot
         self._seqs: dict[SeqKey, Sequence] = {}  # every sequence of a waiting or running group
+        # slots a queued Copy writes or reads, until a plan with chunks is read: llama.cpp copies between streams at
+        # its next forward pass, so until then no Save of the destination and no Restore into either (plan.Copy)
+        self._copied_to: set[int] = set()
+        self._copied_from: set[int] = set()
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -78,6 +82,11 @@ class Scheduler:
     @property
     def kv_cells(self) -> int:
         return self.num_slots * self.context_window
+
+    @property
+    def copies_pending(self) -> frozenset[int]:
+        """Slots a Copy writes that no forward pass has made yet (their cells are not what they hold)."""
+        return frozenset(self._copied_to)
 
     @property
     def free_slots(self) -> list[Slot]:
@@ -178,6 +187,9 @@ class Scheduler:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
                     budget -= self._read(seq, budget, plan)
         plan.ops, self._ops = self._ops, []
+        if plan.chunks:  # its forward pass makes the copies
+            self._copied_to.clear()
+            self._copied_from.clear()
         return plan
 
     def _draft_candidates(self, plan: StepPlan) -> dict[int, Candidate]:
@@ -236,11 +248,14 @@ class Scheduler:
         if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
             placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
         slot = placed.slot
-        spilled = self._spilled(group, placed.reuse)
+        # a spilled entry is read back only into a slot no copy touches before the next pass (its own entry moved
+        # aside is such a copy)
+        restorable = placed.moved is None and slot.index not in self._copied_to | self._copied_from
+        spilled = self._spilled(group, placed.reuse) if restorable else None
         reuse = spilled[2] if spilled is not None else placed.reuse
         if placed.moved is not None:  # the slot's own entry is kept elsewhere first
             self._save(placed.moved)
-            self._ops.append(Copy(slot.index, placed.moved.index, len(slot.cached)))
+            self._copy(slot.index, placed.moved.index, len(slot.cached))
             self.slots.move(slot, placed.moved)
         elif spilled is not None or placed.source is not None or not placed.reuse:
             self._save(slot)  # its entry is given up
@@ -248,7 +263,7 @@ class Scheduler:
             self._ops += [Restore(slot.index, spilled[1], reuse), Keep(slot.index, reuse)]
             self._restoring[slot.index] = spilled[0]
         elif placed.source is not None:  # a copy replaces whatever the slot held
-            self._ops.append(Copy(placed.source.index, slot.index, placed.reuse))
+            self._copy(placed.source.index, slot.index, placed.reuse)
         elif placed.reuse:
             self._ops.append(Keep(slot.index, placed.reuse))
         elif slot.cached:
@@ -275,9 +290,15 @@ class Scheduler:
     # -- the prefix cache -------------------------------------------------------------------------
     def _save(self, slot: Slot) -> None:
         """The resting slot's entry is about to be given up: its cells go to the spill store first (a Save op ahead
-        of the op that overwrites them), if they are worth keeping."""
-        if self.spill is not None and slot.seq is None and self.spill.wants(slot.cached, slot.scope):
+        of the op that overwrites them), if they are worth keeping and in its stream already (not a copy's yet)."""
+        if self.spill is not None and slot.seq is None and slot.index not in self._copied_to \
+                and self.spill.wants(slot.cached, slot.scope):
             self._ops.append(Save(slot.index, self.spill.spill(slot.cached, slot.scope)))
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        self._ops.append(Copy(src, dst, n))
+        self._copied_to.add(dst)
+        self._copied_from.add(src)
 
     def _spilled(self, group: SequenceGroup, reuse: int) -> tuple[Spilled, bytes, int] | None:
         """A spilled entry, its state and the prompt tokens it holds, when it holds at least MIN_RESTORE more than
@@ -416,7 +437,7 @@ class Scheduler:
         for i, p in enumerate(parents):
             src, dst = seqs[p].slot, seqs[host[i]].slot
             if host[i] != p and src is not None and dst is not None:
-                self._ops.append(Copy(src, dst, old[p][1]))
+                self._copy(src, dst, old[p][1])
         for i, p in enumerate(parents):
             seq = seqs[host[i]]
             seq.token_ids = old[p][0] + [tokens[i]]
@@ -428,4 +449,4 @@ class Scheduler:
         child.num_computed = group.prompt_len
         child.status = SeqStatus.RUNNING
         assert parent.slot is not None and child.slot is not None
-        self._ops.append(Copy(parent.slot, child.slot, group.prompt_len))
+        self._copy(parent.slot, child.slot, group.prompt_len)

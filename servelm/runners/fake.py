@@ -69,6 +69,10 @@ class FakeRunner:
         self.trained_context = context_window
         self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
+        # slots a Copy wrote or read since the last forward pass: llama.cpp makes a copy between streams at its next
+        # decode, so a Save of its destination or a Restore into either slot before then reads or loses wrong cells
+        self.copied_to: set[int] = set()
+        self.copied_from: set[int] = set()
         self.steps: list[StepPlan] = []
         self.max_cells_seen = 0
         self.projector = projector  # reads images (FakeProjector); None: a text-only model
@@ -146,6 +150,10 @@ class FakeRunner:
                 if len(held) < op.n:
                     raise FakeKVError(f"keep {op.n} cells of slot {op.slot}, which holds {len(held)}")
                 self.cells[op.slot] = held[: op.n]
+            elif isinstance(op, Save) and op.slot in self.copied_to:
+                raise FakeKVError(f"save of slot {op.slot}, which a copy writes only at the next forward pass")
+            elif isinstance(op, Restore) and op.slot in self.copied_to | self.copied_from:
+                raise FakeKVError(f"restore into slot {op.slot}, which a copy made at the next forward pass touches")
             elif isinstance(op, Save):
                 op.into.data = self.save_seq(op.slot)
             elif isinstance(op, Restore):
@@ -162,6 +170,8 @@ class FakeRunner:
                     raise FakeKVError(f"copy of {op.n} cells from slot {op.src}, which holds "
                                       f"{len(self.cells.get(op.src, []))}")
                 self.cells[op.dst] = list(self.cells[op.src][: op.n])
+                self.copied_to.add(op.dst)
+                self.copied_from.add(op.src)
         if failed:
             self.steps.append(StepPlan([], plan.ops))
             raise RestoreFailed(failed)
@@ -182,6 +192,9 @@ class FakeRunner:
             rows.extend(self.logits_after(t) for t in held[len(held) - chunk.num_rows :])
         self.max_cells_seen = max(self.max_cells_seen, self.cells_in_use())
         self.steps.append(plan)
+        if plan.chunks:  # the forward pass: llama.cpp has made every copy by now
+            self.copied_to.clear()
+            self.copied_from.clear()
         if self.step_delay:
             time.sleep(self.step_delay)
         if not rows:

@@ -323,3 +323,28 @@ def test_running_slots_stay_in_few_runs_under_random_traffic():
                 if seq.num_generated >= 1 and rng.random() < 0.2:
                     s.finish(seq)
     assert placed > 50
+
+
+def test_no_save_or_restore_touches_a_stream_before_its_copy_is_made_under_random_traffic():
+    """llama.cpp makes a copy between two streams at its next forward pass, not when asked: a Save of the copy's
+    destination before then would keep the cells it held before, and a Restore into either slot would be overwritten
+    or copied on. The fake runner refuses both; long shared prompts, n > 1, entries moved aside, spilled and read
+    back, random finishes and steps without chunks must never ask for either."""
+    from servelm.engine.spill import SpillStore
+
+    rng = random.Random(3)
+    runner = FakeRunner(num_slots=4, max_step_tokens=48, context_window=400)
+    s = Recording(4, 400, 48, spill=SpillStore("fake", 1 << 26))
+    systems = [[20 + k] * rng.randint(70, 140) for k in range(5)]
+    restored = 0
+    for i in range(600):
+        if rng.random() < 0.35:
+            prompt = [*rng.choice(systems), *[rng.randint(1, 60) for _ in range(rng.randint(1, 12))]]
+            ask(s, f"r{i}", prompt, max_tokens=rng.choice([1, 3, 8]), n=rng.choice([1, 1, 2]))
+        run_step(s, token=rng.randint(1, 60), runner=runner)
+        for g in list(s.running):
+            for seq in g.live:
+                if seq.num_generated >= 1 and rng.random() < 0.3:
+                    s.finish(seq)
+        restored = s.spill.restored if s.spill else 0
+    assert restored > 0, "entries were spilled and read back"
