@@ -19,8 +19,8 @@ import numpy as np
 
 from servelm.constrain.grammars import Grammars
 from servelm.engine.choice import RequestState
+from servelm.engine.output import Delivery, OutputProcessor, Outputs, StepResult
 from servelm.engine.output import EngineError as EngineError  # the error a request fails with for the engine's reasons
-from servelm.engine.output import OutputProcessor, StepResult
 from servelm.engine.plan import StepPlan
 from servelm.engine.runner import ModelRunner, RestoreFailed
 from servelm.engine.sampler import SampledStep, StepSampler
@@ -32,8 +32,6 @@ from servelm.engine.types import EngineStats, GenerationOutput, GenerationReques
 from servelm.errors import ApiError
 
 log = logging.getLogger("servelm.engine")
-
-Delivery = list[GenerationOutput] | ApiError  # one step's outputs of a request, or what it failed with
 
 
 @dataclass(eq=False)
@@ -238,7 +236,7 @@ class LocalEngine:
             sampled.extend(more)
             result.extend(self.output.process(more))
 
-    def _send(self, outputs: dict[str, Delivery]) -> None:
+    def _send(self, outputs: Outputs) -> None:
         for request_id, batch in outputs.items():
             client = self._clients.get(request_id)
             if client is None:  # the client went away; its abort is on the way

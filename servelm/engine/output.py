@@ -66,7 +66,8 @@ class BeamMove:
 
 
 Event = Finish | Failed | BeamMove
-Outputs = dict[str, list[GenerationOutput] | ApiError]  # request id → its outputs this step, or what it failed with
+Delivery = list[GenerationOutput] | ApiError  # one step's outputs of a request, or what it failed with
+Outputs = dict[str, Delivery]  # by request id
 
 
 @dataclass
