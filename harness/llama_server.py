@@ -1,11 +1,13 @@
-"""Build llama.cpp's own `llama-server` from the llama.cpp that llama-cpp-python vendors.
+"""Build llama.cpp's own `llama-server` and `llama-batched-bench` from the llama.cpp that llama-cpp-python vendors.
 
 The version comes from the `llama-cpp-python==X` pin in pyproject.toml; the source comes from that
 version's sdist on PyPI (it carries `vendor/llama.cpp`); the CMake flags are exactly those of
 `scripts/llama_cmake_args.py`, the same ones servelm's llama-cpp-python wheel is compiled with, so the
-two servers run the same kernels. The result is cached at `harness/.build/<version>/llama-server`.
+two servers run the same kernels, and `llama-batched-bench` (the kernel limit, harness/limit.py) runs them too.
+The results are cached at `harness/.build/<version>/`.
 
-    python -m harness.llama_server            # build (or find) it and print its path
+    python -m harness.llama_server            # build (or find) llama-server and print its path
+    python -m harness.llama_server --tool llama-batched-bench
     python -m harness.llama_server --force    # rebuild
 """
 
@@ -26,11 +28,13 @@ REPO = Path(__file__).resolve().parent.parent
 BUILD_ROOT = REPO / "harness" / ".build"
 PIN = re.compile(r'"llama-cpp-python==([0-9][0-9A-Za-z.]*)"')
 
-# Only the server is wanted: no tests, examples, or other tools; one static binary.
+# The server and the batched bench (a tool) only: no tests or examples; static binaries.
+TOOLS = ("llama-server", "llama-batched-bench")
 EXTRA_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DGGML_BUILD_TESTS=OFF",
@@ -55,8 +59,8 @@ def cmake_flags() -> list[str]:
     return shlex.split(out)
 
 
-def binary_path(version: str | None = None) -> Path:
-    return BUILD_ROOT / (version or pinned_version()) / "llama-server"
+def binary_path(version: str | None = None, tool: str = "llama-server") -> Path:
+    return BUILD_ROOT / (version or pinned_version()) / tool
 
 
 def _log(msg: str) -> None:
@@ -100,10 +104,10 @@ def _extract(sdist: Path, dest: Path) -> Path:
     raise SystemExit(f"no vendor/llama.cpp/CMakeLists.txt under {dest}")
 
 
-def build(force: bool = False, jobs: int | None = None) -> Path:
-    """Return the path of a built llama-server, building it first unless cached."""
+def build(force: bool = False, jobs: int | None = None, tool: str = "llama-server") -> Path:
+    """Return the path of a built `tool` (one of TOOLS), building every tool first unless cached."""
     version = pinned_version()
-    target = binary_path(version)
+    target = binary_path(version, tool)
     if target.exists() and not force:
         return target
     started = time.monotonic()
@@ -115,21 +119,20 @@ def build(force: bool = False, jobs: int | None = None) -> Path:
     _log("cmake " + " ".join(flags))
     subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *flags], check=True)
     jobs = jobs or os.cpu_count() or 2
-    _log(f"building target llama-server with -j{jobs} (several minutes on 2 cores)")
+    _log(f"building {', '.join(TOOLS)} with -j{jobs} (several minutes on 2 cores)")
     subprocess.run(
-        ["cmake", "--build", str(build_dir), "--config", "Release", f"-j{jobs}",
-         "--target", "llama-server"],
+        ["cmake", "--build", str(build_dir), "--config", "Release", f"-j{jobs}", "--target", *TOOLS],
         check=True,
     )
-    built = next((p for p in (build_dir / "bin" / "llama-server", build_dir / "llama-server")
-                  if p.exists()), None)
-    if built is None:
-        raise SystemExit(f"the build finished but no llama-server binary is under {build_dir}")
-    tmp = target.with_suffix(".tmp")
-    shutil.copy2(built, tmp)
-    tmp.replace(target)
+    for name in TOOLS:
+        built = next((p for p in (build_dir / "bin" / name, build_dir / name) if p.exists()), None)
+        if built is None:
+            raise SystemExit(f"the build finished but no {name} binary is under {build_dir}")
+        tmp = binary_path(version, name).with_suffix(".tmp")
+        shutil.copy2(built, tmp)
+        tmp.replace(binary_path(version, name))
     (work / "cmake-flags.txt").write_text(" ".join(flags) + "\n")
-    _log(f"built {target} in {time.monotonic() - started:.0f} s")
+    _log(f"built {', '.join(TOOLS)} in {time.monotonic() - started:.0f} s")
     return target
 
 
@@ -137,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs")
+    parser.add_argument("--tool", choices=TOOLS, default="llama-server", help="which binary's path to print")
     args = parser.parse_args(argv)
-    print(build(force=args.force, jobs=args.jobs))
+    print(build(force=args.force, jobs=args.jobs, tool=args.tool))
     return 0
 
 

@@ -62,6 +62,16 @@ def cpu_s(pid: int) -> float:
         return 0.0
 
 
+def thread_cpu_s(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of one thread of a process (its main thread by default), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid or pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def machine_busy_s() -> float:
     """CPU seconds every core of the machine has spent busy since boot (not idle or iowait)."""
     with open("/proc/stat") as fh:

@@ -106,13 +106,14 @@ def llama_server_spec(binary: Path, model: Path, port: int, parallel: int, ctx: 
     return ServerSpec("llama-server", argv + extra, port)
 
 
-def llama_server_defaults_spec(binary: Path, model: Path, port: int, threads: int, extra: list[str]) -> ServerSpec:
+def llama_server_defaults_spec(binary: Path, model: Path, port: int, threads: int, extra: list[str],
+                               name: str = "llama-server") -> ServerSpec:
     """llama-server as a user starts it: the model, the address and the threads; its own slots and context."""
     flags = help_text(binary)
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
             "--alias", MODEL_ID]
     argv += [f for f in ("--no-webui",) if has_flag(flags, f)]
-    return ServerSpec("llama-server", argv + extra, port)
+    return ServerSpec(name, argv + extra, port)
 
 
 def llama_server_embedding_spec(binary: Path, model: Path, port: int, threads: int, extra: list[str],

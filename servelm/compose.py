@@ -19,6 +19,7 @@ from servelm.chat.reasoning import THINK, ReasoningMarkers
 from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
+from servelm.engine.pacing import StepPacer
 from servelm.engine.runner import ModelRunner
 from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
@@ -45,6 +46,7 @@ def build_deployment(
     engine: Engine | None = None,
     speculative: bool = True,
     spill: SpillStore | None = None,
+    itl_target_s: float = 0.0,
     grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
     reasoning_markers: str = "auto",
@@ -60,7 +62,7 @@ def build_deployment(
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits or GrammarLimits())
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
-                                   spill=spill)
+                                   spill=spill, pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None)
     template = template_of(name, runner, chat_template)
     template_source = template.source if template.origin != "fallback" else None
     exactness = runner.exactness
@@ -323,7 +325,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
         speculative=e.speculative == "ngram", spill=spill_store(e, runner.state_fingerprint),
-        grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
+        itl_target_s=e.itl_target_ms / 1000, grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
         reasoning_markers=spec.reasoning_markers, image_sources=images,
     )
     deployment.max_waiting = spec.limits.max_waiting

@@ -61,6 +61,10 @@ class EngineSettings(BaseSettings):
         "down to 256; the default model: 23 KB a cell, 16 x 2,048 cells in 720 MiB)")
     max_step_tokens: int = Field(256, ge=16, description="tokens in one step: decode tokens plus prompt chunks (a "
                                  "sequence reads at most 63 a step)")
+    itl_target_ms: float = Field(
+        400.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
+        "much prompt as the engine's measured step costs keep within this (at least 16 tokens, so prompts move "
+        "on); a step with nothing to decode reads its whole budget. 0: no target (--max-step-tokens alone)")
     prefix_cache: bool = Field(
         True, description="a slot keeps its cells once its request ends, and a prompt that begins the same way (a "
         "shared system prompt, a conversation's next turn) starts from them and reads only the rest, reported as "

@@ -9,7 +9,7 @@ layer's MeteredEngine calls without knowing about Prometheus.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -43,6 +43,7 @@ class EngineGauges:
     forward_seconds: float = 0.0
     steps: int = 0  # counters: steps with work, and the llama_decode calls they made
     forward_calls: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # counters: the engine thread's time by phase
     draft_tokens: int = 0  # counters: speculative guesses read, and those that held
     draft_accepted: int = 0
     spill_ram_bytes: int = 0  # the prefix cache's spilled entries in host RAM and on disk
@@ -93,10 +94,16 @@ class _EngineCollector(Collector):
                 "servelm_prefix_cache_restore_failures", "spilled entries whose state the model refused (dropped with "
                 "their files; their requests read their prompts)", labels=["model"]),
         }
+        phases = CounterMetricFamily("servelm_engine_phase_seconds", "the engine thread's wall time by phase of its "
+                                     "steps: decode (llama_decode), runner, sample, grammar, detokenize, loop, idle "
+                                     "(waiting with requests unfinished)", labels=["model", "phase"])
         for g in self._source():
             for key, family in families.items():
                 family.add_metric([g.model], g.kv_cells_total * g.kv_cell_bytes if key == "kv_bytes" else getattr(g, key))
+            for phase, seconds in g.phase_seconds.items():
+                phases.add_metric([g.model, phase], seconds)
         yield from families.values()
+        yield phases
 
     def describe(self) -> list[Any]:
         return []  # collected only on demand: registering must not call the source

@@ -358,7 +358,8 @@ async def embed_one(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -
     return await _post_json(client, url, body, read)
 
 
-def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> LevelResult:
+def summarize(concurrency: int, results: list[RequestResult], wall_s: float,
+              goodput: dict[str, float] | None = None) -> LevelResult:
     good = [r for r in results if r.ok]
     bad = [r for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in good)
@@ -381,7 +382,7 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> 
         error_samples=sorted({r.error or "" for r in bad})[:5],
         inputs=sum(r.inputs for r in good),
         inputs_s=sum(r.inputs for r in good) / wall_s if wall_s > 0 else 0.0,
-        serving={k: v for k, v in serving_metrics(results, wall_s).items() if not isinstance(v, list)},
+        serving={k: v for k, v in serving_metrics(results, wall_s, goodput=goodput).items() if not isinstance(v, list)},
     )
 
 
@@ -461,11 +462,13 @@ async def run_level(
     warmup: int = 0,
     timeout_s: float = 300.0,
     api_key: str | None = None,
+    goodput: dict[str, float] | None = None,
 ) -> LevelResult:
     """One closed-loop level: `concurrency` clients share `requests` requests (default 2 x concurrency, at least
-    4), after `warmup` uncounted ones. `url` is the base URL (e.g. http://127.0.0.1:8000/v1)."""
+    4), after `warmup` uncounted ones. `url` is the base URL (e.g. http://127.0.0.1:8000/v1). `goodput`: SLOs in ms
+    by metric (servelm.bench.metrics), for `serving["request_goodput"]`."""
     spec = spec or RequestSpec()
     total = requests if requests is not None else max(4, 2 * concurrency)
     results, wall = await run_requests(url, model, spec, total, max_concurrency=concurrency, warmup=warmup,
                                        timeout_s=timeout_s, api_key=api_key)
-    return summarize(concurrency, results, wall)
+    return summarize(concurrency, results, wall, goodput)

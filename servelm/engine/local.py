@@ -19,8 +19,10 @@ import numpy as np
 
 from servelm.constrain.grammars import Grammars
 from servelm.engine.choice import RequestState
+from servelm.engine.clock import PhaseClock
 from servelm.engine.output import Delivery, OutputProcessor, Outputs, StepResult
 from servelm.engine.output import EngineError as EngineError  # the error a request fails with for the engine's reasons
+from servelm.engine.pacing import StepPacer
 from servelm.engine.plan import StepPlan
 from servelm.engine.runner import ModelRunner, RestoreFailed
 from servelm.engine.sampler import SampledStep, StepSampler
@@ -42,15 +44,17 @@ class _Client:
 
 class LocalEngine:
     def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None,
-                 speculative: bool = True, spill: SpillStore | None = None) -> None:
+                 speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None) -> None:
         self.runner = runner
         self.grammars = grammars
         speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
                                    max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator,
-                                   spill=spill)
-        self.output = OutputProcessor(runner, grammars)
-        self.sampler = StepSampler(runner.vocab_size, runner.eog_ids, self.output.choices, grammars is not None)
+                                   spill=spill, pacer=pacer)
+        self.clock = PhaseClock()  # the engine thread's time by phase (engine/clock.py)
+        self.output = OutputProcessor(runner, grammars, self.clock)
+        self.sampler = StepSampler(runner.vocab_size, runner.eog_ids, self.output.choices, grammars is not None,
+                                   self.clock)
         self._inbox: deque[RequestState | str] = deque()  # a request to add, or the id of a request to abort
         self._wake = threading.Event()
         self._clients: dict[str, _Client] = {}
@@ -135,7 +139,8 @@ class LocalEngine:
             kv_cells_cached=s.kv_cells_cached, kv_cells_total=s.kv_cells, kv_cell_bytes=self.runner.kv_cell_bytes,
             free_slots=len(s.free_slots), total_slots=s.num_slots, cache_hits=s.cache_hits,
             cached_tokens=s.cached_tokens, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
-            steps=self.steps, forward_calls=self.runner.forward_calls, draft_tokens=s.draft_tokens,
+            steps=self.steps, forward_calls=self.runner.forward_calls, phase_seconds=self.clock.seconds,
+            draft_tokens=s.draft_tokens,
             draft_accepted=s.draft_accepted,
             spill_ram_bytes=s.spill.ram_used if s.spill else 0, spill_disk_bytes=s.spill.disk_used if s.spill else 0,
             spill_entries=len(s.spill.entries) if s.spill else 0, spill_restored=s.spill.restored if s.spill else 0,
@@ -178,20 +183,30 @@ class LocalEngine:
         """One step, a pipeline of values: plan → logits → sampled tokens → outputs and events → the scheduler's
         update → send."""
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if not plan.has_work:  # waiting requests that do not fit yet: let the inbox bring news
-            self._wake.wait(0.005)
-            self._wake.clear()
-            return
-        plan, failed = self._encode_media(plan)
-        plan, logits = self._forward(plan)
-        sampled = self.sampler.sample(plan, logits, failed)
-        result = self.output.process(sampled)
-        self._verify(plan, logits, sampled, result)
-        for group in self.scheduler.update(plan, sampled, result):
-            self.output.forget(group)
-        self._send(result.outputs)
-        self.step_seconds += time.perf_counter() - start
+        clock = self.clock
+        clock.enter("loop")
+        try:
+            plan = self.scheduler.schedule()
+            if not plan.has_work:  # waiting requests that do not fit yet: let the inbox bring news
+                with clock.phase("idle"):
+                    self._wake.wait(0.005)
+                    self._wake.clear()
+                return
+            plan, failed = self._encode_media(plan)
+            plan, logits = self._forward(plan)
+            with clock.phase("sample"):
+                sampled = self.sampler.sample(plan, logits, failed)
+            result = self.output.process(sampled)
+            self._verify(plan, logits, sampled, result)
+            for group in self.scheduler.update(plan, sampled, result):
+                self.output.forget(group)
+            self._send(result.outputs)
+            took = time.perf_counter() - start
+            self.step_seconds += took
+            if self.scheduler.pacer is not None:
+                self.scheduler.pacer.observe(plan.decode_tokens, plan.num_tokens - plan.decode_tokens, took)
+        finally:
+            clock.leave()
 
     def _encode_media(self, plan: StepPlan) -> tuple[StepPlan, dict[str, Exception]]:
         """The step's image, encoded before the pass (the runner keeps its embeddings): should that fail, its
@@ -214,11 +229,15 @@ class LocalEngine:
         done by then, and its other chunks are read again without it (Scheduler.update has that request read its
         prompt instead)."""
         forward = time.perf_counter()
-        try:
-            logits = self.runner.step(plan)
-        except RestoreFailed as exc:
-            plan = StepPlan([c for c in plan.chunks if c.slot not in exc.slots], [], frozenset(exc.slots))
-            logits = self.runner.step(plan)
+        decoding = self.runner.decode_seconds
+        with self.clock.phase("runner"):
+            try:
+                logits = self.runner.step(plan)
+            except RestoreFailed as exc:
+                plan = StepPlan([c for c in plan.chunks if c.slot not in exc.slots], [], frozenset(exc.slots),
+                            plan.decode_tokens)
+                logits = self.runner.step(plan)
+        self.clock.move(self.runner.decode_seconds - decoding, "runner", "decode")
         self.steps += 1
         self.forward_seconds += time.perf_counter() - forward
         return plan, logits
@@ -232,7 +251,8 @@ class LocalEngine:
             due = [(c.seq, r + j) for c, r in drafted if sampled.held(c, j) and self.output.live(c.seq)]
             if not due:
                 break
-            more = self.sampler.sample_rows(due, logits)
+            with self.clock.phase("sample"):
+                more = self.sampler.sample_rows(due, logits)
             sampled.extend(more)
             result.extend(self.output.process(more))
 

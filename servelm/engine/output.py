@@ -21,6 +21,7 @@ import numpy as np
 from servelm.constrain.grammars import Grammars
 from servelm.engine.beam import BeamSearch, beam_hosts
 from servelm.engine.choice import Choice, RequestState, constraint_failed
+from servelm.engine.clock import PhaseClock
 from servelm.engine.detokenizer import Detokenizer
 from servelm.engine.plan import SeqKey
 from servelm.engine.runner import ModelRunner
@@ -87,9 +88,10 @@ class StepResult:
 
 
 class OutputProcessor:
-    def __init__(self, runner: ModelRunner, grammars: Grammars | None) -> None:
+    def __init__(self, runner: ModelRunner, grammars: Grammars | None, clock: PhaseClock | None = None) -> None:
         self.runner = runner
         self.grammars = grammars
+        self.clock = clock or PhaseClock()
         self._eog = frozenset(int(t) for t in runner.eog_ids)
         self.choices: dict[SeqKey, Choice] = {}  # every admitted sequence's, until its request ends
         self.requests: dict[str, RequestState] = {}  # and its request's, by id
@@ -197,13 +199,17 @@ class OutputProcessor:
             if choice.logprobs is not None:
                 choice.logprobs.append(entry)
         matcher = choice.matcher
-        if matcher is not None and not matcher.consume_token(token):
-            raise constraint_failed(choice)
+        if matcher is not None:
+            with self.clock.phase("grammar"):
+                consumed = matcher.consume_token(token)
+            if not consumed:
+                raise constraint_failed(choice)
         if token in self._eog and (not params.ignore_eos or matcher is not None and matcher.is_stopped()):
             return self._finish(choice, FinishReason.STOP, None, result, ended_by_token=True)
         if token in params.stop_token_ids:
             return self._finish(choice, FinishReason.STOP, token, result, ended_by_token=True)
-        text, hit = choice.detok.push(token)
+        with self.clock.phase("detokenize"):
+            text, hit = choice.detok.push(token)
         if choice.free_unless and text:
             self._maybe_release(choice, text)
         if hit is not None:

@@ -106,6 +106,7 @@ class StepPlan:
     # slots whose Restore the runner refused (engine.runner.RestoreFailed): the plan as read again without their
     # chunks and without its (done) operations; Scheduler.update has those sequences read their prompts instead
     refused: frozenset[int] = frozenset()
+    decode_tokens: int = 0  # of its tokens, those of decoding sequences (guesses included); the rest are prompts'
 
     @property
     def num_tokens(self) -> int:

@@ -49,6 +49,11 @@ class ModelRunner(Protocol):
     exactness: Exactness  # what the start-up self-check found (runners/selfcheck.py)
 
     @property
+    def decode_seconds(self) -> float:
+        """llama.cpp's time computing the forward passes since start (the runner's own work and waits excluded)."""
+        ...
+
+    @property
     def state_fingerprint(self) -> str:
         """What save_seq's states depend on (the model file, the cache type, the build, the fences)."""
         ...

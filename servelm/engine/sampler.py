@@ -18,6 +18,7 @@ import numpy as np
 
 from servelm.constrain.masks import MaskComputer
 from servelm.engine.choice import Choice, constraint_failed
+from servelm.engine.clock import PhaseClock
 from servelm.engine.plan import ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.sampling import log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
 from servelm.engine.types import TokenLogprob
@@ -68,8 +69,9 @@ class SampledStep:
 
 class StepSampler:
     def __init__(self, vocab_size: int, eog_ids: np.ndarray, choices: Mapping[SeqKey, Choice],
-                 grammars: bool) -> None:
+                 grammars: bool, clock: PhaseClock | None = None) -> None:
         self.choices = choices  # the output processor's, read here
+        self.clock = clock or PhaseClock()
         self.eog = np.asarray(eog_ids, dtype=np.int64)
         self._masks = MaskComputer(vocab_size) if grammars else None
         self.vocab_size = vocab_size
@@ -192,7 +194,8 @@ class StepSampler:
         grammar = None
         if constrained and self._masks is not None:
             matchers = [m for m in (choices[i].matcher for i in constrained) if m is not None]
-            grammar = self._masks.allowed(matchers)
+            with self.clock.phase("grammar"):
+                grammar = self._masks.allowed(matchers)
             for matcher, i in zip(matchers, constrained):
                 if matcher.is_error():  # past llguidance's per-step limits: its request fails
                     raise constraint_failed(choices[i])

@@ -5,7 +5,8 @@ update(plan, sampled, result) after it, with what the sampler drew and what the 
 these change a sequence's state (status, slot, tokens, cells computed, drafts) and queue KV operations; the rest
 (the counts /health and /metrics show) is read-only. Each step
 carries one token for every decoding sequence, then prompt chunks (first come, first served) under the step's
-token budget, so a long prompt is read a chunk at a time while the others keep decoding. A sequence reads at
+token budget, so a long prompt is read a chunk at a time while the others keep decoding; with a pacer
+(engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an inter-token target. A sequence reads at
 most `max_rows` tokens a step (the runner's kernels give a row the same numerics whatever shares its step only
 below that: docs/exactness.md). Sequences are admitted and retired between steps.
 
@@ -29,6 +30,7 @@ from collections import deque
 
 from servelm.engine.beam import beam_hosts
 from servelm.engine.output import BeamMove, Failed, Finish, StepResult
+from servelm.engine.pacing import StepPacer
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save, ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.sampler import SampledStep
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
@@ -45,7 +47,7 @@ PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its lo
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
                  prefix_cache: bool = True, speculator: Speculator | None = None,
-                 spill: SpillStore | None = None) -> None:
+                 spill: SpillStore | None = None, pacer: StepPacer | None = None) -> None:
         if num_slots < 1 or context_window < 1 or max_step_tokens < num_slots or max_rows < 1:
             raise ValueError("need num_slots, context_window and max_rows >= 1, and max_step_tokens >= num_slots")
         self.num_slots = num_slots
@@ -60,6 +62,7 @@ class Scheduler:
         self.cache_hits = 0  # requests placed on cached cells, and the prompt tokens those cells saved
         self.cached_tokens = 0
         self.speculator = speculator  # drafts for decoding sequences (None: no speculative decoding)
+        self.pacer = pacer  # how much prompt a decoding step may read (None: its whole budget)
         self.spill = spill if prefix_cache else None  # where entries the slots give up go (None: they are lost)
         self.draft_tokens = 0  # guesses read since start, and how many of them held
         self.draft_accepted = 0
@@ -161,6 +164,10 @@ class Scheduler:
                     budget -= 1
         if self.speculator is not None and plan.chunks and budget > 0:
             budget -= self.speculator.draft(plan, budget, self.max_rows, self._draft_candidates(plan))
+        plan.decode_tokens = self.max_step_tokens - budget
+        if plan.decode_tokens and self.pacer is not None:  # keep the decoding streams' next token within the target
+            allowed = self.pacer.prompt_budget(plan.decode_tokens)
+            budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
             for seq in group.seqs:
                 if budget <= 0:

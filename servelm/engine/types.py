@@ -205,6 +205,8 @@ class EngineStats:
     forward_seconds: float = 0.0  # of which inside the model's forward pass (llama_decode)
     steps: int = 0  # steps that had work, since start
     forward_calls: int = 0  # llama_decode calls they made (a step's rows go in as few as keep them exact)
+    # the engine thread's wall seconds by phase of its steps (engine/clock.py PHASES), since start
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     draft_tokens: int = 0  # speculative guesses read since start (engine/speculate.py), and how many held
     draft_accepted: int = 0
     # the prefix cache's spilled entries (engine/spill.py): their bytes in host RAM and on disk, how many, and

@@ -107,10 +107,12 @@ S = TypeVar("S")
 
 
 def _sum(items: list[Any], kind: type[S]) -> S:
-    """Every replica's counts added up, field by field (all zero without replicas); a size per unit (a KV cell's
-    bytes) is the replicas' largest, not their sum."""
+    """Every replica's counts added up, field by field (all zero without replicas), a table of counts key by key; a
+    size per unit (a KV cell's bytes) is the replicas' largest, not their sum."""
     def add(name: str) -> Any:
         values = [getattr(i, name) for i in items]
+        if values and isinstance(values[0], dict):
+            return {key: sum(v.get(key, 0) for v in values) for key in dict.fromkeys(k for v in values for k in v)}
         return max(values, default=0) if name.endswith("_bytes") else sum(values)
 
     return kind(**{f.name: add(f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]  # kind is a dataclass type

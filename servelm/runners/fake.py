@@ -52,6 +52,7 @@ class FakeRunner:
         self.lone_row_from: int | None = None  # it reads a lone row alone
         self.kv_cell_bytes = 64
         self.forward_calls = 0
+        self.decode_seconds = 0.0  # none: the fake computes nothing (its step counts as the runner's own work)
         self.bos_id = None
         self.step_delay = step_delay
         self.fim_tokens = fim_tokens  # fill-in-the-middle (prefix, suffix, middle) tokens, if the model has them

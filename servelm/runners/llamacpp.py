@@ -221,7 +221,7 @@ class LlamaCppRunner:
         cparams.type_k = cparams.type_v = _KV_TYPES[kv_cache_type][0]
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
-        cparams.no_perf = True
+        cparams.no_perf = False  # its compute time: decode_seconds (the engine's phase breakdown)
         self._ctx = None if vocab_only else C.llama_init_from_model(self._model, cparams)
         if not self._ctx and not vocab_only:
             self.close()
@@ -543,6 +543,15 @@ class LlamaCppRunner:
                 if row >= 0:
                     self._logits[row : row + k] = out[r : r + k]
                 r += k
+
+    @property
+    def decode_seconds(self) -> float:
+        """llama.cpp's own time computing the graphs of its llama_decode calls since start (its perf counters, from
+        the call's start to the sync that reads its logits): the pass itself, without the wait for the GIL after."""
+        if not self._ctx:
+            return 0.0
+        data = C.llama_perf_context(self._ctx)
+        return float(data.t_eval_ms + data.t_p_eval_ms) / 1000.0
 
     def clear(self) -> None:
         C.llama_memory_clear(self._mem, True)

@@ -160,3 +160,17 @@ def test_speculative_decoding_drafts_and_reports_its_counts(reference, cached) -
               if line.startswith("servelm_spec_decode_")}
     assert counts["servelm_spec_decode_draft_tokens_total"] >= timings["draft_n"]
     assert 0 < counts["servelm_spec_decode_accepted_tokens_total"] <= counts["servelm_spec_decode_draft_tokens_total"]
+
+
+def test_the_engine_time_by_phase_is_mostly_llama_decode(cached) -> None:
+    """On the real model /metrics splits the engine's steps into phases; llama_decode is timed inside the runner."""
+    client_for(cached).chat.completions.create(**request("echo", "greedy"))
+    metrics = httpx.get(cached + "/metrics", timeout=10).text
+    phases = {line.split('phase="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("servelm_engine_phase_seconds_total{")}
+    step = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("servelm_engine_step_seconds_total{"))
+    assert set(phases) >= {"decode", "runner", "sample", "grammar", "detokenize", "loop", "idle"}
+    assert phases["decode"] > 0 and phases["sample"] > 0 and phases["detokenize"] > 0
+    assert phases["decode"] > phases["sample"], "a 135M model's pass outweighs the sampling of its rows"
+    assert sum(v for k, v in phases.items() if k != "idle") <= step * 1.01 + 0.05

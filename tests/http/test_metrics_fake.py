@@ -83,6 +83,10 @@ def test_engine_step_and_forward_time_are_counted(fake_server_factory):
     forward = value(after, "servelm_engine_forward_seconds_total", model="fake-model")
     assert value(before, "servelm_engine_step_seconds_total", model="fake-model") < step
     assert 5 * 0.01 <= forward <= step, "five steps of 10 ms each in the fake runner's forward pass"
+    phases = {p: value(after, "servelm_engine_phase_seconds_total", model="fake-model", phase=p)
+              for p in ("decode", "runner", "sample", "grammar", "detokenize", "loop", "idle")}
+    assert phases["runner"] >= 5 * 0.01 and phases["sample"] > 0 and phases["loop"] > 0
+    assert sum(phases.values()) - phases["idle"] <= step + 0.05, "the phases split the steps' time"
 
 
 def test_a_stream_the_client_leaves_counts_as_aborted(fake_server_factory):

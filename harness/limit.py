@@ -1,0 +1,129 @@
+"""The kernel limit: what llama.cpp's own `llama-batched-bench` (same build, same flags) allows for a workload's shape.
+
+For N streams that each read a P-token prompt and write G tokens, `llama-batched-bench -npp P -ntg G -npl N` reads the
+N prompts in one go and then decodes the N sequences together, a row each per pass: no server, no sampling, no HTTP.
+Its output tokens per second, N·G ÷ (prompt time + decode time), is the most a server can give that workload on this
+machine; a server's figure divided by it is the fraction of the limit it reaches. A workload whose streams share a
+prompt (shared-prefix-4) is measured with the prompt read once (-pps).
+
+    .venv/bin/python -m harness.limit                                  # the default workloads, SmolLM2
+    .venv/bin/python -m harness.limit --model gemma3 --workloads 1-stream,16-streams
+
+`kernel_limits` is what harness/compare.py calls after its runs, with the prompt lengths the servers reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness import llama_server, models
+from servelm.bench.workloads import CHAT, WORKLOADS, Workload
+
+DEFAULT_WORKLOADS = "1-stream,16-streams,shared-prefix-4,long-prompts-4"
+CHAT_TEMPLATE_TOKENS = 38  # what a chat template adds to a one-message prompt, about (SmolLM2: 38, Gemma 3: 14)
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One workload's kernel limit: llama-batched-bench's row for its shape."""
+
+    workload: str
+    streams: int
+    prompt_tokens: int
+    output_tokens: int
+    shared_prompt: bool
+    prompt_s: float  # reading every stream's prompt (once, when shared)
+    decode_s: float  # decoding every stream's output tokens together
+    prompt_tok_s: float
+    decode_tok_s: float
+
+    @property
+    def output_tok_s(self) -> float:
+        """The workload's output tokens per second at the limit."""
+        return self.streams * self.output_tokens / (self.prompt_s + self.decode_s)
+
+    def to_dict(self) -> dict[str, float | int | str | bool]:
+        return {**asdict(self), "output_tok_s": self.output_tok_s}
+
+
+def measurable(w: Workload) -> bool:
+    """A shape batched-bench has: chat, one turn, a fixed output length, no response format or best_of."""
+    return w.model == CHAT and w.turns == 1 and w.ban_eos and not w.extra_body and w.stream
+
+
+def shape(w: Workload, prompt_tokens: float | None) -> tuple[int, int, int, bool]:
+    """(prompt tokens, output tokens, streams, shared) of a workload; the prompt length as the server counted it
+    when known, else the workload's words plus a chat template's tokens. A system prompt is shared by every
+    request (shared-prefix-4's unique questions, 24 of its 690 tokens, are counted as shared)."""
+    if prompt_tokens is None:
+        system = len(w.system_prompt.split()) * 1.3 if w.system_prompt else 0  # English: ~1.3 tokens a word
+        prompt_tokens = w.prompt_tokens + system + CHAT_TEMPLATE_TOKENS
+    return max(1, round(prompt_tokens)), w.max_tokens, w.concurrency, w.system_prompt is not None
+
+
+def run_batched_bench(binary: Path, model: Path, threads: int, prompt: int, output: int, streams: int,
+                      shared: bool) -> dict[str, float]:
+    """One llama-batched-bench row (its jsonl line) for this shape, flash attention on, llama-server's batch sizes."""
+    ctx = (prompt if shared else streams * prompt) + streams * output + 64
+    argv = [str(binary), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads),
+            "-fa", "on", "-npp", str(prompt), "-ntg", str(output), "-npl", str(streams), "--output-format", "jsonl",
+            "--kv-unified"]
+    if shared:
+        argv.append("-pps")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+    rows = [json.loads(line) for line in (done.stdout + "\n" + done.stderr).splitlines()
+            if line.startswith("{") and '"speed_tg"' in line]
+    if done.returncode != 0 or not rows:
+        raise RuntimeError(f"llama-batched-bench failed ({done.returncode}): {' '.join(argv)}\n{done.stderr[-2000:]}")
+    return rows[-1]
+
+
+def kernel_limits(model: Path, workloads: list[Workload], threads: int,
+                  prompt_tokens: dict[str, float | None] | None = None) -> dict[str, Limit]:
+    """Each measurable workload's limit (see the module's docstring), by name."""
+    binary = llama_server.build(tool="llama-batched-bench")
+    found: dict[str, Limit] = {}
+    for w in workloads:
+        if not measurable(w):
+            continue
+        prompt, output, streams, shared = shape(w, (prompt_tokens or {}).get(w.name))
+        row = run_batched_bench(binary, model, threads, prompt, output, streams, shared)
+        found[w.name] = Limit(w.name, streams, prompt, output, shared, row["t_pp"], row["t_tg"], row["speed_pp"],
+                              row["speed_tg"])
+    return found
+
+
+def markdown(limits: dict[str, Limit]) -> str:
+    out = ["| workload | streams | prompt tok | out tok | prompt tok/s | decode tok/s | limit: out tok/s |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {x.workload} | {x.streams} | {x.prompt_tokens}{' (shared)' if x.shared_prompt else ''} "
+            f"| {x.output_tokens} | {x.prompt_tok_s:.1f} | {x.decode_tok_s:.1f} | {x.output_tok_s:.1f} |"
+            for x in limits.values()]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=models.NAMES, default=models.DEFAULT, help="which model (default: SmolLM2)")
+    p.add_argument("--model-path", default=None, help="a GGUF file instead")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    by_name = {w.name: w for w in WORKLOADS}
+    workloads = [by_name[n] for n in args.workloads.split(",") if n]
+    model = Path(args.model_path) if args.model_path else models.path(args.model)
+    limits = kernel_limits(model, workloads, args.threads)
+    print(markdown(limits))
+    skipped = [w.name for w in workloads if w.name not in limits]
+    if skipped:
+        print(f"\nno batched-bench shape for: {', '.join(skipped)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

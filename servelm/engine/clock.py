@@ -1,0 +1,60 @@
+"""Where the engine thread's time goes: wall seconds per phase of the step, each counted once (exclusive).
+
+The engine thread enters a phase around each part of its step; a phase entered inside another pauses the outer one,
+so that grammar masks computed while sampling count as `grammar`, not `sample`. `/metrics` shows the totals as
+`servelm_engine_phase_seconds_total{phase}`, and the comparison harness turns them into the per-step breakdown of
+docs/performance.md. A leaf: it imports nothing of servelm.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# decode: llama.cpp computing the pass (its own perf counters); runner: the rest of the runner's step (batches, KV
+# operations, logits copies, and the wait for the GIL when llama_decode returns); sample: logits to tokens (bias,
+# penalties, temperature, top-k/p, the draw, logprobs); grammar: masks and matcher advances; detokenize: tokens to
+# text and stop strings; loop: the rest of the engine's step (the scheduler, the output's bookkeeping, handing
+# outputs to the event loop); idle: waiting with requests unfinished
+PHASES = ("decode", "runner", "sample", "grammar", "detokenize", "loop", "idle")
+
+
+class PhaseClock:
+    """Exclusive wall time per phase, for one thread. Others may read `seconds` at any time (a copy: its keys never
+    change)."""
+
+    def __init__(self) -> None:
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._stack: list[str] = []
+        self._since = time.perf_counter()
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        return dict(self._seconds)
+
+    def enter(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            self._seconds[self._stack[-1]] += now - self._since
+        self._stack.append(phase)
+        self._since = now
+
+    def leave(self) -> None:
+        now = time.perf_counter()
+        self._seconds[self._stack.pop()] += now - self._since
+        self._since = now
+
+    @contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def move(self, seconds: float, source: str, target: str) -> None:
+        """Count `seconds` already counted under `source` (a phase that has ended) under `target` instead: a part
+        timed by someone else, inside it."""
+        self._seconds[source] -= seconds
+        self._seconds[target] += seconds

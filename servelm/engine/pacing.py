@@ -1,0 +1,66 @@
+"""Decode stays smooth while prompts arrive: a step that decodes reads no more prompt than an inter-token target allows.
+
+A step's wall time is close to linear in what it carries: t ≈ a + b·(decode rows) + c·(prompt tokens), where a is a
+step's fixed cost (the loop, a llama_decode call's own), b a decoding row's (its pass, its logits row, its sampling)
+and c a prompt token's. The pacer fits a, b and c to the steps just run (least squares, older steps weighing less and
+less), and gives a step that decodes d rows the prompt tokens that keep it within the target:
+(target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on. A step that decodes nothing reads
+its whole budget (nobody's tokens wait on it: the first-token lead is kept). Until it has seen both kinds of step, it
+limits nothing. Chunk sizes change no answer: a prompt's cells are the same however it is cut (docs/exactness.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FLOOR = 16  # prompt tokens a decoding step may always read (below: a long prompt would wait many steps per chunk)
+HALF_LIFE = 64  # steps after which an observation weighs half as much
+MIN_STEPS = 8  # steps seen with a prompt in them, and without, before the fit is used
+
+
+class StepPacer:
+    def __init__(self, target_s: float, floor: int = FLOOR) -> None:
+        if target_s <= 0:
+            raise ValueError("the inter-token target must be positive")
+        self.target_s = target_s
+        self.floor = floor
+        self._decay = 0.5 ** (1 / HALF_LIFE)
+        self._xtx = np.eye(3) * 1e-6  # the weighted normal equations of the fit (a tiny ridge keeps them solvable)
+        self._xty = np.zeros(3)
+        self._with_prompt = 0
+        self._without = 0
+        self._fit: np.ndarray | None = None
+
+    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+        """One step that ran: its decoding rows (drafted ones included), its prompt tokens, its wall time."""
+        if decode_rows + prompt_tokens == 0:
+            return
+        x = np.array([1.0, decode_rows, prompt_tokens])
+        self._xtx = self._xtx * self._decay + np.outer(x, x)
+        self._xty = self._xty * self._decay + x * seconds
+        if prompt_tokens:
+            self._with_prompt += 1
+        else:
+            self._without += 1
+        self._fit = None
+
+    @property
+    def costs(self) -> tuple[float, float, float] | None:
+        """(a, b, c) in seconds, once enough steps of both kinds were seen; None before."""
+        if min(self._with_prompt, self._without) < MIN_STEPS:
+            return None
+        if self._fit is None:
+            self._fit = np.linalg.solve(self._xtx, self._xty)
+        a, b, c = (float(v) for v in self._fit)
+        return a, b, c
+
+    def prompt_budget(self, decode_rows: int) -> int | None:
+        """The prompt tokens a step decoding `decode_rows` rows may read (None: no limit)."""
+        costs = self.costs
+        if decode_rows == 0 or costs is None:
+            return None
+        a, b, c = costs
+        if c <= 0:  # prompt tokens look free (a fit on too little variety): no limit rather than a wrong one
+            return None
+        room = self.target_s - max(a, 0.0) - max(b, 0.0) * decode_rows
+        return max(self.floor, int(room / c))
