@@ -2,6 +2,11 @@
 passes (one sequence per input, up to a token budget and a sequence count) and hands each request its
 vectors once the last of its inputs has been computed.
 
+The worker lives while there is work: it ends when the queue is empty, and the next input starts another. ggml
+computes with OpenMP, whose runtime keeps a team of spinning workers for each thread that ever computed, for as
+long as that thread lives; a second team on the cores makes every pass of the chat engine's wake its workers
+(docs/performance.md: a lone decoding row took 15 ms instead of 10 once an embedding request had been answered).
+
 Engine-neutral: any EmbeddingModel works (LlamaCppEmbedder, FakeEmbedder). Vectors come back as the
 model pools them, not normalized; normalizing and truncating to `dimensions` is the service's job.
 """
@@ -73,7 +78,8 @@ class EmbeddingEngine:
         self.vocab_size = model.vocab_size
         self.context_window = min(model.context_window, model.max_batch_tokens)
         self._q = _Queue()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the worker, while there is work
+        self._started = False
         self._stopping = False
         self._running = 0
         self.passes = 0
@@ -81,18 +87,26 @@ class EmbeddingEngine:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._stopping = False
+        with self._q.cond:
+            self._started, self._stopping = True, False
+            if self._q.items:
+                self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        """A worker for the queued inputs, unless one runs (called with the queue's lock held)."""
+        if self._thread is None and self._started and not self._stopping:
             self._thread = threading.Thread(target=self._run, name="servelm-embedding", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
         with self._q.cond:
             self._stopping = True
+            self._started = False
             self._q.cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+            worker = self._thread
+        if worker is not None:
+            worker.join(timeout=30)
+        self._thread = None
         with self._q.cond:
             jobs = {job for job, _ in self._q.items}
             self._q.items.clear()
@@ -101,7 +115,8 @@ class EmbeddingEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Started and not stopped (its worker never dies of a pass: a failed pass fails its requests)."""
+        return self._started and not self._stopping
 
     def stats(self) -> EmbeddingStats:
         return EmbeddingStats(self._running, len(self._q.items), self.passes, self.embedded)
@@ -124,7 +139,7 @@ class EmbeddingEngine:
             if self._stopping:
                 raise EmbeddingError("the server is shutting down")
             self._q.items.extend((job, i) for i in range(len(inputs)))
-            self._q.cond.notify()
+            self._wake_worker()
         try:
             return await job.future
         finally:
@@ -151,17 +166,16 @@ class EmbeddingEngine:
                 self._deliver(batch, vectors)
 
     def _take(self) -> list[tuple[_Job, int]] | None:
-        """Wait for inputs, then pop, in arrival order, as many as fit one pass (None: stop)."""
+        """Pop, in arrival order, as many inputs as fit one pass (None: none are left, or the engine stops; the
+        worker ends, and the next input starts another)."""
         q, m = self._q, self.model
         with q.cond:
-            while True:
-                while q.items and q.items[0][0].done:
-                    q.items.popleft()
-                if self._stopping:
-                    return None
-                if q.items:
-                    break
-                q.cond.wait()
+            while q.items and q.items[0][0].done:
+                q.items.popleft()
+            if self._stopping or not q.items:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                return None
             batch: list[tuple[_Job, int]] = []
             tokens = 0
             while q.items and len(batch) < m.max_batch_seqs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -118,3 +119,28 @@ async def test_stop_fails_what_waits(model):
     engine.stop()
     with pytest.raises(EmbeddingError):
         await task
+
+
+async def test_the_worker_ends_when_the_queue_is_empty_and_the_next_input_starts_another(engine, model):
+    """No thread that once computed outlives its work (OpenMP keeps a spinning team per such thread, which slows
+    every other engine's passes): each burst of work gets a worker that ends with it."""
+    seen: list[threading.Thread] = []
+    embed = model.embed
+
+    def recording(inputs):
+        seen.append(threading.current_thread())
+        return embed(inputs)
+
+    model.embed = recording
+    await engine.embed([[1, 2]])
+    first = seen[-1]
+    first.join(timeout=5)
+    assert not first.is_alive(), "the worker ended once the queue was empty"
+    assert engine.alive, "an engine without a worker is still up: the next input starts one"
+    await engine.embed([[3, 4]])
+    assert seen[-1] is not first and seen[-1] is not threading.current_thread()
+    assert np.array_equal(await engine.embed([[5]]), expected(model, [[5]]))
+    engine.stop()
+    assert not engine.alive
+    with pytest.raises(EmbeddingError):
+        await engine.embed([[6]])

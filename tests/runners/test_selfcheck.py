@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from servelm.config import embedded_model_path
 from servelm.engine.plan import StepPlan
 from servelm.engine.runner import Exactness
 from servelm.runners.fake import FakeRunner
@@ -56,3 +57,25 @@ def test_what_the_check_found_reads_as_the_server_reports_it():
     assert Exactness(True, fences=("no repacked weights",)).describe() == "exact (fences: no repacked weights)"
     assert Exactness(False, reason="x differs").describe() == "NOT exact: x differs"
     assert Exactness(False, checked=False).describe() == "not checked"
+
+
+def test_load_exact_checks_on_a_thread_that_ends(monkeypatch) -> None:
+    """The start-up check computes on a thread of its own that ends with it, never on the caller's (OpenMP would keep
+    a second team of workers for the caller's thread, and the engine's passes would pay for it: docs/performance.md)."""
+    import threading
+
+    from servelm.runners import llamacpp
+
+    ran_on: list[threading.Thread] = []
+
+    def check(runner) -> str:
+        ran_on.append(threading.current_thread())
+        return ""
+
+    monkeypatch.setattr(llamacpp, "check_exactness", check)
+    runner = llamacpp.load_exact(embedded_model_path(), num_slots=2, context_window=256)
+    try:
+        assert runner.exactness.exact and len(ran_on) == 1
+        assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+    finally:
+        runner.close()
