@@ -62,7 +62,7 @@ class EngineSettings(BaseSettings):
     max_step_tokens: int = Field(256, ge=16, description="tokens in one step: decode tokens plus prompt chunks (a "
                                  "sequence reads at most 63 a step)")
     itl_target_ms: float = Field(
-        400.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
+        200.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
         "much prompt as the engine's measured step costs keep within this (at least 16 tokens, so prompts move "
         "on); a step with nothing to decode reads its whole budget. 0: no target (--max-step-tokens alone)")
     prefix_cache: bool = Field(
