@@ -86,6 +86,7 @@ class ServerRun:
     # per workload: where the time went (servelm: ms a step by phase; llama-server: its own prompt and decode timers)
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
     slots: int | None = None  # the slots it was started with, when the footing gave it some
+    cached_per_request: dict[str, float] = field(default_factory=dict)  # per workload: prompt tokens from its cache
     error: str | None = None
     rounds: dict[str, list[LevelResult]] = field(default_factory=dict)  # --rounds: each round's figures
 
@@ -195,6 +196,8 @@ async def run_workload(proc: servers.ServerProcess, w: Workload, args: argparse.
     found = breakdown(delta, result.wall_s)
     if found:
         run.breakdown[w.name] = found
+    if "cached_tokens" in delta and result.ok:  # the prompt tokens a request did not read (the kernel limit's)
+        run.cached_per_request[w.name] = delta["cached_tokens"] / (result.ok + warmup)
     if w.model == EMBEDDING:
         figures = (f"{result.inputs_s:.1f} inputs/s, latency p50 {_num(result.e2e_ms['p50'])} ms, "
                    f"p99 {_num(result.e2e_ms['p99'])} ms")
@@ -216,7 +219,7 @@ _COUNTERS = {
     "step_seconds": "servelm_engine_step_seconds_total", "forward_seconds": "servelm_engine_forward_seconds_total",
     "steps": "servelm_engine_steps_total", "forward_calls": "servelm_engine_forward_calls_total",
     "ls_prompt_seconds": "llamacpp:prompt_seconds_total", "ls_predicted_seconds": "llamacpp:tokens_predicted_seconds_total",
-    "ls_decodes": "llamacpp:n_decode_total",
+    "ls_decodes": "llamacpp:n_decode_total", "cached_tokens": "servelm_prefix_cache_tokens_total",
 }
 
 
@@ -626,10 +629,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure_limits(runs: list[ServerRun], workloads: list[Workload], model: Path, threads: int) -> dict[str, limit.Limit]:
-    """The kernel limit of each workload's shape, its prompts as long as servelm counted them (else any server)."""
+    """The kernel limit of each workload's shape, its prompts the part servelm read of them (what it counted less what
+    its prefix cache gave: llama-server's cache gives the same), else as long as any server counted them."""
     prompts: dict[str, float | None] = {}
     for w in workloads:
-        counted = [r.levels[w.name].prompt_tokens_mean for r in sorted(runs, key=lambda r: r.name != "servelm")
+        counted = [r.levels[w.name].prompt_tokens_mean - r.cached_per_request.get(w.name, 0.0)
+                   for r in sorted(runs, key=lambda r: r.name != "servelm")
                    if w.name in r.levels and r.levels[w.name].prompt_tokens_mean]
         prompts[w.name] = counted[0] if counted else None
     print("\n== the kernel limit: llama-batched-bench on each workload's shape", flush=True)

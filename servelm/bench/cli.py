@@ -128,6 +128,41 @@ def first_model(url: str, api_key: str | None) -> str:
         raise SystemExit(f"servelm bench: could not read a model from {url}/v1/models ({exc}); pass --model") from None
 
 
+def slots_of(url: str, model: str, api_key: str | None) -> int | None:
+    """How many sequences a server runs at once, where it says: llama-server's /props `total_slots`, servelm's
+    /health (the model's `total_slots`); None where neither answers."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for path, find in (("/props", lambda body: body.get("total_slots")),
+                       ("/health", lambda body: body.get("deployments", {}).get(model, {}).get("total_slots"))):
+        try:
+            resp = httpx.get(url + path, headers=headers, timeout=10, trust_env=False)
+            found = find(resp.json()) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            continue
+        if isinstance(found, int) and found > 0:
+            return found
+    return None
+
+
+def footing(names: list[str], slots: dict[str, int | None], streams: list[int]) -> list[str]:
+    """Whether the comparison is on equal footing: every server can run the most streams a level sends at once (a
+    server with fewer slots queues the rest, and the table measures its queue, not its engine)."""
+    most = max(streams)
+    lines = []
+    for name in names:
+        have = slots.get(name)
+        if have is None:
+            lines.append(f"- {name}: its slots are not reported; equal footing needs {most}")
+        elif have >= most:
+            lines.append(f"- {name}: {have} slots for at most {most} streams: equal footing")
+        else:
+            lines.append(f"- {name}: {have} slots for {most} streams: NOT equal footing, {most - have} of its requests "
+                         f"queue at a time (defaults against defaults). For a like-for-like table start llama-server "
+                         f"with -np {most} (and -c {most} × the context a request needs), or run harness/compare.py, "
+                         "which does")
+    return lines
+
+
 def _label(load: float) -> str:
     return "inf" if math.isinf(load) else f"{load:g}"
 
@@ -308,9 +343,11 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.result_dir or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
+    slots: dict[str, int | None] = {}
     failed = False
     for url, name in zip(urls, names):
         model = args.model or first_model(url, args.api_key)
+        slots[name] = slots_of(url, model, args.api_key)
         for (concurrency, rate), load in zip(levels, loads):
             print(f"\n{name}: {args.dataset_name}, {load.num_prompts} requests, max concurrency "
                   f"{concurrency or 'unlimited'}, request rate {_label(rate)}/s", flush=True)
@@ -328,6 +365,8 @@ def main(args: argparse.Namespace) -> int:
             runs.append(Run(name, load_value, res))
     if len(urls) > 1:
         print("\n" + ratio_table(runs, names, load_label))
+        streams = [c or load.num_prompts for (c, _), load in zip(levels, loads)]
+        print("\nFooting:\n" + "\n".join(footing(names, slots, streams)))
     if not args.no_plot:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         png = figure(runs, load_label, out_dir / f"bench-{_slug(args.dataset_name)}-{stamp}.png",

@@ -25,6 +25,8 @@ def test_compare_two_servers_writes_json_png_and_ratios(fake_server_factory, tmp
                "--goodput", "ttft:60000", "tpot:60000", "--result-dir", str(tmp_path), "--disable-tqdm"])
     out = capsys.readouterr().out
     assert rc == 0
+    slots = ROOMY.get("num_slots", 4)
+    assert (f"{slots} slots for at most 3 streams: equal footing" if slots >= 3 else "NOT equal footing") in out
     files = sorted(tmp_path.glob("*.json"))
     assert len(files) == 4  # two servers × two levels
     for f in files:
@@ -107,3 +109,12 @@ def test_an_unreachable_server_is_a_clear_exit(tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["bench", "--url", "http://127.0.0.1:9", "--result-dir", str(tmp_path), "--disable-tqdm"])
     assert "/v1/models" in str(info.value) and "--model" in str(info.value)
+
+
+def test_a_peer_with_fewer_slots_than_streams_is_not_on_equal_footing():
+    from servelm.bench.cli import footing
+
+    lines = footing(["servelm", "llama-server"], {"servelm": 16, "llama-server": 4}, [1, 16])
+    assert lines[0] == "- servelm: 16 slots for at most 16 streams: equal footing"
+    assert "NOT equal footing, 12 of its requests queue" in lines[1] and "-np 16" in lines[1]
+    assert "not reported" in footing(["vllm"], {"vllm": None}, [8])[0]
