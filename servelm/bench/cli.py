@@ -132,11 +132,12 @@ def slots_of(url: str, model: str, api_key: str | None) -> int | None:
     """How many sequences a server runs at once, where it says: llama-server's /props `total_slots`, servelm's
     /health (the model's `total_slots`); None where neither answers."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    for path, find in (("/props", lambda body: body.get("total_slots")),
-                       ("/health", lambda body: body.get("deployments", {}).get(model, {}).get("total_slots"))):
+    for path in ("/props", "/health"):
         try:
             resp = httpx.get(url + path, headers=headers, timeout=10, trust_env=False)
-            found = find(resp.json()) if resp.status_code == 200 else None
+            body = resp.json() if resp.status_code == 200 else {}
+            found = body.get("total_slots") if path == "/props" else \
+                body.get("deployments", {}).get(model, {}).get("total_slots")
         except (httpx.HTTPError, ValueError, AttributeError):
             continue
         if isinstance(found, int) and found > 0:
