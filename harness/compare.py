@@ -123,7 +123,9 @@ def footing_names(footing: str, names: list[str]) -> list[str]:
 def context_size(workloads: list[Workload], parallel: int) -> int:
     """Total KV context for `parallel` slots of the largest chat workload (template margin included)."""
     chat = [w for w in workloads if w.model == CHAT] or [w for w in WORKLOADS if w.model == CHAT]
-    per_slot = max(int(w.prompt_tokens * 1.3) + w.max_tokens + 128 for w in chat)
+    # a word is up to 2 tokens in the models here (SmolLM2's 640-token system prompt is 1,280 for Gemma 3 at most)
+    per_slot = max(int(w.prompt_tokens * 1.3) + 2 * len((w.system_prompt or "").split()) + w.max_tokens + 128
+                   for w in chat)
     per_slot = -(-per_slot // 256) * 256
     return parallel * per_slot
 

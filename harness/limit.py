@@ -71,13 +71,13 @@ def shape(w: Workload, prompt_tokens: float | None) -> tuple[int, int, int, bool
 
 
 def run_batched_bench(binary: Path, model: Path, threads: int, prompt: int, output: int, streams: int,
-                      shared: bool) -> dict[str, float]:
+                      extra: tuple[str, ...] = ()) -> dict[str, float]:
     """The fastest of REPEATS llama-batched-bench rows (jsonl lines) for this shape, flash attention on, llama-server's
     batch sizes."""
     ctx = streams * (prompt + output) + 64
     argv = [str(binary), "-m", str(model), "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads),
             "-fa", "on", "-npp", ",".join([str(prompt)] * REPEATS), "-ntg", str(output), "-npl", str(streams),
-            "--output-format", "jsonl", "--kv-unified"]
+            "--output-format", "jsonl", "--kv-unified", *extra]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(line) for line in (done.stdout + "\n" + done.stderr).splitlines()
             if line.startswith("{") and '"speed_tg"' in line]
@@ -87,15 +87,16 @@ def run_batched_bench(binary: Path, model: Path, threads: int, prompt: int, outp
 
 
 def kernel_limits(model: Path, workloads: list[Workload], threads: int,
-                  prompt_tokens: dict[str, float | None] | None = None) -> dict[str, Limit]:
-    """Each measurable workload's limit (see the module's docstring), by name."""
+                  prompt_tokens: dict[str, float | None] | None = None, extra: tuple[str, ...] = ()) -> dict[str, Limit]:
+    """Each measurable workload's limit (see the module's docstring), by name; `extra`: more llama-batched-bench flags
+    (--no-repack: the kernels servelm keeps to for a model whose repacked ones round by rows)."""
     binary = llama_server.build(tool="llama-batched-bench")
     found: dict[str, Limit] = {}
     for w in workloads:
         if not measurable(w):
             continue
         prompt, output, streams, shared = shape(w, (prompt_tokens or {}).get(w.name))
-        row = run_batched_bench(binary, model, threads, prompt, output, streams, shared)
+        row = run_batched_bench(binary, model, threads, prompt, output, streams, extra)
         found[w.name] = Limit(w.name, streams, prompt, output, shared, row["t_pp"], row["t_tg"], row["speed_pp"],
                               row["speed_tg"])
     return found
@@ -116,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default=None, help="a GGUF file instead")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=None, help="tokens each request reads (default: estimated)")
+    p.add_argument("--no-repack", action="store_true", help="without repacked weights, as servelm serves a model "
+                   "whose self-check needs that fence (Gemma 3's Q4_K_M here)")
     args = p.parse_args(argv)
     by_name = {w.name: w for w in WORKLOADS}
     workloads = [by_name[n] for n in args.workloads.split(",") if n]
     model = Path(args.model_path) if args.model_path else models.path(args.model)
-    limits = kernel_limits(model, workloads, args.threads)
+    prompts: dict[str, float | None] = {w.name: args.prompt_tokens for w in workloads}
+    limits = kernel_limits(model, workloads, args.threads, prompts, ("--no-repack",) if args.no_repack else ())
     print(markdown(limits))
     skipped = [w.name for w in workloads if w.name not in limits]
     if skipped:
