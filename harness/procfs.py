@@ -52,24 +52,24 @@ def tree_rss_kib(pid: int) -> int:
     return sum(status_kib(p, "VmRSS") for p in tree(pid))
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (all its threads), 0 if it is gone."""
+def _stat_cpu_s(path: str) -> float:
+    """User + system CPU seconds from a /proc stat file, 0 if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
+        with open(path) as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads), 0 if it is gone."""
+    return _stat_cpu_s(f"/proc/{pid}/stat")
 
 
 def thread_cpu_s(pid: int, tid: int | None = None) -> float:
     """User + system CPU seconds of one thread of a process (its main thread by default), 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/task/{tid or pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return _stat_cpu_s(f"/proc/{pid}/task/{tid or pid}/stat")
 
 
 def machine_busy_s() -> float:
