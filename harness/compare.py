@@ -43,6 +43,7 @@ import httpx
 from harness import limit, llama_server, models, procfs, servers
 from servelm.bench.loadgen import LevelResult, run_level
 from servelm.bench.workloads import CHAT, EMBEDDING, WORKLOADS, Workload
+from servelm.engine.clock import PHASES
 
 RESULTS = servers.REPO / "harness" / "results"
 BASELINE = "llama-server"
@@ -258,8 +259,8 @@ def breakdown(delta: dict[str, float], wall_s: float) -> dict[str, float]:
     if delta.get("ls_decodes", 0) > 0:
         calls = delta["ls_decodes"]
         return {"steps": calls, "wall": 1000 * wall_s / calls,
-                "prompt (summed over requests)": 1000 * delta.get("ls_prompt_seconds", 0.0) / calls,
-                "decode (summed over requests)": 1000 * delta.get("ls_predicted_seconds", 0.0) / calls}
+                "prompt": 1000 * delta.get("ls_prompt_seconds", 0.0) / calls,
+                "generation": 1000 * delta.get("ls_predicted_seconds", 0.0) / calls}
     return {}
 
 
@@ -420,17 +421,19 @@ def _embed_row(w: Workload, r: ServerRun, lv: LevelResult) -> str:
             f"| {_num(lv.prompt_tokens_mean, 0)} | {lv.errors} | {_num(r.other_cores.get(w.name), 2)} |")
 
 
+FOOTING_TITLES = {
+    "equal": "On equal footing: llama-server with as many slots as the workload has streams (-np, each with the "
+             "context it needs), servelm on its defaults",
+    "defaults": "Defaults against defaults: each server as a user starts it (llama-server: 4 slots; servelm: 16)",
+    "fixed": "Every server with the same --parallel slots",
+}
+
+
 def ratio_tables(runs: list[ServerRun], workloads: list[Workload], footing: str) -> list[str]:
     """servelm (and any other server) ÷ each llama-server that ran: on equal footing first, then defaults."""
     others = list(dict.fromkeys(r.name for r in runs if program(r.name) != BASELINE))
-    titles = {BASELINE: {"equal": "On equal footing: llama-server with as many slots as the workload has streams "
-                                  "(-np, each with the context it needs), servelm on its defaults",
-                         "defaults": "Defaults against defaults: each server as a user starts it (llama-server: 4 "
-                                     "slots; servelm: 16)",
-                         "fixed": "Every server with the same --parallel slots"}.get(
-                             "equal" if footing == "both" else footing, ""),
-              DEFAULTS_ANCHOR: "Defaults against defaults: each server as a user starts it (llama-server: 4 slots; "
-                               "servelm: 16)"}
+    titles = {BASELINE: FOOTING_TITLES["equal" if footing == "both" else footing],
+              DEFAULTS_ANCHOR: FOOTING_TITLES["defaults"]}
     out: list[str] = []
     for anchor in (BASELINE, DEFAULTS_ANCHOR):
         if not any(r.name == anchor for r in runs) or not others:
@@ -480,7 +483,7 @@ def limit_table(runs: list[ServerRun], workloads: list[Workload], limits: dict[s
     return out
 
 
-SERVELM_PHASES = ("decode", "runner", "sample", "grammar", "detokenize", "loop", "idle", "between")
+SERVELM_PHASES = (*PHASES, "between")  # the engine's phases, and its wait with no request in flight
 
 
 def breakdown_tables(runs: list[ServerRun], workloads: list[Workload]) -> list[str]:
@@ -499,11 +502,11 @@ def breakdown_tables(runs: list[ServerRun], workloads: list[Workload]) -> list[s
     rows = [(w, r) for w in workloads for r in runs if w.name in r.breakdown and "decode" not in r.breakdown[w.name]]
     if rows:
         out += ["", "llama-server's own timers, ms per llama_decode call (summed over requests: streams overlap)", "",
-                "| workload | server | llama_decode calls | wall a call | prompt | decode |", "|---|---|---:|---:|---:|---:|"]
+                "| workload | server | llama_decode calls | wall a call | prompt | generation |", "|---|---|---:|---:|---:|---:|"]
         for w, r in rows:
             b = r.breakdown[w.name]
             out.append(f"| {w.name} | {r.label} | {b['steps']:.0f} | {b['wall']:.2f} | "
-                       f"{b['prompt (summed over requests)']:.2f} | {b['decode (summed over requests)']:.2f} |")
+                       f"{b['prompt']:.2f} | {b['generation']:.2f} |")
     return out
 
 

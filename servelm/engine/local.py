@@ -47,6 +47,7 @@ class LocalEngine:
                  speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None) -> None:
         self.runner = runner
         self.grammars = grammars
+        self.pacer = pacer  # the scheduler asks it how much prompt a decoding step may read; each step teaches it
         speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
                                    max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator,
@@ -184,8 +185,7 @@ class LocalEngine:
         update → send."""
         start = time.perf_counter()
         clock = self.clock
-        clock.enter("loop")
-        try:
+        with clock.phase("loop"):
             plan = self.scheduler.schedule()
             if not plan.has_work:  # waiting requests that do not fit yet: let the inbox bring news
                 with clock.phase("idle"):
@@ -203,10 +203,8 @@ class LocalEngine:
             self._send(result.outputs)
             took = time.perf_counter() - start
             self.step_seconds += took
-            if self.scheduler.pacer is not None:
-                self.scheduler.pacer.observe(plan.decode_tokens, plan.num_tokens - plan.decode_tokens, took)
-        finally:
-            clock.leave()
+            if self.pacer is not None:
+                self.pacer.observe(plan.decode_tokens, plan.num_tokens - plan.decode_tokens, took)
 
     def _encode_media(self, plan: StepPlan) -> tuple[StepPlan, dict[str, Exception]]:
         """The step's image, encoded before the pass (the runner keeps its embeddings): should that fail, its
