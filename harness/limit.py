@@ -42,8 +42,7 @@ class Limit:
     streams: int
     prompt_tokens: int
     output_tokens: int
-    shared_prompt: bool  # the requests share a system prompt (read once, by a prefix cache)
-    prompt_s: float  # reading every stream's prompt (once, when shared)
+    prompt_s: float  # reading every stream's prompt
     decode_s: float  # decoding every stream's output tokens together
     prompt_tok_s: float
     decode_tok_s: float
@@ -62,12 +61,12 @@ def measurable(w: Workload) -> bool:
     return w.model == CHAT and w.turns == 1 and w.ban_eos and not w.extra_body and w.stream
 
 
-def shape(w: Workload, prompt_tokens: float | None) -> tuple[int, int, int, bool]:
-    """(prompt tokens, output tokens, streams, shared system prompt) of a workload: the prompt tokens a request must
-    read when known (`prompt_tokens`), else the workload's words plus a chat template's tokens."""
+def shape(w: Workload, prompt_tokens: float | None) -> tuple[int, int, int]:
+    """(prompt tokens, output tokens, streams) of a workload: the prompt tokens a request must read when known
+    (`prompt_tokens`), else the workload's words plus a chat template's tokens."""
     if prompt_tokens is None:
         prompt_tokens = w.prompt_tokens + CHAT_TEMPLATE_TOKENS
-    return max(1, round(prompt_tokens)), w.max_tokens, w.concurrency, w.system_prompt is not None
+    return max(1, round(prompt_tokens)), w.max_tokens, w.concurrency
 
 
 def run_batched_bench(binary: Path, model: Path, threads: int, prompt: int, output: int, streams: int,
@@ -95,10 +94,9 @@ def kernel_limits(model: Path, workloads: list[Workload], threads: int,
     for w in workloads:
         if not measurable(w):
             continue
-        prompt, output, streams, shared = shape(w, (prompt_tokens or {}).get(w.name))
+        prompt, output, streams = shape(w, (prompt_tokens or {}).get(w.name))
         row = run_batched_bench(binary, model, threads, prompt, output, streams, extra)
-        found[w.name] = Limit(w.name, streams, prompt, output, shared, row["t_pp"], row["t_tg"], row["speed_pp"],
-                              row["speed_tg"])
+        found[w.name] = Limit(w.name, streams, prompt, output, row["t_pp"], row["t_tg"], row["speed_pp"], row["speed_tg"])
     return found
 
 
