@@ -76,6 +76,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
           ray_address: str | None = None) -> None:
     from servelm.compose import build, default_specs, image_sources, with_blocklist
     from servelm.http.app import create_app
+    from servelm.http.batches import BatchConfig
     from servelm.http.limits import SecurityConfig
     from servelm.http.server import run as run_server
     from servelm.keys import load_keys
@@ -97,7 +98,8 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     limits = StoreLimits.from_settings(settings)
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
                      security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
-                     playground=settings.playground, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s))
+                     playground=settings.playground, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
+                     batches=BatchConfig.from_settings(settings))
     names = ", ".join(repr(d.name) for d in built.deployments.all())
     log.info("serving %s on http://%s:%s", names, settings.host, settings.port)
     try:
@@ -110,6 +112,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
 
 def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[Any], keys: list[Any], verbose_llama: bool,
                   address: str | None) -> None:
+    from servelm.http.batches import BatchConfig
     from servelm.http.limits import SecurityConfig
 
     try:
@@ -121,7 +124,7 @@ def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[An
     app = build_application(specs, endpoints, SecurityConfig.from_settings(settings, keys), verbose_llama=verbose_llama,
                             log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout,
                             store=StoreLimits.from_settings(settings), timings=settings.timings,
-                            playground=settings.playground)
+                            playground=settings.playground, batches=BatchConfig.from_settings(settings))
     serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
 
 

@@ -47,6 +47,7 @@ def build_deployment(
     speculative: bool = True,
     spill: SpillStore | None = None,
     itl_target_s: float = 0.0,
+    priority_aging_s: float = 60.0,
     grammar_limits: GrammarLimits | None = None,
     special_tokens_in_content: bool = False,
     reasoning_markers: str = "auto",
@@ -62,7 +63,8 @@ def build_deployment(
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits or GrammarLimits())
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
-                                   spill=spill, pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None)
+                                   spill=spill, pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None,
+                                   priority_aging_s=priority_aging_s)
     template = template_of(name, runner, chat_template)
     template_source = template.source if template.origin != "fallback" else None
     exactness = runner.exactness
@@ -325,10 +327,12 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
         speculative=e.speculative == "ngram", spill=spill_store(e, runner.state_fingerprint),
-        itl_target_s=e.itl_target_ms / 1000, grammar_limits=grammar_limits(e), special_tokens_in_content=spec.special_tokens_in_content,
+        itl_target_s=e.itl_target_ms / 1000, priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e),
+        special_tokens_in_content=spec.special_tokens_in_content,
         reasoning_markers=spec.reasoning_markers, image_sources=images,
     )
     deployment.max_waiting = spec.limits.max_waiting
+    deployment.min_priority = spec.limits.min_priority
     deployment.content_filter = content_filter_of(spec.content_filter)
     workers.append(engine)
     if spec.embedding_window:
@@ -367,6 +371,7 @@ def _build_vllm(spec: DeploymentSpec, deployments: list[Any], workers: list[Any]
         reasoning=reasoning_of(spec.reasoning_markers, tok.chat_template),
     )
     deployment.max_waiting = spec.limits.max_waiting
+    deployment.min_priority = spec.limits.min_priority
     deployment.content_filter = content_filter_of(spec.content_filter)
     workers.append(engine)
     deployments.append(deployment)
@@ -383,5 +388,6 @@ def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any]
     deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
     deployment.memory = {"weights": path.stat().st_size, "embedding_context": EMBEDDING_CONTEXT_BYTES}
     deployment.max_waiting = spec.limits.max_waiting
+    deployment.min_priority = spec.limits.min_priority
     workers.append(engine)
     deployments.append(deployment)

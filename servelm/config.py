@@ -65,6 +65,10 @@ class EngineSettings(BaseSettings):
         200.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
         "much prompt as the engine's measured step costs keep within this (at least 16 tokens, so prompts move "
         "on); a step with nothing to decode reads its whole budget. 0: no target (--max-step-tokens alone)")
+    priority_aging_s: float = Field(
+        60.0, ge=0, description="seconds of waiting that count as one priority level, so that a low priority (a "
+        "batch's lines) still runs while higher ones keep coming: the request received first wins once the gap in "
+        "priority is made up by its wait (0: no aging, strict priorities)")
     prefix_cache: bool = Field(
         True, description="a slot keeps its cells once its request ends, and a prompt that begins the same way (a "
         "shared system prompt, a conversation's next turn) starts from them and reads only the rest, reported as "
@@ -162,6 +166,20 @@ class ServerSettings(BaseSettings):
                                          "for GET /v1/responses/{id} and previous_response_id; the oldest go first")
     responses_store_mib: int = Field(64, ge=1, description="memory the stored responses may hold")
     responses_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
+    # -- the Files and Batches API (servelm/batch/, http/batches.py) --
+    state_dir: Path | None = Field(
+        None, description="a directory for the Files and Batches API's state: an SQLite database and the uploaded "
+        "and output files. A restart resumes every unfinished batch where it stopped. Without it /v1/files and "
+        "/v1/batches answer 404 (nothing would survive a restart)")
+    batch_max_file_mib: int = Field(200, ge=1, description="largest file POST /v1/files takes (413 beyond)")
+    batch_max_lines: int = Field(50_000, ge=1, description="most requests in one batch file (a 400 at upload)")
+    batch_disk_mib: int = Field(10240, ge=1, description="disk every uploaded file together may take under "
+                                "--state-dir (a 400 storage_limit_exceeded beyond; output files always go)")
+    batch_priority: int = Field(10, description="the priority a batch's lines run at (lower runs first; an "
+                                "interactive request's default is 0, so lines give way to it and are preempted for "
+                                "it; --priority-aging-s lets them through under constant load)")
+    batch_max_in_flight: int = Field(0, ge=0, description="batch lines under way at once over all batches (0: one "
+                                     "for every sequence slot of the generating deployments)")
     log_level: str = Field("info", description="log level: debug, info, warning, error")
     # -- security and load control (http/auth.py, http/ratelimit.py, http/limits.py) --
     api_key: Annotated[list[str], NoDecode] = Field(
@@ -241,6 +259,10 @@ class DeploymentLimits(BaseModel):
     max_waiting: int | None = Field(
         None, ge=0, description="requests that may wait for this deployment (429 beyond; 0: no bound; unset: the "
         "server's --max-waiting)",
+    )
+    min_priority: int | None = Field(
+        None, description="the most urgent priority a request may ask for here (lower is more urgent); asking for "
+        "less is a 400 naming priority (unset: any)",
     )
 
 

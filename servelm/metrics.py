@@ -50,6 +50,8 @@ class EngineGauges:
     spill_disk_bytes: int = 0
     spill_restored: int = 0  # counter: spilled entries read back into a slot
     spill_restore_failures: int = 0  # counter: spilled entries the model refused (dropped)
+    preemptions: int = 0  # counter: running requests that gave their slot up to a higher priority
+    resumed_tokens: int = 0  # counter: of their tokens, those found cached again when they resumed
 
 
 class _EngineCollector(Collector):
@@ -93,6 +95,12 @@ class _EngineCollector(Collector):
             "spill_restore_failures": CounterMetricFamily(
                 "servelm_prefix_cache_restore_failures", "spilled entries whose state the model refused (dropped with "
                 "their files; their requests read their prompts)", labels=["model"]),
+            "preemptions": CounterMetricFamily("servelm_preemptions", "running requests that gave their slot up to "
+                                               "a request of higher priority (they resume with the same answer)",
+                                               labels=["model"]),
+            "resumed_tokens": CounterMetricFamily("servelm_preempted_tokens_reused", "tokens preempted requests found "
+                                                  "cached again (a slot or the spill) when they resumed; the rest "
+                                                  "were computed again", labels=["model"]),
         }
         phases = CounterMetricFamily("servelm_engine_phase_seconds", "the engine thread's wall time by phase of its "
                                      "steps: decode (llama_decode), runner, sample, grammar, detokenize, loop, idle "
@@ -107,6 +115,29 @@ class _EngineCollector(Collector):
 
     def describe(self) -> list[Any]:
         return []  # collected only on demand: registering must not call the source
+
+
+class _BatchCollector(Collector):
+    """The Batch API's batches by status and lines answered, read from its store when Prometheus scrapes."""
+
+    def __init__(self, source: Callable[[], tuple[dict[str, int], int, int]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        by_status, ok, failed = self._source()
+        batches = GaugeMetricFamily("servelm_batches", "batches of the Batch API by status", labels=["status"])
+        for status in ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
+                       "cancelled"):
+            batches.add_metric([status], by_status.get(status, 0))
+        lines = CounterMetricFamily("servelm_batch_lines", "batch lines answered, by outcome (completed: a 2xx "
+                                    "answer; failed: any other, or none before the batch expired)", labels=["outcome"])
+        lines.add_metric(["completed"], ok)
+        lines.add_metric(["failed"], failed)
+        yield batches
+        yield lines
+
+    def describe(self) -> list[Any]:
+        return []
 
 
 class Metrics:
@@ -129,6 +160,9 @@ class Metrics:
         self.itl = Histogram("servelm_inter_token_latency_seconds",
                              "between a choice's successive outputs, per token they carry", ["model"],
                              buckets=_ITL_BUCKETS, registry=r)
+        self.queue = Histogram("servelm_request_queue_seconds", "from a request reaching the engine to its first "
+                               "step, by priority (-10..10; beyond, <-10 or >10)", ["model", "priority"],
+                               buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("servelm_e2e_request_latency_seconds", "from a request reaching the engine to its last output",
                              ["model"], buckets=_E2E_BUCKETS, registry=r)
         self.filtered = Counter("servelm_content_filtered", "requests a content filter blocked, by deployment, "
@@ -142,6 +176,10 @@ class Metrics:
     def content_filtered(self, model: str, direction: str, categories: Iterable[str]) -> None:
         for category in categories:
             self.filtered.labels(model, direction, category).inc()
+
+    def watch_batches(self, source: Callable[[], tuple[dict[str, int], int, int]]) -> None:
+        """Collect the Batch API's counts from `source` (batches by status, lines succeeded, lines failed)."""
+        self.registry.register(_BatchCollector(source))
 
     def meter(self, model: str) -> GenerationMeter:
         return GenerationMeter(self, model)
@@ -163,9 +201,11 @@ class GenerationMeter:
         self._prompt = metrics.prompt_tokens.labels(model)
         self._generated = metrics.generation_tokens.labels(model)
 
-    def first_output(self, seconds: float, prompt_tokens: int) -> None:
+    def first_output(self, seconds: float, prompt_tokens: int, queued: float, priority: int) -> None:
         self._ttft.observe(seconds)
         self._prompt.inc(prompt_tokens)
+        label = str(priority) if -10 <= priority <= 10 else ("<-10" if priority < 0 else ">10")
+        self._metrics.queue.labels(self._model, label).observe(queued)
 
     def inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)

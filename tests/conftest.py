@@ -62,19 +62,22 @@ def fake_server_factory() -> Iterator:
     with ExitStack() as stack:
 
         def start(*, security=None, extra_deployments=(), prefix_cache=False, image_sources=ImageSources(),
-                  content_filter=None, other_runner_kw=None, **runner_kw) -> FakeServer:
+                  content_filter=None, other_runner_kw=None, min_priority=None, batches=None,
+                  **runner_kw) -> FakeServer:
             """runner_kw go to FakeRunner (other_runner_kw, when given, to the extra deployments'); security (a
             SecurityConfig) and extra deployment names to create_app; prefix_cache turns the first deployment's
-            cache on; image_sources are where it may fetch images; content_filter is its policy."""
+            cache on; image_sources are where it may fetch images; content_filter is its policy; min_priority its bound; batches the Batch API's
+            config (http/batches.BatchConfig)."""
             runner = FakeRunner(**runner_kw)
             deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache,
                                                   image_sources=image_sources)
             deployment.content_filter = content_filter
+            deployment.min_priority = min_priority
             others = [build_deployment(name, FakeRunner(**(other_runner_kw or runner_kw))) for name in extra_deployments]
             engines = [engine, *(e for _, e in others)]
             app = create_app(Deployments([deployment, *(d for d, _ in others)]),
                              on_start=lambda: [e.start() for e in engines],
-                             on_stop=lambda: [e.stop() for e in engines], security=security)
+                             on_stop=lambda: [e.stop() for e in engines], security=security, batches=batches)
             return FakeServer(stack.enter_context(serving(app)), runner, engine)
 
         yield start

@@ -44,14 +44,15 @@ class _Client:
 
 class LocalEngine:
     def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None,
-                 speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None) -> None:
+                 speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None,
+                 priority_aging_s: float = 60.0) -> None:
         self.runner = runner
         self.grammars = grammars
         self.pacer = pacer  # the scheduler asks it how much prompt a decoding step may read; each step teaches it
         speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
                                    max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator,
-                                   spill=spill, pacer=pacer)
+                                   spill=spill, pacer=pacer, aging_s=priority_aging_s)
         self.clock = PhaseClock()  # the engine thread's time by phase (engine/clock.py)
         self.output = OutputProcessor(runner, grammars, self.clock)
         self.sampler = StepSampler(runner.vocab_size, runner.eog_ids, self.output.choices, grammars is not None,
@@ -104,7 +105,7 @@ class LocalEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope,
-                              pin_seconds=request.pin_seconds, media=request.media)
+                              pin_seconds=request.pin_seconds, media=request.media, priority=request.priority)
         params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
@@ -146,6 +147,7 @@ class LocalEngine:
             spill_ram_bytes=s.spill.ram_used if s.spill else 0, spill_disk_bytes=s.spill.disk_used if s.spill else 0,
             spill_entries=len(s.spill.entries) if s.spill else 0, spill_restored=s.spill.restored if s.spill else 0,
             spill_restore_failures=s.spill.restore_failures if s.spill else 0,
+            preemptions=s.preemptions, resumed_tokens=s.resumed_tokens,
         )
 
     def _post(self, item: RequestState | str) -> None:

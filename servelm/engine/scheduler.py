@@ -11,10 +11,19 @@ most `max_rows` tokens a step (the runner's kernels give a row the same numerics
 below that: docs/exactness.md). Sequences are admitted and retired between steps.
 
 Each sequence holds a slot: a KV stream of its own, as long as the context window, so a sequence can always
-grow to the window and nothing is ever preempted. A slot at rest keeps its cells as the prefix cache
+grow to the window; only a request ranked above it takes its slot away. A slot at rest keeps its cells as the prefix cache
 (engine/slots.py): a new request starts from the longest prefix of its prompt held by a slot of its scope,
 reused in place or copied, and reads only the rest. `cached_tokens` counts what it did not read. Requests for
 prompt logprobs read everything (each prompt token needs its row).
+
+Waiting requests go in rank order: priority (lower first, vLLM's), less one level for every `aging_s` seconds since
+the engine received it, then arrival. As the age counts from receipt, two requests compare the same at every moment
+and a low priority still runs once it has waited long enough. When the best-ranked waiting request finds no slot at
+rest, running requests of a lower priority that also rank below it give theirs up, worst first (preemption): the slot rests with the cells the
+sequence computed as a prefix-cache entry of its scope, saved to the spill store when another request takes the
+slot, and the sequence waits again with every token it drew. On resuming it reads back what a slot or the spill
+still holds and computes the rest as prompt: its answer is the same bitwise (docs/exactness.md), its sampler state
+untouched. Only a request of one sequence without beam search, prompt logprobs or images is preempted.
 
 An image in a prompt (a MediaSpan) is read as a chunk of its own, at most one image chunk a step, so that an image
 delays the other sequences' steps by one image's forward pass at most: whole when its positions attend to each
@@ -47,7 +56,7 @@ PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its lo
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
                  prefix_cache: bool = True, speculator: Speculator | None = None,
-                 spill: SpillStore | None = None, pacer: StepPacer | None = None) -> None:
+                 spill: SpillStore | None = None, pacer: StepPacer | None = None, aging_s: float = 60.0) -> None:
         if num_slots < 1 or context_window < 1 or max_step_tokens < num_slots or max_rows < 1:
             raise ValueError("need num_slots, context_window and max_rows >= 1, and max_step_tokens >= num_slots")
         self.num_slots = num_slots
@@ -72,6 +81,9 @@ class Scheduler:
         # its next forward pass, so until then no Save of the destination and no Restore into either (plan.Copy)
         self._copied_to: set[int] = set()
         self._copied_from: set[int] = set()
+        self.aging_s = aging_s  # waiting this long counts as one priority level (0: no aging)
+        self.preemptions = 0  # requests that gave their slot up, and the tokens they found cached on resuming
+        self.resumed_tokens = 0
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -151,10 +163,57 @@ class Scheduler:
                 self._seqs.pop(s.key, None)
 
     # -- the step ----------------------------------------------------------------------------------
+    def rank(self, group: SequenceGroup) -> tuple[float, int]:
+        """Where a request stands: lower first. Its priority less its age in levels (now - received) / aging_s;
+        `now` is the same for all, so the time it was received stands for it, and two requests compare the same at
+        any moment. Then arrival."""
+        received = group.received_at / self.aging_s if self.aging_s > 0 else 0.0
+        return (group.priority + received, group.arrival)
+
+    def _preempt(self) -> None:
+        """Before a step: while the best-ranked waiting requests find no slot at rest, running ones ranked below
+        them give theirs up, worst first, when that makes room."""
+        idle = len(self.slots.idle)
+        for group in sorted(self.waiting, key=self.rank):
+            need = len(group.live)
+            if need <= idle:
+                idle -= need
+                continue
+            rank = self.rank(group)
+            victims = sorted((g for g in self.running if g.preemptible and g.priority > group.priority
+                              and self.rank(g) > rank), key=self.rank, reverse=True)
+            freed, taken = idle, []
+            for victim in victims:
+                if freed >= need:
+                    break
+                taken.append(victim)
+                freed += 1
+            if freed < need:
+                break  # nothing ranked below it holds enough; the ones behind rank lower still
+            for victim in taken:
+                self._suspend(victim)
+            idle = freed - need
+        self.waiting = deque(sorted(self.waiting, key=self.rank))
+
+    def _suspend(self, group: SequenceGroup) -> None:
+        """A running request gives its slot up and waits again: its cells stay as a cache entry of its scope."""
+        seq = group.seqs[0]
+        assert seq.slot is not None
+        keep = seq.token_ids[: seq.num_computed] if self.prefix_cache else []
+        self._ops.append(Keep(seq.slot, len(keep)) if keep else Clear(seq.slot))
+        self.slots.release(self.slots.slots[seq.slot], keep)
+        seq.slot, seq.status, seq.num_computed = None, SeqStatus.WAITING, 0
+        self.running.remove(group)
+        self.waiting.append(group)
+        group.preempted += 1
+        self.preemptions += 1
+
     def schedule(self) -> StepPlan:
         self._restoring = {}
         if self.spill is not None:
             self.spill.settle()  # the states the last step saved
+        if self.waiting:
+            self._preempt()
         plan = StepPlan()
         budget = self.max_step_tokens
         for group in self.running:
@@ -250,6 +309,7 @@ class Scheduler:
     def _admit(self, group: SequenceGroup) -> None:
         group.started_at = group.started_at or time.perf_counter()
         first, *others = group.live
+        resumed = group.preempted > 0  # its tokens so far, not only its prompt, may be cached
         placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group))
         assert placed is not None  # the caller checked that enough slots rest
         if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
@@ -258,7 +318,7 @@ class Scheduler:
         # a spilled entry is read back only into a slot no copy touches before the next pass (its own entry moved
         # aside is such a copy)
         restorable = placed.moved is None and slot.index not in self._copied_to | self._copied_from
-        spilled = self._spilled(group, placed.reuse) if restorable else None
+        spilled = self._spilled(group, first.token_ids, placed.reuse) if restorable else None
         reuse = spilled[2] if spilled is not None else placed.reuse
         if placed.moved is not None:  # the slot's own entry is kept elsewhere first
             self._save(placed.moved)
@@ -276,8 +336,11 @@ class Scheduler:
         elif slot.cached:
             self._ops.append(Clear(slot.index))
         self._occupy(first, slot)
-        first.num_computed = group.cached_tokens = reuse
-        if reuse:
+        first.num_computed = reuse
+        if resumed:
+            self.resumed_tokens += reuse
+        elif reuse:
+            group.cached_tokens = reuse
             self.cache_hits += 1
             self.cached_tokens += reuse
         for seq in others:  # they share the prompt once the first has read it (a copy: _fork)
@@ -307,13 +370,12 @@ class Scheduler:
         self._copied_to.add(dst)
         self._copied_from.add(src)
 
-    def _spilled(self, group: SequenceGroup, reuse: int) -> tuple[Spilled, bytes, int] | None:
-        """A spilled entry, its state and the prompt tokens it holds, when it holds at least MIN_RESTORE more than
-        the slots offer (`reuse`)."""
+    def _spilled(self, group: SequenceGroup, tokens: list[int], reuse: int) -> tuple[Spilled, bytes, int] | None:
+        """A spilled entry, its state and how many of the sequence's `tokens` it holds, when it holds at least
+        MIN_RESTORE more than the slots offer (`reuse`)."""
         if self.spill is None or not self._reads_cache(group):
             return None
-        prompt = group.prompt_token_ids
-        entry, n = self.spill.best(prompt, group.scope, len(prompt) - 1)
+        entry, n = self.spill.best(tokens, group.scope, len(tokens) - 1)
         n = group.whole(n)
         if entry is None or n < reuse + MIN_RESTORE:
             return None
@@ -411,7 +473,7 @@ class Scheduler:
         for group in self.running:
             for seq in group.seqs:
                 if seq.slot in slots and seq.status is SeqStatus.RUNNING:
-                    if group.cached_tokens and seq is group.seqs[0]:
+                    if group.cached_tokens and seq is group.seqs[0] and not group.preempted:
                         self.cache_hits -= 1
                         self.cached_tokens -= group.cached_tokens
                         group.cached_tokens = 0

@@ -71,6 +71,8 @@ class SequenceGroup:
     scope: str = ""  # the prefix-cache scope it reads and writes (GenerationRequest.cache_scope)
     pin_seconds: float = 0.0  # its cells at rest are given up after others' for this long (GenerationRequest's)
     media: tuple[MediaSpan, ...] = ()  # images in the prompt, in position order
+    priority: int = 0  # lower runs first (vLLM's); equal ones first come, first served
+    preempted: int = 0  # times its sequence gave its slot up to a request ranked above it
     # perf_counter times: received by the engine, first scheduled (its prompt begins), its first token
     received_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0
@@ -108,6 +110,13 @@ class SequenceGroup:
         are reused whole or read again whole (its positions are read in the same pieces every time)."""
         span = self.span_at(n)
         return span.start if span is not None and span.start < n else n
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether it can give its slot up and resume later with the same answer: one running sequence, no beam
+        search, no prompt logprobs, no image."""
+        return (len(self.seqs) == 1 and self.seqs[0].status is SeqStatus.RUNNING and self.params.beam is None
+                and self.params.prompt_logprobs is None and not self.media)
 
     def holds_kv(self) -> bool:
         return any(s.holds_slot for s in self.seqs)

@@ -130,6 +130,7 @@ class GenerationRequest:
     pin_seconds: float = 0.0
     thinking: Thinking | None = None  # reasoning to count, and to bound
     media: tuple[MediaSpan, ...] = ()  # images in the prompt, in order; their positions hold their placeholders
+    priority: int = 0  # vLLM's: lower runs first, and may preempt a running request ranked below it
 
 
 class FinishReason(str, enum.Enum):
@@ -216,3 +217,5 @@ class EngineStats:
     spill_entries: int = 0
     spill_restored: int = 0
     spill_restore_failures: int = 0  # spilled entries the model refused (dropped; their requests read their prompts)
+    preemptions: int = 0  # running requests that gave their slot up to one ranked above them, since start
+    resumed_tokens: int = 0  # of their tokens, those they found cached again (a slot or the spill) on resuming

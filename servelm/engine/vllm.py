@@ -252,7 +252,8 @@ class VllmEngine:
         self._seqs[rid] = request.params.num_seqs
         done = False
         try:
-            stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid)
+            stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid,
+                                       priority=request.priority)
             async with aclosing(stream) as outputs:
                 async for raw in outputs:
                     done = bool(raw.finished)

@@ -8,10 +8,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from servelm import __version__
+from servelm.batch.runner import BatchRunner
 from servelm.http import errors, limits, openapi
 from servelm.http.agents import build_agent_router
 from servelm.http.asgi import ErrorBoundary
 from servelm.http.auth import OPENAPI_PATH
+from servelm.http.batches import BatchConfig, batch_runner, build_batch_router, build_no_batch_router
 from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
@@ -28,16 +30,25 @@ from servelm.service.store import MemoryStore, ResponseStore
 
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
                on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None,
-               store: ResponseStore | None = None, timings: bool = False, playground: bool = True) -> FastAPI:
+               store: ResponseStore | None = None, timings: bool = False, playground: bool = True,
+               batches: BatchConfig | None = None) -> FastAPI:
     """The app over these deployments; `store` keeps the Responses API's stored answers (default: in this process's
-    memory), `timings`: every answer carries llama-server's timings; `playground`: the web page at /."""
+    memory), `timings`: every answer carries llama-server's timings; `playground`: the web page at /; `batches`:
+    the Files and Batches API's state directory and bounds (None: those routes answer 404)."""
+    runner: BatchRunner | None = None
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         if on_start is not None:
             on_start()
+        if runner is not None:
+            runner.start()
         try:
             yield
         finally:
+            if runner is not None:
+                await runner.stop()
+                runner.store.close()
             if on_stop is not None:
                 on_stop()
 
@@ -57,6 +68,12 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
     app.state.metrics = metrics = app_metrics
     app.include_router(build_metrics_router(metrics))
+    if batches is not None:
+        runner = batch_runner(app, deployments, batches)
+        app.include_router(build_batch_router(runner.store, runner, batches))
+        metrics.watch_batches(lambda: (runner.store.counts_by_status(), *runner.store.line_totals()))
+    else:
+        app.include_router(build_no_batch_router())
     if playground:
         app.include_router(build_playground_router())
     app.add_middleware(ErrorBoundary)  # innermost: a bug is a 500 in the envelope, and the connection stays usable

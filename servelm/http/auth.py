@@ -16,6 +16,9 @@ OPENAPI_PATH = "/openapi.json"
 # probes, scrapers, the API's description, and the playground's page (it holds nothing; it asks for a key itself)
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", OPENAPI_PATH, "/"})
 SCOPE_KEY = "servelm.key"  # the request's KeySpec, set in the ASGI scope by AuthMiddleware
+# a batch line's call in this process (http/batches.py AppCaller): its owner, the digest of the key that created the
+# batch ("" on an open server); only code in the process sets it (a client's scope comes from the server)
+BATCH_OWNER = "servelm.batch_owner"
 KEYS_ON = "servelm.keys_on"  # set in the scope when the server has API keys
 # open, but what they say depends on the key: /health says more to a key, /metrics answers only a monitor key
 KEYED_OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -54,6 +57,14 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         scope[KEYS_ON] = True
+        if BATCH_OWNER in scope:  # a batch's line, as the key that created the batch (while the server knows it)
+            spec = next((k for k in self.keys if k.digest.hex() == scope[BATCH_OWNER]), None)
+            if spec is None:
+                await send_error(send, Unauthorized("The key that created this batch is no longer accepted."), scope)
+                return
+            scope[SCOPE_KEY] = spec
+            await self.app(scope, receive, send)
+            return
         if scope["path"] in KEYED_OPEN_PATHS:
             spec = self.match(presented_keys(scope))
             if scope["path"] == "/metrics" and (spec is None or not spec.monitor):

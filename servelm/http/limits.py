@@ -17,12 +17,14 @@ from typing import Any, TypeVar
 
 from servelm.errors import PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
-from servelm.http.auth import AuthMiddleware, current_key
+from servelm.http.auth import BATCH_OWNER, AuthMiddleware, current_key
 from servelm.http.ratelimit import RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
 from servelm.keys import KeySpec
 from servelm.service.admission import Admission, WaitingQueue
 
 SCOPE_LIMITS = "servelm.limits"
+UPLOAD_PATHS = frozenset({"/v1/files", "/files"})  # multipart uploads, bounded by max_file_bytes
+UPLOAD_OVERHEAD = 64 << 10  # a multipart body's boundaries and fields beside the file
 T = TypeVar("T")
 
 
@@ -39,6 +41,7 @@ class SecurityConfig:
     max_batch_prompts: int = 128  # prompts in one legacy-completions request
     request_timeout: float = 0  # seconds; 0: no deadline
     cors_allow_origins: Sequence[str] = ()  # browser origins allowed to call the API (none: no CORS headers)
+    max_file_bytes: int = 200 << 20  # an upload to POST /v1/files (multipart), instead of max_body_bytes
 
     @classmethod
     def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = ()) -> SecurityConfig:
@@ -46,7 +49,8 @@ class SecurityConfig:
         return cls(keys=tuple(keys), max_body_bytes=settings.max_body_bytes, rate_limit_rpm=settings.rate_limit_rpm,
                    rate_limit_tpm=settings.rate_limit_tpm, max_waiting=settings.max_waiting,
                    max_waiting_per_key=settings.max_waiting_per_key, max_batch_prompts=settings.max_batch_prompts,
-                   request_timeout=settings.request_timeout, cors_allow_origins=tuple(settings.cors_allow_origins))
+                   request_timeout=settings.request_timeout, cors_allow_origins=tuple(settings.cors_allow_origins),
+                   max_file_bytes=settings.batch_max_file_mib << 20)
 
 
 class Drain:
@@ -131,14 +135,15 @@ class LimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        timeout = self.config.request_timeout
-        if scope.get("method") in JSON_METHODS and not is_json(header(scope, b"content-type")):
+        timeout = 0.0 if BATCH_OWNER in scope else self.config.request_timeout  # a batch has its completion window
+        upload = scope["path"] in UPLOAD_PATHS and scope.get("method") == "POST"  # a multipart file (http/batches.py)
+        if scope.get("method") in JSON_METHODS and not upload and not is_json(header(scope, b"content-type")):
             await send_error(send, UnsupportedMediaType(header(scope, b"content-type")), scope)
             return
         c = self.config
         scope[SCOPE_LIMITS] = RequestLimits(c.max_waiting, timeout, time.monotonic() + timeout if timeout else None,
                                             c.max_waiting_per_key, c.max_batch_prompts, self.drain)
-        limit = self.config.max_body_bytes
+        limit = c.max_file_bytes + UPLOAD_OVERHEAD if upload else c.max_body_bytes
         if not limit:
             await self.app(scope, receive, send)
             return

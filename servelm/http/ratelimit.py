@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from servelm.errors import RateLimited
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, send_error
-from servelm.http.auth import OPEN_PATHS, current_key
+from servelm.http.auth import BATCH_OWNER, OPEN_PATHS, current_key
 
 SCOPE_TOKENS = "servelm.tpm"  # the key's token bucket, when it has a tokens-per-minute limit
 MAX_CALLERS = 10_000  # buckets kept before the full (idle) ones are dropped
@@ -94,7 +94,7 @@ class RateLimitMiddleware:
         self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or BATCH_OWNER in scope:  # a batch has its own bounds
             await self.app(scope, receive, send)
             return
         key = current_key(scope)

@@ -151,6 +151,7 @@ class MessagesRequest(CountTokensRequest):
     # servelm's (as on the OpenAI routes)
     seed: int | None = None
     timings_per_request: bool | None = None
+    priority: int | None = None  # vLLM's: lower runs first (default 0)
 
 
 # -- answers ------------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class SamplingExtras(WireModel):
     skip_special_tokens: bool | None = None
     # the chat template's switches (vLLM's), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: lower runs first, and may take a running request's slot from a higher number (default 0)
+    priority: int | None = None
     # llama-server's: the answer carries `timings` (prompt and generation times, and the time it waited)
     timings_per_request: bool | None = None
     # annotations: they describe the request to the platform and change nothing in the answer

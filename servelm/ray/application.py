@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from servelm.config import DeploymentSpec, EndpointSpec
+from servelm.http.batches import BatchConfig
 from servelm.http.limits import SecurityConfig
 from servelm.service.store import StoreLimits
 
@@ -33,7 +34,7 @@ CONSTRUCTOR_TRIES = 3  # a replica that cannot start (a missing model file) fail
 def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec],
                       security: SecurityConfig | None = None, *, verbose_llama: bool = False,
                       log_level: str = "info", shutdown_timeout: float = 10.0, store: StoreLimits | None = None,
-                      timings: bool = False, playground: bool = True) -> Any:
+                      timings: bool = False, playground: bool = True, batches: BatchConfig | None = None) -> Any:
     """The bound Ray Serve application (pass it to serve.run). `shutdown_timeout`: seconds requests in flight
     may take to finish when the application stops (ServerSettings.shutdown_timeout)."""
     from ray import serve
@@ -54,6 +55,7 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         store=store or StoreLimits(),
         timings=timings,
         playground=playground,
+        batches=batches,
     )
     ingress = serve.deployment(IngressDeployment).options(
         name=INGRESS_NAME, num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,

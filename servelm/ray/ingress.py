@@ -21,6 +21,7 @@ from ray import serve
 
 from servelm.compose import check_guards, content_filter_of
 from servelm.config import DeploymentSpec
+from servelm.http.batches import BatchConfig
 from servelm.http.limits import SecurityConfig
 from servelm.models import resolve_model_source
 from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaSet
@@ -44,6 +45,7 @@ class IngressPlan:
     store: StoreLimits = field(default_factory=StoreLimits)  # the Responses API's stored answers (a Ray actor)
     timings: bool = False
     playground: bool = True
+    batches: BatchConfig | None = None  # the Batch API's state (on the ingress's node; its lines go to the replicas)
 
 
 class Ingress:
@@ -72,7 +74,7 @@ class Ingress:
 
         app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security,
                          store=RayStore(self._plan.store), timings=self._plan.timings,
-                         playground=self._plan.playground)
+                         playground=self._plan.playground, batches=self._plan.batches)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:

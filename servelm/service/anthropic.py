@@ -61,7 +61,8 @@ class MessagesService:
     def prepare(self, req: MessagesRequest, ctx: RequestContext = RequestContext()) -> PreparedMessage:
         body = _chat_body(req)
         body.update(max_completion_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    top_k=req.top_k, seed=req.seed, stop=req.stop_sequences, timings_per_request=req.timings_per_request)
+                    top_k=req.top_k, seed=req.seed, stop=req.stop_sequences, timings_per_request=req.timings_per_request,
+                    priority=req.priority)
         if req.stream:
             body.update(stream=True, stream_options={"include_usage": True})
         prepared = self.chat.prepare(_chat_request(body), ctx)

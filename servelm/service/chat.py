@@ -40,7 +40,7 @@ from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
 from servelm.service.media import ModalityNotSupported, Piece
 from servelm.service.messages import image_parts, prompt_ids, template_messages
-from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
+from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, request_priority, sampling_params
 from servelm.service.structured import ToolPlan, plan_output
 
 
@@ -99,7 +99,8 @@ class ChatService:
         markers = dep.reasoning if output.constraint is None or output.constraint.free_unless else None
         thinking = _thinking(req, dep, markers, prompt)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
-                                       scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media)
+                                       scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media,
+                                       priority=request_priority(req, dep))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [prompt_texts(req, rendered)] if dep.content_filter is not None else []
         screening = Screening.of(dep, self.deployments, texts, scope, ctx.on_filtered)

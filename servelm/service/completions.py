@@ -19,7 +19,7 @@ from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.content_filter import PromptText, Screening, choice_results, generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
-from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, sampling_params
+from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, request_priority, sampling_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 
@@ -96,7 +96,8 @@ class CompletionService:
             echo = _echo_text(prompt, parts, dep) if req.echo else ""
             scope = cache_scope(ctx.owner, req.cache_salt)
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
-                                                    cache_hint=cache_hint(scope, req.prompt_cache_key)), echo,
+                                                    cache_hint=cache_hint(scope, req.prompt_cache_key),
+                                                    priority=request_priority(req, dep)), echo,
                                  len(parts.head)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [_prompt_texts(prompt, i if len(prompts) > 1 else None, req.suffix, dep) for i, prompt in enumerate(prompts)]

@@ -71,6 +71,7 @@ class Deployment:
     created: int = field(default_factory=lambda: int(time.time()))
     embedder: Embedder | None = None  # serves POST /v1/embeddings
     max_waiting: int | None = None  # requests that may wait for this deployment (None: the server's default)
+    min_priority: int | None = None  # the most urgent priority a request may ask for (None: any)
     queue: WaitingQueue = field(default_factory=WaitingQueue)  # what waits for it now (http/limits.admit)
     # the most memory each part of it may take, in bytes (/health adds them up): the weights, the KV cache, the
     # step's logits rows, the grammar cache, the prefix cache's RAM tier, kept image embeddings, an embedding context

@@ -15,7 +15,7 @@ from servelm.engine.types import GenerationOutput, GenerationRequest
 
 
 class Meter(Protocol):
-    def first_output(self, seconds: float, prompt_tokens: int) -> None: ...
+    def first_output(self, seconds: float, prompt_tokens: int, queued: float, priority: int) -> None: ...
 
     def inter_token(self, seconds: float) -> None: ...
 
@@ -38,7 +38,8 @@ class MeteredEngine(EngineWrapper):
                 async for out in outputs:
                     now = clock()
                     if not last:
-                        self.meter.first_output(now - start, len(request.prompt_token_ids))
+                        self.meter.first_output(now - start, len(request.prompt_token_ids), out.queued_seconds,
+                                                request.priority)
                     elif out.index in last and out.token_ids:
                         self.meter.inter_token((now - last[out.index]) / len(out.token_ids))
                     last[out.index] = now

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from servelm.engine.types import BeamParams, SamplingParams
 from servelm.errors import ContextLengthExceeded, InvalidParameter
-from servelm.protocol.common import GenerationFields
+from servelm.protocol.common import GenerationFields, SamplingExtras
 from servelm.service.content_filter import FilterEvents
-from servelm.service.deployments import TextDeployment
+from servelm.service.deployments import Deployment, TextDeployment
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,15 @@ class EndpointParams:
     prompt_logprobs: int | None = None
     skip_special_default: bool = True
     constrained: bool = False  # the output is bound by a grammar (beam search cannot follow one yet)
+
+
+def request_priority(req: SamplingExtras, dep: Deployment) -> int:
+    """The request's priority (vLLM's: lower runs first), within what the deployment lets a request ask for."""
+    priority = req.priority or 0
+    if dep.min_priority is not None and priority < dep.min_priority:
+        raise InvalidParameter(f"priority must be at least {dep.min_priority} on this deployment (lower is more "
+                               f"urgent); got {priority}.", "priority")
+    return priority
 
 
 def sampling_params(req: GenerationFields, dep: TextDeployment, prompt_len: int, ep: EndpointParams) -> SamplingParams:

@@ -139,3 +139,31 @@ async def test_nothing_of_a_request_stays_in_the_engine_once_it_ends(engine):
     await asyncio.sleep(0.05)
     assert engine.output.choices == {} and engine.output.requests == {}
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.has_unfinished()
+
+
+async def test_a_preempted_request_pauses_for_a_higher_priority_and_ends_with_the_same_answer():
+    runner = FakeRunner(num_slots=1, max_step_tokens=16, context_window=256, step_delay=0.002)
+    eng = LocalEngine(runner, priority_aging_s=0)
+    eng.start()
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+        async def run(rid, prompt, priority):
+            text = ""
+            async for out in eng.generate(GenerationRequest(rid, tuple(prompt), params, priority=priority)):
+                text += out.text
+                if out.finished:
+                    done.append(rid)
+            return text
+
+        done: list[str] = []
+        alone = await run("solo", range(1, 20), 5)
+        low = asyncio.create_task(run("low", range(1, 20), 5))
+        while eng.scheduler.num_running_seqs == 0 or not eng.scheduler.running[0].seqs[0].num_generated > 5:
+            await asyncio.sleep(0.002)
+        await run("high", range(30, 35), 0)
+        assert done[-1] == "high" and not low.done(), "the high one ran while the low one waited"
+        assert await low == alone, "the preempted answer is the answer it would have had"
+        assert eng.stats().preemptions == 1
+    finally:
+        eng.stop()

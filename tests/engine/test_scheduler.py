@@ -202,3 +202,129 @@ def test_a_finished_sequences_stream_is_trimmed_to_what_it_counted():
     s.finish(g2.seqs[0])
     assert s.schedule().ops == [Keep(0, 10)] and s.kv_cells_cached == 10
     assert g2.seqs[0].status is SeqStatus.FINISHED
+
+
+# -- priorities and preemption ----------------------------------------------------------------------
+def ranked(rid: str, prompt_len: int, priority: int, max_tokens: int = 8, received: float = 0.0) -> SequenceGroup:
+    g = group(rid, prompt_len, max_tokens=max_tokens)
+    g.priority, g.received_at = priority, received
+    return g
+
+
+def test_waiting_requests_run_by_priority_then_first_come_first_served():
+    s = sched(num_slots=1, max_step_tokens=64, aging_s=0)
+    for rid, prio in (("late-low", 5), ("first-0", 0), ("urgent", -1), ("second-0", 0)):
+        s.add(ranked(rid, 4, prio, max_tokens=1))
+    order = []
+    while s.has_unfinished():
+        plan = run_step(s)
+        for c in plan.chunks:
+            g = s.group(c)
+            if g.request_id not in order:
+                order.append(g.request_id)
+            s.finish(g.seqs[0])
+    assert order == ["urgent", "first-0", "second-0", "late-low"]
+
+
+def test_a_higher_priority_takes_the_slot_of_a_lower_one_which_resumes_where_it_stopped():
+    s = sched(num_slots=1, max_step_tokens=64, aging_s=0, prefix_cache=True)
+    low = ranked("low", 40, 5, max_tokens=50)
+    s.add(low)
+    for _ in range(4):
+        run_step(s)
+    seq = low.seqs[0]
+    tokens, computed = list(seq.token_ids), seq.num_computed
+    assert computed == 43 and len(tokens) == 44
+    s.add(ranked("high", 10, 0, max_tokens=2))
+    plan = run_step(s)
+    assert [s.group(c).request_id for c in plan.chunks] == ["high"], "the low one waits; the high one reads"
+    assert Keep(0, 43) in plan.ops, "the low one's cells stay in the slot as its cache entry"
+    assert seq.status is SeqStatus.WAITING and seq.slot is None and seq.token_ids == tokens
+    assert s.preemptions == 1 and low.preempted == 1
+    s.finish(s.running[0].seqs[0])
+    plan = run_step(s)
+    (chunk,) = plan.chunks
+    assert s.group(chunk).request_id == "low"
+    assert chunk.samplers == (seq.key,), "its next token is drawn from the row after all it had"
+    assert chunk.start + len(chunk.tokens) == len(tokens), "it goes on from every token it drew"
+    assert low.cached_tokens == 0, "its usage reports the cache as its first start found it"
+
+
+def test_resuming_reads_back_cells_the_spill_kept_or_computes_them_again():
+    from servelm.engine.plan import Restore, Save
+    from servelm.engine.spill import SpillStore
+
+    s = sched(num_slots=1, max_step_tokens=64, aging_s=0, prefix_cache=True,
+              spill=SpillStore("fp", 1 << 20, None, 0))
+    low = ranked("low", 90, 5, max_tokens=50)
+    s.add(low)
+    for _ in range(4):
+        run_step(s)
+    computed = low.seqs[0].num_computed
+    assert computed == 92
+    high = SequenceGroup("high", tuple(range(100, 170)), SamplingParams(max_tokens=1))  # nothing in common
+    s.add(high)
+    plan = run_step(s)
+    saved = [op for op in plan.ops if isinstance(op, Save)]
+    assert len(saved) == 1 and saved[0].slot == 0, "the high one takes the slot: the low one's cells are saved first"
+    saved[0].into.data = b"state"  # what the runner writes into it
+    s.finish(s.running[0].seqs[0])
+    plan = run_step(s)
+    restores = [op for op in plan.ops if isinstance(op, Restore)]
+    assert restores and restores[0].n == computed, "its cells come back from host RAM"
+    assert s.resumed_tokens == computed and [len(c.tokens) for c in plan.chunks] == [1]
+
+
+def test_nothing_is_preempted_for_an_equal_or_lower_priority():
+    s = sched(num_slots=1, max_step_tokens=64, aging_s=0)
+    s.add(ranked("first", 5, 0, max_tokens=20))
+    run_step(s)
+    s.add(ranked("same", 5, 0))
+    s.add(ranked("lower", 5, 3))
+    for _ in range(3):
+        plan = run_step(s)
+        assert [s.group(c).request_id for c in plan.chunks] == ["first"]
+    assert s.preemptions == 0
+
+
+def test_aging_lets_a_low_priority_that_waited_long_enough_go_first():
+    s = sched(num_slots=1, max_step_tokens=64, aging_s=10)
+    s.add(ranked("old-low", 5, 3, max_tokens=1, received=0.0))  # waited 40 s more: four levels
+    s.add(ranked("new-high", 5, 0, max_tokens=1, received=40.0))
+    plan = run_step(s)
+    assert [s.group(c).request_id for c in plan.chunks] == ["old-low"]
+    s.add(ranked("newer-high", 5, 0, max_tokens=5, received=45.0))
+    assert s.preemptions == 0
+
+
+def test_a_running_low_priority_is_not_preempted_once_its_age_outranks_the_newcomer():
+    s = sched(num_slots=1, max_step_tokens=64, aging_s=10)
+    s.add(ranked("low", 5, 2, max_tokens=20, received=0.0))
+    run_step(s)
+    s.add(ranked("high", 5, 0, received=30.0))  # 2 - 0 < 0 - 3: the low one ranks above it by now
+    plan = run_step(s)
+    assert [s.group(c).request_id for c in plan.chunks] == ["low"] and s.preemptions == 0
+
+
+def test_only_a_single_plain_sequence_is_preempted():
+    s = sched(num_slots=2, max_step_tokens=64, aging_s=0)
+    many = group("n2", 5, n=2, max_tokens=20)
+    many.priority = 5
+    s.add(many)
+    for _ in range(3):
+        run_step(s)
+    s.add(ranked("high", 5, 0))
+    plan = run_step(s)
+    assert "high" not in {s.group(c).request_id for c in plan.chunks}
+    assert s.preemptions == 0
+
+
+def test_preemption_takes_the_worst_ranked_running_request_first():
+    s = sched(num_slots=2, max_step_tokens=64, aging_s=0)
+    s.add(ranked("mid", 5, 3, max_tokens=20))
+    s.add(ranked("worst", 5, 7, max_tokens=20))
+    run_step(s)
+    s.add(ranked("high", 5, 0, max_tokens=20))
+    plan = run_step(s)
+    assert {s.group(c).request_id for c in plan.chunks} == {"mid", "high"}
+    assert [g.request_id for g in s.waiting] == ["worst"]

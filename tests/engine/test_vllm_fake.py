@@ -76,7 +76,7 @@ class FakeLLM:
         self.hold: asyncio.Event | None = None  # set: outputs flow; unset: the stream waits after its first token
         self.errored = False
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, priority=0):
         self.calls.append((prompt, params, request_id))
         if self.fail_with is not None:
             raise self.fail_with

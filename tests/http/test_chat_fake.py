@@ -157,6 +157,8 @@ BAD = [
                                                                      "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[0]"),
     ({"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+    ({"priority": "high"}, "priority"),
+    ({"priority": 1.5}, "priority"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -191,6 +193,34 @@ def test_bad_parameters_are_400_naming_the_parameter(fake_server, extra, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and err["message"]
+
+
+def test_priority_is_taken_by_every_generating_api(fake_server):
+    url = fake_server.base_url
+    chat = {"model": "fake-model", "messages": MSG, "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(url + "/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    for priority in (-5, 0, 7):
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, "priority": priority})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+    r = httpx.post(url + "/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 2, "priority": 3})
+    assert r.status_code == 200
+    r = httpx.post(url + "/v1/responses", json={"model": "fake-model", "input": "hi", "max_output_tokens": 2,
+                                               "priority": 3})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/messages", json={"model": "fake-model", "max_tokens": 2, "priority": 3,
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/messages", json={"model": "fake-model", "max_tokens": 2, "priority": "x",
+                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "priority" in r.text
+
+
+def test_a_deployment_may_bound_the_priority_a_request_asks_for(fake_server_factory):
+    url = fake_server_factory(min_priority=0).base_url
+    chat = {"model": "fake-model", "messages": MSG, "max_tokens": 3}
+    r = httpx.post(url + "/v1/chat/completions", json={**chat, "priority": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert httpx.post(url + "/v1/chat/completions", json={**chat, "priority": 0}).status_code == 200
 
 
 def test_malformed_json_and_non_object_bodies(fake_server):

@@ -1,0 +1,291 @@
+"""The Files and Batches API's state: an SQLite database and a directory of files under --state-dir.
+
+A file's bytes are written (to a temporary name, synced, renamed) before its row is committed, so a row always
+names a whole file; a file without a row (a crash in between) is removed at the next start. A batch is one row
+holding its object as OpenAI's spec has it; each answered line is a row of its own, committed in the same
+transaction as the batch's counts, so a restart knows exactly which lines were answered: none is answered twice
+in the output and none is dropped. Every read and write names the owner (an API key's digest, "" on an open
+server): another owner's file or batch is not found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, expires_at INTEGER);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at INTEGER NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL, output TEXT NOT NULL,
+    input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, line));
+"""
+
+
+class StoreFull(Exception):
+    """The files would take more disk than --batch-disk-mib allows."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    id: str
+    owner: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+    expires_at: int | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """OpenAI's File object."""
+        wire: dict[str, Any] = {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
+                                "filename": self.filename, "purpose": self.purpose, "status": "processed"}
+        if self.expires_at is not None:
+            wire["expires_at"] = self.expires_at
+        return wire
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """One answered line: its number in the input file, whether it succeeded (the output file) or not (the error
+    file), the output line as JSON text, and its tokens for the batch's usage."""
+
+    line: int
+    ok: bool
+    output: str
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+class BatchStore:
+    def __init__(self, directory: Path, max_disk_bytes: int = 0) -> None:
+        self.directory = Path(directory)
+        self.files_dir = self.directory / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.max_disk_bytes = max_disk_bytes  # 0: no bound
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.directory / "servelm.db", check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._remove_orphans()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _remove_orphans(self) -> None:
+        known = {row[0] for row in self._db.execute("SELECT id FROM files")}
+        for path in self.files_dir.iterdir():
+            if path.name.split(".")[0] not in known:  # (a temporary name begins with a dot: never known)
+                path.unlink(missing_ok=True)
+
+    # -- files ------------------------------------------------------------------------------------
+    def path(self, file_id: str) -> Path:
+        return self.files_dir / f"{file_id}.jsonl"
+
+    def disk_used(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0])
+
+    def add_file(self, owner: str, filename: str, purpose: str, data: bytes, expires_at: int | None = None,
+                 *, bounded: bool = True) -> FileRecord:
+        """Write the bytes, then commit the row. StoreFull when it would go over the disk bound (`bounded`: an
+        upload; a batch's own output is always written)."""
+        if bounded and self.max_disk_bytes and self.disk_used() + len(data) > self.max_disk_bytes:
+            raise StoreFull()
+        record = FileRecord(new_id("file-"), owner, filename, purpose, len(data), int(time.time()), expires_at)
+        self._write(record.id, data)
+        with self._tx() as db:
+            db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, filename, purpose,
+                                                                       record.bytes, record.created_at, expires_at))
+        return record
+
+    def _write(self, file_id: str, data: bytes) -> None:
+        """A file's bytes, whole on disk before any row names them."""
+        tmp = self.files_dir / f".{file_id}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(file_id))
+
+    def file(self, owner: str, file_id: str) -> FileRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner)).fetchone()
+        return FileRecord(*row) if row else None
+
+    def files(self, owner: str, purpose: str | None = None) -> list[FileRecord]:
+        """The owner's files, newest first."""
+        query = "SELECT * FROM files WHERE owner = ?" + (" AND purpose = ?" if purpose else "")
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY created_at DESC, rowid DESC",
+                                    (owner, purpose) if purpose else (owner,)).fetchall()
+        return [FileRecord(*row) for row in rows]
+
+    def content(self, owner: str, file_id: str) -> bytes | None:
+        return self.path(file_id).read_bytes() if self.file(owner, file_id) is not None else None
+
+    def in_use(self, file_id: str) -> bool:
+        """Whether an unfinished batch reads this file."""
+        return any((self.batch(None, b) or {}).get("input_file_id") == file_id for b in self.unfinished())
+
+    def delete_file(self, owner: str, file_id: str) -> bool:
+        with self._tx() as db:
+            gone = db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
+        if gone:
+            self.path(file_id).unlink(missing_ok=True)
+        return gone
+
+    # -- batches ----------------------------------------------------------------------------------
+    def add_batch(self, owner: str, body: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
+                       (body["id"], owner, body["created_at"], body["status"], json.dumps(body)))
+
+    def batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
+        """A batch object (owner None: whoever owns it, for the runner)."""
+        query, args = "SELECT body FROM batches WHERE id = ?", [batch_id]
+        if owner is not None:
+            query, args = query + " AND owner = ?", [batch_id, owner]
+        with self._lock:
+            row = self._db.execute(query, args).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def owner_of(self, batch_id: str) -> str:
+        with self._lock:
+            row = self._db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return str(row[0]) if row else ""
+
+    def batches(self, owner: str) -> list[dict[str, Any]]:
+        """The owner's batches, newest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT body FROM batches WHERE owner = ? ORDER BY created_at DESC, rowid DESC",
+                                    (owner,)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def unfinished(self) -> list[str]:
+        """Every batch not yet ended, oldest first: what the runner takes up (at start: what a restart resumes)."""
+        marks = ", ".join("?" * len(UNFINISHED))
+        with self._lock:
+            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY created_at, rowid",
+                                    UNFINISHED).fetchall()
+        return [r[0] for r in rows]
+
+    def update(self, batch_id: str, only_if: tuple[str, ...] = (), **fields: Any) -> dict[str, Any] | None:
+        """Set fields of a batch's object (the counts are kept from the lines); None when it is not in one of the
+        statuses `only_if` names."""
+        with self._tx() as db:
+            row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                return None
+            body: dict[str, Any] = json.loads(row[0])
+            if only_if and body["status"] not in only_if:
+                return None
+            body.update(fields)
+            db.execute("UPDATE batches SET status = ?, body = ? WHERE id = ?",
+                       (body["status"], json.dumps(body), batch_id))
+        return body
+
+    def record(self, batch_id: str, result: LineResult) -> bool:
+        """Commit one answered line with the batch's counts and usage; False when the line was answered already, or
+        the batch no longer takes answers (it ended)."""
+        with self._tx() as db:
+            row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                return False
+            body = json.loads(row[0])
+            if body["status"] not in ("in_progress", "cancelling"):
+                return False
+            added = db.execute("INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?, ?, ?, ?)",
+                               (batch_id, result.line, int(result.ok), result.output, result.input_tokens,
+                                result.cached_tokens, result.output_tokens)).rowcount > 0
+            if not added:
+                return False
+            counts = body["request_counts"]
+            counts["completed" if result.ok else "failed"] += 1
+            usage = body["usage"]
+            usage["input_tokens"] += result.input_tokens
+            usage["input_tokens_details"]["cached_tokens"] += result.cached_tokens
+            usage["output_tokens"] += result.output_tokens
+            usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+            db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(body), batch_id))
+        return True
+
+    def finish(self, batch_id: str, status: str) -> None:
+        """End a batch (completed, cancelled or expired): its answered lines become its output file and error
+        file (none when empty), committed with the batch's end in one transaction."""
+        owner = self.owner_of(batch_id)
+        now = int(time.time())
+        written = []
+        for ok, field in ((True, "output_file_id"), (False, "error_file_id")):
+            lines = self.outputs(batch_id, ok)
+            if lines:
+                data = ("\n".join(lines) + "\n").encode()
+                name = f"{batch_id}_{'output' if ok else 'error'}.jsonl"
+                written.append((field, FileRecord(new_id("file-"), owner, name, "batch_output", len(data), now), data))
+        for _, record, data in written:
+            self._write(record.id, data)
+        with self._tx() as db:
+            row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            body = json.loads(row[0])
+            for field, record, _ in written:
+                db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, record.filename,
+                                                                           record.purpose, record.bytes, now, None))
+                body[field] = record.id
+            body.update(status=status, **{f"{status}_at": now})
+            db.execute("UPDATE batches SET status = ?, body = ? WHERE id = ?", (status, json.dumps(body), batch_id))
+
+    def answered(self, batch_id: str) -> set[int]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT line FROM lines WHERE batch_id = ?", (batch_id,))}
+
+    def outputs(self, batch_id: str, ok: bool) -> list[str]:
+        """The answered lines' output lines, in input order: the successes or the failures."""
+        with self._lock:
+            rows = self._db.execute("SELECT output FROM lines WHERE batch_id = ? AND ok = ? ORDER BY line",
+                                    (batch_id, int(ok))).fetchall()
+        return [r[0] for r in rows]
+
+    def counts_by_status(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall()
+        return {str(status): int(n) for status, n in rows}
+
+    def line_totals(self) -> tuple[int, int]:
+        """Lines answered since the store began: succeeded, failed."""
+        with self._lock:
+            ok, failed = self._db.execute("SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0) FROM lines").fetchone()
+        return int(ok), int(failed)

@@ -1,0 +1,285 @@
+"""OpenAI's Files and Batches API (servelm/batch/ keeps the state and runs the lines), and the in-process caller
+through which a batch's lines reach this same app as their owner: every route, check, error and metric is the one a
+client's request gets, without the HTTP round trip. A line's call carries its owner in the scope
+(BATCH_OWNER, which no client can set): auth trusts it as that key, and the rate limits and the request deadline do
+not apply to it (a batch is bounded by its own in-flight cap and its completion window)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from servelm.batch.lines import ENDPOINTS, window_seconds
+from servelm.batch.runner import BatchRunner
+from servelm.batch.store import BatchStore, StoreFull, new_id
+from servelm.errors import ClientError, InvalidParameter, NotFound, PayloadTooLarge
+from servelm.http.asgi import ASGIApp, Message
+from servelm.http.auth import BATCH_OWNER
+from servelm.http.routes import request_context
+from servelm.service.deployments import Deployments
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """The Batch API's settings (ServerSettings' state_dir and batch_*)."""
+
+    state_dir: str
+    max_file_bytes: int = 200 << 20
+    max_lines: int = 50_000
+    max_disk_bytes: int = 10 << 30
+    priority: int = 10
+    max_in_flight: int = 0  # 0: every sequence slot of the generating deployments
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> BatchConfig | None:
+        if not settings.state_dir:
+            return None
+        return cls(str(settings.state_dir), settings.batch_max_file_mib << 20, settings.batch_max_lines,
+                   settings.batch_disk_mib << 20, settings.batch_priority, settings.batch_max_in_flight)
+
+
+class AppCaller:
+    """A batch line's request, sent to the ASGI app in this process as its owner; the answer's status, request id
+    and JSON body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, endpoint: str, body: dict[str, Any], owner: str) -> tuple[int, str, Any]:
+        data = json.dumps(body).encode()
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": endpoint, "raw_path": endpoint.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                        (b"host", b"batch")],
+            "client": ("batch", 0), "server": ("batch", 0), "state": {}, BATCH_OWNER: owner,
+        }
+        sent, answered = False, asyncio.Event()
+        status, headers, chunks = 500, {}, []
+
+        async def receive() -> Message:
+            nonlocal sent
+            if sent:  # the caller stays until the answer is whole (a disconnect would stop the request)
+                await answered.wait()
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+
+        async def send(message: Message) -> None:
+            nonlocal status, headers
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in message.get("headers", [])}
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    answered.set()
+
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            answered.set()
+        raw = b"".join(chunks)
+        try:
+            answer = json.loads(raw) if raw else None
+        except ValueError:
+            answer = raw.decode("utf-8", "replace")
+        return status, headers.get("x-request-id", ""), answer
+
+
+def _file_or_404(store: BatchStore, owner: str, file_id: str) -> Any:
+    record = store.file(owner, file_id)
+    if record is None:
+        raise NotFound(f"No such File object: {file_id}", param="file_id", code="not_found")
+    return record
+
+
+def _batch_or_404(store: BatchStore, owner: str, batch_id: str) -> dict[str, Any]:
+    batch = store.batch(owner, batch_id)
+    if batch is None:
+        raise NotFound(f"No batch found with id '{batch_id}'.", param="batch_id", code="not_found")
+    return batch
+
+
+def _page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str, Any]:
+    """A list page in OpenAI's shape: the items after the one named `after` (newest first), at most `limit`."""
+    if not 1 <= limit <= 10_000:
+        raise InvalidParameter(f"limit must be between 1 and 10000; got {limit}.", "limit")
+    if after is not None:
+        ids = [i["id"] for i in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def new_batch(endpoint: str, input_file_id: str, window: str, seconds: int, metadata: Any) -> dict[str, Any]:
+    now = int(time.time())
+    return {
+        "id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "model": None, "errors": None,
+        "input_file_id": input_file_id, "completion_window": window, "status": "validating", "output_file_id": None,
+        "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + seconds,
+        "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
+        "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0},
+        "metadata": metadata,
+    }
+
+
+def _count_lines(data: bytes) -> int:
+    return sum(1 for line in data.split(b"\n") if line.strip())
+
+
+def batch_runner(app: ASGIApp, deployments: Deployments, config: BatchConfig) -> BatchRunner:
+    """The runner of the batches under config.state_dir, its lines sent to `app` in process."""
+    def in_flight() -> int:
+        return config.max_in_flight or sum(d.engine.stats().total_slots for d in deployments.generators())
+
+    store = BatchStore(Path(config.state_dir), config.max_disk_bytes)
+    return BatchRunner(store, AppCaller(app), priority=config.priority, max_lines=config.max_lines,
+                       in_flight=in_flight)
+
+
+def build_no_batch_router() -> APIRouter:
+    """Without --state-dir the Files and Batches API's paths say what it needs (nothing would survive a restart)."""
+    router = APIRouter()
+
+    async def needs_state_dir() -> None:
+        raise NotFound("The Files and Batches API needs a state directory: start the server with --state-dir DIR "
+                       "(its batches survive a restart there).", code="not_found")
+
+    for prefix in ("/v1", ""):
+        for path in ("/files", "/files/{file_id}", "/files/{file_id}/content", "/batches", "/batches/{batch_id}",
+                     "/batches/{batch_id}/cancel"):
+            router.add_api_route(prefix + path, needs_state_dir, methods=["GET", "POST", "DELETE"],
+                                 include_in_schema=False)
+    return router
+
+
+def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConfig) -> APIRouter:
+    router = APIRouter()
+
+    def owner(request: Request) -> str:
+        return request_context(request.scope).owner
+
+    async def upload(request: Request) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if not content_type.lower().startswith("multipart/form-data"):
+            raise ClientError("A file is uploaded as multipart/form-data with the fields file and purpose.",
+                              param="file", code="invalid_value")
+        async with request.form(max_files=1, max_fields=8, max_part_size=config.max_file_bytes) as form:
+            purpose, upload = form.get("purpose"), form.get("file")
+            if purpose != "batch":
+                raise InvalidParameter(f"purpose must be 'batch' here (the Batch API's files); got {purpose!r}.",
+                                       "purpose")
+            if upload is None or isinstance(upload, str):
+                raise InvalidParameter("file must be an uploaded file (multipart/form-data).", "file")
+            data = await upload.read()
+            filename = upload.filename or "upload.jsonl"
+        if len(data) > config.max_file_bytes:
+            raise PayloadTooLarge(config.max_file_bytes)
+        if _count_lines(data) > config.max_lines:
+            raise InvalidParameter(f"a batch file may hold at most {config.max_lines} requests (--batch-max-lines); "
+                                   f"this one holds {_count_lines(data)}.", "file")
+        try:
+            record = await asyncio.to_thread(store.add_file, owner(request), filename, "batch", data)
+        except StoreFull:
+            raise ClientError(f"The server's files would take more than {config.max_disk_bytes >> 20} MiB "
+                              "(--batch-disk-mib): delete files you no longer need.", param="file",
+                              code="storage_limit_exceeded") from None
+        return JSONResponse(record.wire())
+
+    async def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+                         order: str = "desc") -> JSONResponse:
+        if order not in ("asc", "desc"):
+            raise InvalidParameter(f"order must be asc or desc; got {order!r}.", "order")
+        files = [f.wire() for f in store.files(owner(request), purpose)]
+        return JSONResponse(_page(files if order == "desc" else files[::-1], after, limit))
+
+    async def get_file(request: Request, file_id: str) -> JSONResponse:
+        return JSONResponse(_file_or_404(store, owner(request), file_id).wire())
+
+    async def file_content(request: Request, file_id: str) -> Response:
+        _file_or_404(store, owner(request), file_id)
+        data = store.content(owner(request), file_id) or b""
+        return Response(data, media_type="application/octet-stream")
+
+    async def delete_file(request: Request, file_id: str) -> JSONResponse:
+        _file_or_404(store, owner(request), file_id)
+        if store.in_use(file_id):
+            raise ClientError(f"File {file_id} is the input of a batch still running; cancel it first.",
+                              param="file_id", code="file_in_use")
+        store.delete_file(owner(request), file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    async def create_batch(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ClientError("The body is not valid JSON.", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ClientError("The body must be a JSON object.", code="invalid_value")
+        unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
+        if unknown:
+            raise InvalidParameter(f"Unrecognized request argument supplied: {', '.join(sorted(unknown))}",
+                                   sorted(unknown)[0], "unknown_parameter")
+        endpoint, window, file_id = body.get("endpoint"), body.get("completion_window"), body.get("input_file_id")
+        if endpoint not in ENDPOINTS:
+            raise InvalidParameter(f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}.", "endpoint")
+        seconds = window_seconds(window) if isinstance(window, str) else None
+        if seconds is None or not isinstance(window, str):
+            raise InvalidParameter(f"completion_window must be '24h' (or any '<n>s', '<n>m', '<n>h', '<n>d'); got "
+                                   f"{window!r}.", "completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or any(
+                not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
+            raise InvalidParameter("metadata is at most 16 string pairs (keys up to 64 characters, values up to "
+                                   "512).", "metadata")
+        if not isinstance(file_id, str):
+            raise InvalidParameter("input_file_id must be a file id.", "input_file_id")
+        record = store.file(owner(request), file_id)
+        if record is None:
+            raise NotFound(f"No such File object: {file_id}", param="input_file_id", code="not_found")
+        if record.purpose != "batch":
+            raise InvalidParameter(f"File {file_id} has purpose {record.purpose!r}; a batch reads one uploaded with "
+                                   "purpose 'batch'.", "input_file_id")
+        batch = new_batch(endpoint, file_id, window, seconds, metadata)
+        store.add_batch(owner(request), batch)
+        runner.wake()
+        return JSONResponse(batch)
+
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
+        return JSONResponse(_page(store.batches(owner(request)), after, limit))
+
+    async def get_batch(request: Request, batch_id: str) -> JSONResponse:
+        return JSONResponse(_batch_or_404(store, owner(request), batch_id))
+
+    async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
+        batch = _batch_or_404(store, owner(request), batch_id)
+        updated = store.update(batch_id, ("validating", "in_progress"), status="cancelling",
+                               cancelling_at=int(time.time()))
+        if updated is None and batch["status"] not in ("cancelling", "cancelled"):
+            raise ClientError(f"Cannot cancel a batch with status '{batch['status']}'.", param="batch_id",
+                              code="invalid_state")
+        runner.cancel(batch_id)
+        return JSONResponse(updated or _batch_or_404(store, owner(request), batch_id))
+
+    for prefix in ("/v1", ""):
+        router.add_api_route(f"{prefix}/files", upload, methods=["POST"])
+        router.add_api_route(f"{prefix}/files", list_files, methods=["GET"])
+        router.add_api_route(prefix + "/files/{file_id}", get_file, methods=["GET"])
+        router.add_api_route(prefix + "/files/{file_id}/content", file_content, methods=["GET"])
+        router.add_api_route(prefix + "/files/{file_id}", delete_file, methods=["DELETE"])
+        router.add_api_route(f"{prefix}/batches", create_batch, methods=["POST"])
+        router.add_api_route(f"{prefix}/batches", list_batches, methods=["GET"])
+        router.add_api_route(prefix + "/batches/{batch_id}", get_batch, methods=["GET"])
+        router.add_api_route(prefix + "/batches/{batch_id}/cancel", cancel_batch, methods=["POST"])
+    return router
