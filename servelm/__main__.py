@@ -33,6 +33,34 @@ def _help(field: FieldInfo) -> str:
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API", description="Serve the OpenAI-compatible API. "
                        "Every option can also be set with an environment variable SERVELM_<OPTION> (e.g. SERVELM_PORT).")
+    _settings_arguments(p)
+    p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")
+    p.add_argument("--ray", action="store_true", help="run on Ray Serve (pip install 'servelm[ray]'): each "
+                   "deployment's replicas (num_replicas, min_replicas/max_replicas in --config) on a Ray cluster, "
+                   "with prefix-affine routing")
+    p.add_argument("--ray-address", default=None, help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, "
+                   "else a local Ray instance started for this server)")
+
+
+def _batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("batch", help="run a batch file offline (OpenAI's batch lines, as vllm run-batch reads them)",
+                       description="Run a JSONL batch file (OpenAI's Batch API lines: custom_id, method, url, body) on "
+                       "this machine's engines with no HTTP server, or on a Ray cluster with --ray. Answers are "
+                       "appended to the output file as they come; run it again with the same output file to go on "
+                       "where it stopped. The serve options choose the models and engines.")
+    p.add_argument("-i", "--input-file", dest="batch_input", required=True, help="the batch file to run")
+    p.add_argument("-o", "--output-file", dest="batch_output", required=True, help="where the answers go (appended)")
+    _settings_arguments(p)
+    p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")
+    p.add_argument("--ray", action="store_true", help="map the lines over engine actors with Ray Data")
+    p.add_argument("--ray-address", default=None, help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, "
+                   "else a local Ray instance)")
+    p.add_argument("--actors", type=int, default=2, help="with --ray: engine actors, each with --threads CPUs "
+                   "(default 1) (default: 2)")
+
+
+def _settings_arguments(p: argparse.ArgumentParser) -> None:
+    """A flag for every server and engine setting."""
     for name, field in ServerSettings.model_fields.items():
         if name == "engine":
             continue
@@ -51,12 +79,6 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             p.add_argument(flag, dest=dest, default=None, metavar="PATH", help=_help(field))
         else:
             p.add_argument(flag, dest=dest, default=None, type=int, metavar="N", help=_help(field))
-    p.add_argument("--verbose-llama", action="store_true", help="show llama.cpp's own log lines")
-    p.add_argument("--ray", action="store_true", help="run on Ray Serve (pip install 'servelm[ray]'): each "
-                   "deployment's replicas (num_replicas, min_replicas/max_replicas in --config) on a Ray cluster, "
-                   "with prefix-affine routing")
-    p.add_argument("--ray-address", default=None, help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, "
-                   "else a local Ray instance started for this server)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -133,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"servelm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _batch_parser(sub)
     from servelm.bench.cli import add_arguments
 
     add_arguments(sub.add_parser("bench", help="benchmark OpenAI-compatible servers (vllm bench serve's metrics)",
@@ -152,7 +175,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"servelm: invalid setting: {exc}", file=sys.stderr)
             return 2
         serve(settings, verbose, ray, ray_address)
+    if args.command == "batch":
+        return _batch(args)
     return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from servelm.offline import run_local, run_on_ray
+
+    source, output, verbose, ray, address, actors = (Path(args.batch_input), Path(args.batch_output),
+                                                     args.verbose_llama, args.ray, args.ray_address, args.actors)
+    for name in ("batch_input", "batch_output", "verbose_llama", "ray", "ray_address", "actors"):
+        delattr(args, name)
+    try:
+        settings = settings_from_args(args)
+    except Exception as exc:  # pydantic's message names the setting
+        print(f"servelm: invalid setting: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not source.is_file():
+        print(f"servelm batch: no such file: {source}", file=sys.stderr)
+        return 2
+    if ray:
+        return run_on_ray(settings, source, output, actors, address)
+    return run_local(settings, source, output, verbose)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class BatchLine:
     number: int  # its line in the input file, from 1
     custom_id: str
     body: dict[str, Any]
+    url: str = ""  # its endpoint
 
 
 class MalformedFile(Exception):
@@ -45,11 +46,11 @@ def _error(code: str, message: str, line: int | None = None, param: str | None =
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def parse_lines(data: bytes, endpoint: str, max_lines: int) -> list[BatchLine]:
+def parse_lines(data: bytes, endpoint: str | None, max_lines: int) -> list[BatchLine]:
     """Every request of a batch file, or MalformedFile listing what is wrong (a line that is not a JSON object, a
-    missing or repeated custom_id, a method other than POST, a url other than the batch's endpoint, a body that is
-    not an object; no line at all; more than `max_lines`). A body's own fields are the endpoint's to check, line by
-    line."""
+    missing or repeated custom_id, a method other than POST, a url other than the batch's endpoint (None: any
+    endpoint a batch serves, line by line, as vLLM's run-batch takes them), a body that is not an object; no line at
+    all; more than `max_lines`). A body's own fields are the endpoint's to check, line by line."""
     errors: list[dict[str, Any]] = []
     lines: list[BatchLine] = []
     seen: set[str] = set()
@@ -78,9 +79,13 @@ def parse_lines(data: bytes, endpoint: str, max_lines: int) -> list[BatchLine]:
                                  "request of a batch needs its own.", number, "custom_id"))
         if obj.get("method") != "POST":
             errors.append(_error("invalid_request", f"line {number}: method must be POST.", number, "method"))
-        if obj.get("url") != endpoint:
-            errors.append(_error("invalid_url", f"line {number}: url {obj.get('url')!r} is not the batch's "
-                                 f"endpoint {endpoint!r}.", number, "url"))
+        url = obj.get("url")
+        if endpoint is not None and url != endpoint:
+            errors.append(_error("invalid_url", f"line {number}: url {url!r} is not the batch's endpoint "
+                                 f"{endpoint!r}.", number, "url"))
+        elif url not in ENDPOINTS:
+            errors.append(_error("invalid_url", f"line {number}: url {url!r} is none of {', '.join(ENDPOINTS)}.",
+                                 number, "url"))
         if not isinstance(body, dict):
             errors.append(_error("invalid_request", f"line {number}: body must be a JSON object.", number, "body"))
         extra = set(obj) - {"custom_id", "method", "url", "body"}
@@ -89,8 +94,8 @@ def parse_lines(data: bytes, endpoint: str, max_lines: int) -> list[BatchLine]:
                                  number))
         if isinstance(custom_id, str) and custom_id:
             seen.add(custom_id)
-        if isinstance(custom_id, str) and isinstance(body, dict):
-            lines.append(BatchLine(number, custom_id, body))
+        if isinstance(custom_id, str) and isinstance(body, dict) and isinstance(url, str):
+            lines.append(BatchLine(number, custom_id, body, url))
         if len(errors) >= MAX_ERRORS:
             break
     if not errors and not lines:
