@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from servelm.offline import run_local, run_on_ray
+    from servelm.offline import run_local
 
     source, output, verbose, ray, address, actors = (Path(args.batch_input), Path(args.batch_output),
                                                      args.verbose_llama, args.ray, args.ray_address, args.actors)
@@ -199,6 +199,10 @@ def _batch(args: argparse.Namespace) -> int:
         print(f"servelm batch: no such file: {source}", file=sys.stderr)
         return 2
     if ray:
+        try:
+            from servelm.ray.batch import run_on_ray
+        except ImportError as exc:
+            raise SystemExit(f"servelm: batch --ray needs Ray Data (pip install 'servelm[ray]'): {exc}") from None
         return run_on_ray(settings, source, output, actors, address)
     return run_local(settings, source, output, verbose)
 

@@ -1,5 +1,5 @@
 """`servelm batch -i IN.jsonl -o OUT.jsonl`: a batch file (OpenAI's line format, as vLLM's run-batch reads it) run
-on this machine's engines with no HTTP server, or with `--ray` over engine actors on a Ray cluster with Ray Data.
+on this machine's engines with no HTTP server (`--ray`: over engine actors on a Ray cluster, servelm/ray/batch.py).
 
 Every line goes through the same app a server runs (http/batches.AppCaller), so its answer is the one the endpoint
 would give. Answers are appended to OUT as they come, each line whole and flushed; a run that stops is started again
@@ -14,7 +14,6 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from servelm.batch.lines import BatchLine, MalformedFile, parse_lines
 from servelm.batch.runner import answer
@@ -122,56 +121,4 @@ def run_local(settings: ServerSettings, source: Path, output: Path, verbose_llam
     finally:
         out.close()
         engines.close()
-    return 0
-
-
-class EngineActor:
-    """A Ray Data worker: one servelm engine (every deployment of the settings) answering batches of lines."""
-
-    def __init__(self, settings: dict[str, Any]) -> None:
-        logging.basicConfig(level=logging.WARNING)
-        logging.getLogger("servelm").setLevel(logging.WARNING)
-        self.engines = LocalLines(ServerSettings.model_validate(settings))
-        self.loop = asyncio.new_event_loop()  # one for the app's life: its events belong to the loop that made them
-
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        lines = [BatchLine(int(n), c, json.loads(b), u) for n, c, b, u in
-                 zip(batch["number"], batch["custom_id"], batch["body"], batch["url"], strict=True)]
-        outputs: list[str] = []
-        self.loop.run_until_complete(self.engines.answer_all(lines, outputs.append))
-        return {"output": outputs}
-
-
-def run_on_ray(settings: ServerSettings, source: Path, output: Path, actors: int, address: str | None) -> int:
-    """Map the lines over `actors` engine actors with Ray Data (each reserves --threads CPUs, default 1), writing
-    their answers to OUT as they come back."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise SystemExit(f"servelm: batch --ray needs Ray Data (pip install 'servelm[ray]'): {exc}") from None
-    from tqdm import tqdm
-
-    lines = read_lines(source)
-    todo = pending(lines, output)
-    if not todo:
-        return 0
-    threads = settings.engine.threads or 1
-    engine = settings.engine.model_copy(update={"threads": threads})
-    config = settings.model_copy(update={"engine": engine}).model_dump(mode="json")
-    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    rows = [{"number": line.number, "custom_id": line.custom_id, "body": json.dumps(line.body), "url": line.url}
-            for line in todo]
-    # a block fills one engine's slots, and every actor gets blocks
-    per_actor = max(1, min(engine.max_num_seqs, -(-len(rows) // actors)))
-    data = ray.data.from_items(rows, override_num_blocks=-(-len(rows) // per_actor))
-    answers = data.map_batches(EngineActor, fn_constructor_args=(config,), batch_size=per_actor,
-                               compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=threads)
-    out = Appender(output)
-    try:
-        with tqdm(total=len(lines), initial=len(lines) - len(todo), unit="line", desc="batch") as bar:
-            for row in answers.iter_rows():
-                out.write(row["output"])
-                bar.update(1)
-    finally:
-        out.close()
     return 0
