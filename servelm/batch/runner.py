@@ -22,6 +22,8 @@ from servelm.batch.store import BatchStore, LineResult
 
 log = logging.getLogger("servelm.batch")
 POLL_S = 1.0  # how often the runner looks at the clock for expiry while nothing wakes it
+RETRY_S = 1.0  # a line answered "not now" (429 queue full, 503 busy or shutting down) is sent again after this
+NOT_NOW = frozenset({429, 503})
 
 
 class LineCaller(Protocol):
@@ -135,8 +137,11 @@ class BatchRunner:
             lines = parse_lines(data, batch["endpoint"], self.max_lines)
         except MalformedFile as exc:
             now = int(time.time())
-            await asyncio.to_thread(self.store.update, batch["id"], ("validating", "in_progress"), status="failed",
-                                    failed_at=now, errors={"object": "list", "data": exc.errors})
+            failed = await asyncio.to_thread(self.store.update, batch["id"], ("validating", "in_progress"),
+                                             status="failed", failed_at=now,
+                                             errors={"object": "list", "data": exc.errors})
+            if failed is None:  # it was being cancelled: it ends so, with nothing answered
+                await asyncio.to_thread(self.store.finish, batch["id"], "cancelled")
             return None
         if batch["status"] == "validating":
             updated = await asyncio.to_thread(
@@ -148,8 +153,12 @@ class BatchRunner:
     async def _work(self, batch: dict[str, Any], owner: str, todo: Iterator[BatchLine]) -> None:
         assert self._slots is not None
         for line in todo:
-            async with self._slots:
-                result = await answer(self.caller, line, batch["endpoint"], owner, self.priority)
+            while True:  # a "not now" is no answer: the line waits and goes again (a shutdown cancels it here)
+                async with self._slots:
+                    result = await answer(self.caller, line, batch["endpoint"], owner, self.priority)
+                if result.status not in NOT_NOW:
+                    break
+                await asyncio.sleep(RETRY_S)
             await asyncio.to_thread(self.store.record, batch["id"], result)
 
     async def _until_stopped(self, batch: dict[str, Any], stop: asyncio.Event) -> None:

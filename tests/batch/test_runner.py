@@ -1,0 +1,41 @@
+"""BatchRunner over a real store and a scripted caller: a "not now" answer (429, 503) is no answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from servelm.batch import runner as runner_module
+from servelm.batch.runner import BatchRunner
+from servelm.batch.store import BatchStore
+from servelm.http.batches import new_batch
+
+
+async def test_a_line_answered_not_now_is_sent_again_not_recorded_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.01)
+    store = BatchStore(tmp_path)
+    data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "m", "prompt": "x"}}).encode() + b"\n" for i in range(3))
+    f = store.add_file("", "in.jsonl", "batch", data)
+    batch = new_batch("/v1/completions", f.id, "24h", 86400, None)
+    store.add_batch("", batch)
+    calls: list[str] = []
+
+    async def caller(endpoint, body, owner):
+        calls.append(endpoint)
+        if len(calls) <= 2:  # the server was shutting down, then its queue was full
+            return (503 if len(calls) == 1 else 429), "", {"error": {"message": "not now"}}
+        return 200, "rid", {"object": "text_completion", "usage": {"prompt_tokens": 2, "completion_tokens": 1}}
+
+    runner = BatchRunner(store, caller, priority=10, max_lines=10, in_flight=lambda: 1)
+    runner.start()
+    for _ in range(500):
+        if store.batch("", batch["id"])["status"] == "completed":
+            break
+        await asyncio.sleep(0.02)
+    await runner.stop()
+    done = store.batch("", batch["id"])
+    assert done["status"] == "completed"
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(calls) == 5 and done["error_file_id"] is None
+    store.close()
