@@ -23,7 +23,9 @@ rest, running requests of a lower priority that also rank below it give theirs u
 sequence computed as a prefix-cache entry of its scope, saved to the spill store when another request takes the
 slot, and the sequence waits again with every token it drew. On resuming it reads back what a slot or the spill
 still holds and computes the rest as prompt: its answer is the same bitwise (docs/exactness.md), its sampler state
-untouched. Only a request of one sequence without beam search, prompt logprobs or images is preempted.
+untouched. Only a request of one sequence without beam search, prompt logprobs or images is preempted. While a
+request reads its prompt, running requests of a lower priority hold back (no row that step), so its first token
+comes about as soon as on an idle engine.
 
 An image in a prompt (a MediaSpan) is read as a chunk of its own, at most one image chunk a step, so that an image
 delays the other sequences' steps by one image's forward pass at most: whole when its positions attend to each
@@ -216,7 +218,10 @@ class Scheduler:
             self._preempt()
         plan = StepPlan()
         budget = self.max_step_tokens
+        urgent = self._urgent_reader()
         for group in self.running:
+            if urgent is not None and group.priority > urgent:
+                continue  # it holds back while a more urgent prompt is read
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
                     plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
@@ -228,6 +233,8 @@ class Scheduler:
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
             budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
+            if urgent is not None and group.priority > urgent:
+                continue
             for seq in group.seqs:
                 if budget <= 0:
                     break
@@ -257,6 +264,20 @@ class Scheduler:
             self._copied_to.clear()
             self._copied_from.clear()
         return plan
+
+    def _urgent_reader(self) -> int | None:
+        """The most urgent priority among the requests that read a prompt now (running ones not through theirs, and
+        the best-ranked waiting one when a slot rests for it), when lower ones run beside them: those hold back (no
+        row this step) until it is read, so a request's first token comes as soon as it would on an idle engine.
+        None: no one holds back. Holding back changes no answer (a row's logits do not depend on its step)."""
+        readers = [g.priority for g in self.running
+                   if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
+        if self.waiting and self.slots.idle:
+            readers.append(self.waiting[0].priority)
+        if not readers:
+            return None
+        urgent = min(readers)
+        return urgent if any(g.priority > urgent for g in self.running) else None
 
     def _draft_candidates(self, plan: StepPlan) -> dict[int, Candidate]:
         """The decode chunks (by index) that may carry guesses: a plain sequence's, sampled by it alone."""

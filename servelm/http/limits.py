@@ -137,7 +137,8 @@ class LimitsMiddleware:
             return
         timeout = 0.0 if BATCH_OWNER in scope else self.config.request_timeout  # a batch has its completion window
         upload = scope["path"] in UPLOAD_PATHS and scope.get("method") == "POST"  # a multipart file (http/batches.py)
-        if scope.get("method") in JSON_METHODS and not upload and not is_json(header(scope, b"content-type")):
+        if scope.get("method") in JSON_METHODS and not upload and not is_json(header(scope, b"content-type")) \
+                and not _bodiless(scope):
             await send_error(send, UnsupportedMediaType(header(scope, b"content-type")), scope)
             return
         c = self.config
@@ -163,6 +164,13 @@ class LimitsMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def _bodiless(scope: Scope) -> bool:
+    """A request with no body and no content type (`curl -X POST …/cancel`): nothing in it to read as JSON."""
+    length = header(scope, b"content-length")
+    return header(scope, b"content-type") is None and header(scope, b"transfer-encoding") is None \
+        and (length or "0").strip() == "0"
 
 
 def limits_of(scope: Scope) -> RequestLimits | None:

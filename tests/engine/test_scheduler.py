@@ -325,6 +325,22 @@ def test_preemption_takes_the_worst_ranked_running_request_first():
     s.add(ranked("worst", 5, 7, max_tokens=20))
     run_step(s)
     s.add(ranked("high", 5, 0, max_tokens=20))
-    plan = run_step(s)
-    assert {s.group(c).request_id for c in plan.chunks} == {"mid", "high"}
+    run_step(s)
+    assert {g.request_id for g in s.running} == {"mid", "high"}
     assert [g.request_id for g in s.waiting] == ["worst"]
+
+
+def test_lower_priorities_hold_back_while_a_more_urgent_prompt_is_read():
+    s = sched(num_slots=3, max_step_tokens=64, aging_s=0)
+    s.add(ranked("low-a", 5, 5, max_tokens=50))
+    s.add(ranked("low-b", 5, 5, max_tokens=50))
+    for _ in range(2):
+        run_step(s)
+    high = SequenceGroup("high", tuple(range(100, 230)), SamplingParams(max_tokens=4))  # 130 tokens: three steps
+    s.add(high)
+    for _ in range(3):
+        plan = run_step(s)
+        assert {s.group(c).request_id for c in plan.chunks} == {"high"}, "only the urgent prompt moves"
+    plan = run_step(s)
+    assert {s.group(c).request_id for c in plan.chunks} == {"high", "low-a", "low-b"}, "then all decode together"
+    assert s.preemptions == 0

@@ -153,6 +153,19 @@ def test_cancel_keeps_the_lines_already_answered(fake_server_factory, tmp_path):
     assert len({o["custom_id"] for o in answered}) == len(answered)
 
 
+def test_cancel_takes_a_bare_post_as_curl_sends_it(fake_server_factory, tmp_path):
+    srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "s"), max_in_flight=1), step_delay=0.02)
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+    f = client.files.create(file=("in.jsonl", jsonl([chat_line(i, max_tokens=5) for i in range(40)])),
+                            purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    r = httpx.post(f"{srv.base_url}/v1/batches/{batch.id}/cancel")  # no body, no content type
+    assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+    assert wait_for(client, batch.id).status == "cancelled"
+    r = httpx.post(f"{srv.base_url}/v1/batches/{batch.id}/cancel", content=b"x")  # a body still needs JSON
+    assert r.status_code == 415
+
+
 def test_a_batch_past_its_window_expires_keeping_what_it_answered(fake_server_factory, tmp_path):
     srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "s"), max_in_flight=1), step_delay=0.03)
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
