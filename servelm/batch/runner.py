@@ -116,9 +116,10 @@ class BatchRunner:
             todo = iter([line for line in lines if line.number not in done])
             workers = [asyncio.create_task(self._work(batch, owner, todo)) for _ in range(self.width)]
             stopped = asyncio.create_task(self._until_stopped(batch, stop))
-            await asyncio.wait([*workers, stopped], return_when=asyncio.FIRST_COMPLETED)
-            while not stopped.done() and not all(w.done() for w in workers):
-                await asyncio.wait([*workers, stopped], return_when=asyncio.FIRST_COMPLETED)
+            busy: set[asyncio.Task[None]] = set(workers)
+            while busy and not stopped.done():  # until every line is answered, or the batch stops
+                _, left = await asyncio.wait({*busy, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                busy &= left
             for task in (*workers, stopped):
                 task.cancel()
             for task in (*workers, stopped):

@@ -267,12 +267,12 @@ class Scheduler:
 
     def _urgent_reader(self) -> int | None:
         """The most urgent priority among the requests that read a prompt now (running ones not through theirs, and
-        the best-ranked waiting one when a slot rests for it), when lower ones run beside them: those hold back (no
+        the best-ranked waiting one when enough slots rest for it), when lower ones run beside them: those hold back (no
         row this step) until it is read, so a request's first token comes as soon as it would on an idle engine.
         None: no one holds back. Holding back changes no answer (a row's logits do not depend on its step)."""
         readers = [g.priority for g in self.running
                    if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
-        if self.waiting and self.slots.idle:
+        if self.waiting and len(self.waiting[0].live) <= len(self.slots.idle):  # (one that cannot fit holds no one)
             readers.append(self.waiting[0].priority)
         if not readers:
             return None

@@ -344,3 +344,17 @@ def test_lower_priorities_hold_back_while_a_more_urgent_prompt_is_read():
     plan = run_step(s)
     assert {s.group(c).request_id for c in plan.chunks} == {"high", "low-a", "low-b"}, "then all decode together"
     assert s.preemptions == 0
+
+
+def test_a_waiting_request_that_cannot_fit_holds_no_one_back():
+    s = sched(num_slots=3, max_step_tokens=64, aging_s=0)
+    pair = group("pair", 5, n=2, max_tokens=30)  # two sequences: never preempted
+    pair.priority = 5
+    s.add(pair)
+    for _ in range(2):
+        run_step(s)
+    urgent = group("urgent-pair", 5, n=2, max_tokens=4)  # needs two slots; one rests
+    s.add(urgent)
+    for _ in range(3):
+        plan = run_step(s)
+        assert {s.group(c).request_id for c in plan.chunks} == {"pair"}, "the running pair goes on"
