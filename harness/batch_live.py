@@ -3,8 +3,8 @@
 1. interactive chat requests (Poisson arrivals) with no batch: first-token p50 and p99;
 2. the same traffic (fresh prompts) while a chat batch of `--batch-lines` lines runs: the same figures, and their
    ratio to the first;
-3. a batch of `--alone-lines` lines on an idle server: its output tokens/s (usage over in_progress_at to
-   completed_at), against `servelm bench`'s closed loop of 16 streams on the same requests.
+0. first, a batch of `--alone-lines` lines on the idle server: its output tokens/s (its usage over the time from
+   its upload to its end), against `servelm bench`'s closed loop of 16 streams on requests of the same shape.
 
 Every request is the 16-streams workload's shape (a ~97-token user message, 64 tokens, EOS ignored, greedy).
 
@@ -56,7 +56,7 @@ def interactive(base: str, rate: float, count: int, salt: str) -> dict[str, floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-lines", type=int, default=2000)
-    ap.add_argument("--alone-lines", type=int, default=64)
+    ap.add_argument("--alone-lines", type=int, default=96)
     ap.add_argument("--rate", type=float, default=0.5, help="interactive requests per second (Poisson)")
     ap.add_argument("--requests", type=int, default=30, help="interactive requests per phase")
     ap.add_argument("--threads", type=int, default=None)
@@ -73,6 +73,16 @@ def main() -> None:
     try:
         asyncio.run(server.wait_ready(120))
         interactive(base, args.rate, 4, "warm")
+        begun = time.perf_counter()
+        solo = start_batch(base, args.alone_lines, "alone")
+        while (done := batch_state(base, solo))["status"] != "completed":
+            time.sleep(0.1)
+        batch_tps = done["usage"]["output_tokens"] / (time.perf_counter() - begun)  # from its upload to its end
+        spec = RequestSpec(prompt_salt="bench", **SHAPE)
+        level = asyncio.run(run_level(base + "/v1", MODEL_ID, 16, args.alone_lines, spec))
+        bench_tps = level.serving["output_throughput"]
+        print(f"batch alone: {batch_tps:.1f} output tok/s (upload to end); servelm bench at 16 streams: "
+              f"{bench_tps:.1f} ({batch_tps / bench_tps:.2f}x)", flush=True)
         alone = interactive(base, args.rate, args.requests, "no-batch")
         print(f"interactive, no batch: {alone}", flush=True)
         batch_id = start_batch(base, args.batch_lines, "live")
@@ -85,18 +95,9 @@ def main() -> None:
         httpx.post(f"{base}/v1/batches/{batch_id}/cancel", timeout=30)
         while batch_state(base, batch_id)["status"] != "cancelled":
             time.sleep(0.5)
-        solo = start_batch(base, args.alone_lines, "alone")
-        while (done := batch_state(base, solo))["status"] != "completed":
-            time.sleep(0.5)
-        batch_tps = done["usage"]["output_tokens"] / max(1, done["completed_at"] - done["in_progress_at"])
-        spec = RequestSpec(prompt_salt="bench", **SHAPE)
-        level = asyncio.run(run_level(base + "/v1", MODEL_ID, 16, args.alone_lines, spec))
-        bench_tps = level.serving["output_throughput"]
         for name, a, b in (("p50", beside["p50"], alone["p50"]), ("p99", beside["p99"], alone["p99"])):
             if a is not None and b:
                 print(f"first token {name}: {a:.0f} ms beside the batch, {b:.0f} ms without: {a / b:.2f}x")
-        print(f"batch alone: {batch_tps:.1f} output tok/s; servelm bench at 16 streams: {bench_tps:.1f} "
-              f"({batch_tps / bench_tps:.2f}x)")
     finally:
         server.stop()
 

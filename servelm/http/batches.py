@@ -197,22 +197,24 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
                               code="storage_limit_exceeded") from None
         return JSONResponse(record.wire())
 
-    async def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
+    # the store's reads and writes wait on its lock and on the disk: the routes that only read or write it are plain
+    # functions (FastAPI runs them on its thread pool), the others hand it to a thread, never the event loop
+    def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
                          order: str = "desc") -> JSONResponse:
         if order not in ("asc", "desc"):
             raise InvalidParameter(f"order must be asc or desc; got {order!r}.", "order")
         files = [f.wire() for f in store.files(owner(request), purpose)]
         return JSONResponse(_page(files if order == "desc" else files[::-1], after, limit))
 
-    async def get_file(request: Request, file_id: str) -> JSONResponse:
+    def get_file(request: Request, file_id: str) -> JSONResponse:
         return JSONResponse(_file_or_404(store, owner(request), file_id).wire())
 
-    async def file_content(request: Request, file_id: str) -> Response:
+    def file_content(request: Request, file_id: str) -> Response:
         _file_or_404(store, owner(request), file_id)
         data = store.content(owner(request), file_id) or b""
         return Response(data, media_type="application/octet-stream")
 
-    async def delete_file(request: Request, file_id: str) -> JSONResponse:
+    def delete_file(request: Request, file_id: str) -> JSONResponse:
         _file_or_404(store, owner(request), file_id)
         if store.in_use(file_id):
             raise ClientError(f"File {file_id} is the input of a batch still running; cancel it first.",
@@ -245,32 +247,32 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
                                    "512).", "metadata")
         if not isinstance(file_id, str):
             raise InvalidParameter("input_file_id must be a file id.", "input_file_id")
-        record = store.file(owner(request), file_id)
+        record = await asyncio.to_thread(store.file, owner(request), file_id)
         if record is None:
             raise NotFound(f"No such File object: {file_id}", param="input_file_id", code="not_found")
         if record.purpose != "batch":
             raise InvalidParameter(f"File {file_id} has purpose {record.purpose!r}; a batch reads one uploaded with "
                                    "purpose 'batch'.", "input_file_id")
         batch = new_batch(endpoint, file_id, window, seconds, metadata)
-        store.add_batch(owner(request), batch)
+        await asyncio.to_thread(store.add_batch, owner(request), batch)
         runner.wake()
         return JSONResponse(batch)
 
-    async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
+    def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
         return JSONResponse(_page(store.batches(owner(request)), after, limit))
 
-    async def get_batch(request: Request, batch_id: str) -> JSONResponse:
+    def get_batch(request: Request, batch_id: str) -> JSONResponse:
         return JSONResponse(_batch_or_404(store, owner(request), batch_id))
 
     async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-        batch = _batch_or_404(store, owner(request), batch_id)
-        updated = store.update(batch_id, ("validating", "in_progress"), status="cancelling",
-                               cancelling_at=int(time.time()))
+        batch = await asyncio.to_thread(_batch_or_404, store, owner(request), batch_id)
+        updated = await asyncio.to_thread(store.update, batch_id, ("validating", "in_progress"), status="cancelling",
+                                          cancelling_at=int(time.time()))
         if updated is None and batch["status"] not in ("cancelling", "cancelled"):
             raise ClientError(f"Cannot cancel a batch with status '{batch['status']}'.", param="batch_id",
                               code="invalid_state")
-        runner.cancel(batch_id)
-        return JSONResponse(updated or _batch_or_404(store, owner(request), batch_id))
+        runner.cancel(batch_id)  # (on the event loop: it sets the runner's asyncio events)
+        return JSONResponse(updated or await asyncio.to_thread(_batch_or_404, store, owner(request), batch_id))
 
     for prefix in ("/v1", ""):
         router.add_api_route(f"{prefix}/files", upload, methods=["POST"])
