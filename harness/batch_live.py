@@ -76,7 +76,7 @@ def main() -> None:
         begun = time.perf_counter()
         solo = start_batch(base, args.alone_lines, "alone")
         while (done := batch_state(base, solo))["status"] != "completed":
-            time.sleep(0.1)
+            time.sleep(1.0)  # as a client polls; polling 10 times a second slows llama.cpp's threads (docs/batch.md)
         batch_tps = done["usage"]["output_tokens"] / (time.perf_counter() - begun)  # from its upload to its end
         spec = RequestSpec(prompt_salt="bench", **SHAPE)
         level = asyncio.run(run_level(base + "/v1", MODEL_ID, 16, args.alone_lines, spec))
