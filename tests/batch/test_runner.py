@@ -11,14 +11,20 @@ from servelm.batch.store import BatchStore
 from servelm.http.batches import new_batch
 
 
-async def test_a_line_answered_not_now_is_sent_again_not_recorded_as_failed(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner_module, "RETRY_S", 0.01)
-    store = BatchStore(tmp_path)
+def stored_batch(directory, lines: int) -> tuple[BatchStore, dict]:
+    """A store holding one batch of `lines` completions, not yet validated."""
+    store = BatchStore(directory)
     data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                                "body": {"model": "m", "prompt": "x"}}).encode() + b"\n" for i in range(3))
+                                "body": {"model": "m", "prompt": "x"}}).encode() + b"\n" for i in range(lines))
     f = store.add_file("", "in.jsonl", "batch", data)
     batch = new_batch("/v1/completions", f.id, "24h", 86400, None)
     store.add_batch("", batch)
+    return store, batch
+
+
+async def test_a_line_answered_not_now_is_sent_again_not_recorded_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.01)
+    store, batch = stored_batch(tmp_path, 3)
     calls: list[str] = []
 
     async def caller(endpoint, body, owner):
@@ -44,12 +50,7 @@ async def test_a_line_answered_not_now_is_sent_again_not_recorded_as_failed(tmp_
 async def test_a_batch_waits_for_its_last_lines_without_spinning(tmp_path, monkeypatch):
     """Once one worker has no line left, the others' last lines are awaited, not polled: a loop that kept
     asking about the finished worker took a core from the engine at every batch's end."""
-    store = BatchStore(tmp_path)
-    data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                                "body": {"model": "m", "prompt": "x"}}).encode() + b"\n" for i in range(2))
-    f = store.add_file("", "in.jsonl", "batch", data)
-    batch = new_batch("/v1/completions", f.id, "24h", 86400, None)
-    store.add_batch("", batch)
+    store, batch = stored_batch(tmp_path, 2)
 
     async def caller(endpoint, body, owner):
         await asyncio.sleep(0.5 if len(waits) else 0)  # one line is quick, the other slow

@@ -136,12 +136,18 @@ def test_bad_requests_to_the_api_are_clear_4xx(server, client):
                                                  "completion_window": "24h", "colour": 1}).status_code == 400
 
 
-def test_cancel_keeps_the_lines_already_answered(fake_server_factory, tmp_path):
-    srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "s"), max_in_flight=1), step_delay=0.02)
+def slow_batch(factory, tmp_path, lines: int, max_tokens: int, window: str = "24h", step_delay: float = 0.02):
+    """A server answering one line at a time, slowly, and a chat batch of `lines` lines created on it."""
+    srv = factory(batches=BatchConfig(str(tmp_path / "s"), max_in_flight=1), step_delay=step_delay)
     client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-    f = client.files.create(file=("in.jsonl", jsonl([chat_line(i, max_tokens=5) for i in range(40)])),
+    f = client.files.create(file=("in.jsonl", jsonl([chat_line(i, max_tokens=max_tokens) for i in range(lines)])),
                             purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=window)
+    return srv, client, batch
+
+
+def test_cancel_keeps_the_lines_already_answered(fake_server_factory, tmp_path):
+    srv, client, batch = slow_batch(fake_server_factory, tmp_path, 40, max_tokens=5)
     while client.batches.retrieve(batch.id).request_counts.completed < 2:
         time.sleep(0.02)
     cancelling = client.batches.cancel(batch.id)
@@ -154,11 +160,7 @@ def test_cancel_keeps_the_lines_already_answered(fake_server_factory, tmp_path):
 
 
 def test_cancel_takes_a_bare_post_as_curl_sends_it(fake_server_factory, tmp_path):
-    srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "s"), max_in_flight=1), step_delay=0.02)
-    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-    f = client.files.create(file=("in.jsonl", jsonl([chat_line(i, max_tokens=5) for i in range(40)])),
-                            purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    srv, client, batch = slow_batch(fake_server_factory, tmp_path, 40, max_tokens=5)
     r = httpx.post(f"{srv.base_url}/v1/batches/{batch.id}/cancel")  # no body, no content type
     assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
     assert wait_for(client, batch.id).status == "cancelled"
@@ -167,11 +169,7 @@ def test_cancel_takes_a_bare_post_as_curl_sends_it(fake_server_factory, tmp_path
 
 
 def test_a_batch_past_its_window_expires_keeping_what_it_answered(fake_server_factory, tmp_path):
-    srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "s"), max_in_flight=1), step_delay=0.03)
-    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-    f = client.files.create(file=("in.jsonl", jsonl([chat_line(i, max_tokens=8) for i in range(30)])),
-                            purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="2s")
+    _, client, batch = slow_batch(fake_server_factory, tmp_path, 30, max_tokens=8, window="2s", step_delay=0.03)
     done = wait_for(client, batch.id, timeout=30)
     assert done.status == "expired" and done.expired_at
     answered = outputs(client, done.output_file_id) if done.output_file_id else []
