@@ -125,7 +125,7 @@ def answered(line: BatchLine, status: int, request_id: str, body: Any) -> LineRe
            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
     usage = body.get("usage") if ok and isinstance(body, dict) else None
     tokens = _tokens(usage) if isinstance(usage, dict) else (0, 0, 0)
-    return LineResult(line.number, ok, json.dumps(out, separators=(",", ":")), *tokens, status=status)
+    return LineResult(line.number, ok, json.dumps(out, separators=(",", ":")), *tokens)
 
 
 def unanswered(line: BatchLine, code: str, message: str) -> LineResult:

@@ -33,13 +33,18 @@ class LineCaller(Protocol):
 
 
 async def answer(caller: LineCaller, line: BatchLine, endpoint: str, owner: str, priority: int) -> LineResult:
-    """One line's answer as its output line (a streamed request is the line's own 400: a batch answers whole)."""
+    """One line's answer as its output line (a streamed request is the line's own 400: a batch answers whole). A
+    "not now" (429 queue full, 503 busy or shutting down) is no answer: the line goes again after RETRY_S (a
+    shutdown cancels it there)."""
     if line.body.get("stream"):
         body = {"error": {"message": "stream is not supported in a batch: each line is answered whole.",
                           "type": "invalid_request_error", "param": "stream", "code": "invalid_value"}}
         return answered(line, 400, "", body)
-    status, request_id, body = await caller(endpoint, request_body(line, endpoint, priority), owner)
-    return answered(line, status, request_id, body)
+    while True:
+        status, request_id, body = await caller(endpoint, request_body(line, endpoint, priority), owner)
+        if status not in NOT_NOW:
+            return answered(line, status, request_id, body)
+        await asyncio.sleep(RETRY_S)
 
 
 class BatchRunner:
@@ -154,12 +159,8 @@ class BatchRunner:
     async def _work(self, batch: dict[str, Any], owner: str, todo: Iterator[BatchLine]) -> None:
         assert self._slots is not None
         for line in todo:
-            while True:  # a "not now" is no answer: the line waits and goes again (a shutdown cancels it here)
-                async with self._slots:
-                    result = await answer(self.caller, line, batch["endpoint"], owner, self.priority)
-                if result.status not in NOT_NOW:
-                    break
-                await asyncio.sleep(RETRY_S)
+            async with self._slots:
+                result = await answer(self.caller, line, batch["endpoint"], owner, self.priority)
             await asyncio.to_thread(self.store.record, batch["id"], result)
 
     async def _until_stopped(self, batch: dict[str, Any], stop: asyncio.Event) -> None:

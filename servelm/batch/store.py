@@ -72,7 +72,6 @@ class LineResult:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
-    status: int = 0  # the HTTP status it was answered with (0: none)
 
 
 def new_id(prefix: str) -> str:

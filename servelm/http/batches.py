@@ -186,9 +186,10 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
             filename = upload.filename or "upload.jsonl"
         if len(data) > config.max_file_bytes:
             raise PayloadTooLarge(config.max_file_bytes)
-        if _count_lines(data) > config.max_lines:
+        count = _count_lines(data)
+        if count > config.max_lines:
             raise InvalidParameter(f"a batch file may hold at most {config.max_lines} requests (--batch-max-lines); "
-                                   f"this one holds {_count_lines(data)}.", "file")
+                                   f"this one holds {count}.", "file")
         try:
             record = await asyncio.to_thread(store.add_file, owner(request), filename, "batch", data)
         except StoreFull:
