@@ -108,28 +108,51 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     try:
         config = load_config_file(settings.config) if settings.config else None
         keys = load_keys(settings, config.keys if config else [])  # hashed here: the keys themselves go no further
-        specs = with_blocklist(config.deployments if config and config.deployments else default_specs(settings),
-                               settings.content_blocklist)
+        if config and config.deployments:
+            specs = config.deployments
+        else:  # with only --models-dir, its models are all there is
+            specs = [] if settings.models_dir and settings.model_path is None else default_specs(settings)
+        specs = with_blocklist(specs, settings.content_blocklist)
+        on_demand = [s for s in specs if s.load == "on-demand"]
+        specs = [s for s in specs if s.load == "start"]
+        if ray and (on_demand or settings.models_dir):
+            raise ValueError("models loaded on demand (--models-dir, load = \"on-demand\") are not served under "
+                             "--ray yet; serve them without --ray")
         if ray and any(s.mmproj for s in specs):
             raise ValueError("--mmproj (images) is not served under --ray yet; serve the vision model without --ray")
         if ray:
             return _serve_on_ray(settings, specs, config.endpoints if config else [], keys, verbose_llama, ray_address)
         built = build(specs, config.endpoints if config else [], verbose_llama, image_sources(settings))
+        catalog = _fleet(settings, on_demand, verbose_llama) if on_demand or settings.models_dir else None
     except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
         raise SystemExit(f"servelm: {exc}") from None
     limits = StoreLimits.from_settings(settings)
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
                      security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
                      playground=settings.playground, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
-                     batches=BatchConfig.from_settings(settings))
+                     batches=BatchConfig.from_settings(settings), catalog=catalog)
     names = ", ".join(repr(d.name) for d in built.deployments.all())
-    log.info("serving %s on http://%s:%s", names, settings.host, settings.port)
+    if catalog is not None:
+        names += (", " if names else "") + ", ".join(f"{n!r} (on demand)" for n in catalog.statuses())
+    log.info("serving %s on http://%s:%s", names or "no model yet", settings.host, settings.port)
     try:
         run_server(app, host=settings.host, port=int(settings.port), log_level=settings.log_level.lower(),
                    shutdown_timeout=settings.shutdown_timeout, header_timeout=settings.header_timeout,
                    keep_alive_timeout=settings.keep_alive_timeout, max_connections=settings.max_connections)
     finally:
         built.close()
+
+
+def _fleet(settings: ServerSettings, on_demand: list[Any], verbose_llama: bool) -> Any:
+    """The models loaded when a request names them: --models-dir's and the config's on-demand deployments."""
+    from servelm.compose import build, image_sources, with_blocklist
+    from servelm.fleet import Fleet, FleetLimits
+
+    images = image_sources(settings)
+    limits = FleetLimits(settings.models_max, settings.models_memory_mib << 20, settings.idle_unload_s)
+    return Fleet(on_demand, limits, models_dir=settings.models_dir, engine=settings.engine,
+                 builder=lambda spec: build(with_blocklist([spec], settings.content_blocklist), [], verbose_llama,
+                                            images))
 
 
 def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[Any], keys: list[Any], verbose_llama: bool,

@@ -180,6 +180,17 @@ class ServerSettings(BaseSettings):
                                 "it; --priority-aging-s lets them through under constant load)")
     batch_max_in_flight: int = Field(0, ge=0, description="batch lines under way at once over all batches (0: one "
                                      "for every sequence slot of the generating deployments)")
+    # -- models loaded on demand and unloaded when idle (servelm/fleet.py) --
+    models_dir: Path | None = Field(
+        None, description="a directory of GGUF files, each served as a deployment named by its file stem and loaded "
+        "when a request names it (mmproj-STEM.gguf: its projector; STEM.toml: its [[deployments]] settings; a "
+        "subdirectory: one model and its projector). Rescanned by POST /models/refresh")
+    models_max: int = Field(4, ge=1, description="models loaded on demand that may be loaded at once; the least "
+                            "recently used idle one is unloaded first")
+    models_memory_mib: int = Field(0, ge=0, description="memory the models loaded on demand may take together "
+                                   "(weights, KV cache, buffers; 0: no bound but --models-max)")
+    idle_unload_s: float = Field(300.0, description="seconds a model loaded on demand stays loaded after its last "
+                                 "request (a request's keep_alive overrides it; -1: never unloaded)")
     log_level: str = Field("info", description="log level: debug, info, warning, error")
     # -- security and load control (http/auth.py, http/ratelimit.py, http/limits.py) --
     api_key: Annotated[list[str], NoDecode] = Field(
@@ -194,6 +205,11 @@ class ServerSettings(BaseSettings):
         default_factory=list, repr=False, description="a key for monitoring only (repeatable; SERVELM_MONITOR_KEY "
         "takes several separated by commas): with API keys on, /metrics and the prefix-cache counters of /health "
         "answer only to it, since they add up every key's traffic; it may use no model",
+    )
+    admin_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, repr=False, description="an administrator's key (repeatable; SERVELM_ADMIN_KEY takes "
+        "several separated by commas): with API keys on, only it may load, unload and rescan models "
+        "(POST /models/load, /models/unload, /models/refresh); it may use every model",
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body accepted (413 beyond)")
     rate_limit_rpm: int = Field(0, ge=0, description="requests per minute per API key (per client address "
@@ -211,7 +227,7 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 
-    @field_validator("api_key", "monitor_key", "cors_allow_origins", "allowed_media_domains", mode="before")
+    @field_validator("api_key", "monitor_key", "admin_key", "cors_allow_origins", "allowed_media_domains", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -301,6 +317,9 @@ class DeploymentSpec(BaseModel):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
     kind: Literal["chat", "embedding"] = "chat"
+    load: Literal["start", "on-demand"] = Field(
+        "start", description="when its model is loaded: at start, or when a request names it (then unloaded when "
+        "idle, as --models-dir's models are)")
     aliases: list[str] = Field(default_factory=list)
     chat_template: Path | None = None
     embedding_window: int = Field(256, ge=0, description="a chat model's /v1/embeddings window (0: none)")

@@ -33,6 +33,7 @@ class KeySpec:
     name: str = ""  # a label for logs
     max_waiting: int | None = None  # places it may hold in a deployment's queue; None: --max-waiting-per-key
     monitor: bool = False  # it reads /metrics and /health's every counter (an operator's; --monitor-key)
+    admin: bool = False  # it loads, unloads and rescans models (--admin-key)
 
     @property
     def label(self) -> str:
@@ -45,7 +46,7 @@ def hash_key(key: str) -> bytes:
 
 def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: Iterable[str] | None = None,
              rpm: int | None = None, tpm: int | None = None, name: str = "",
-             max_waiting: int | None = None, monitor: bool = False) -> KeySpec:
+             max_waiting: int | None = None, monitor: bool = False, admin: bool = False) -> KeySpec:
     """A KeySpec from a key or its digest (hex); a ValueError says what is wrong."""
     if (key is None) == (sha256 is None):
         raise ValueError("a key needs exactly one of `key` and `key_sha256`")
@@ -63,16 +64,17 @@ def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: 
     for limit in (rpm, tpm, max_waiting):
         if limit is not None and (not isinstance(limit, int) or limit < 0):
             raise ValueError("rpm, tpm and max_waiting must be whole numbers >= 0")
-    if not isinstance(monitor, bool):
-        raise ValueError("monitor must be true or false")
+    if not isinstance(monitor, bool) or not isinstance(admin, bool):
+        raise ValueError("monitor and admin must be true or false")
     names = None if deployments is None else frozenset(deployments)
-    return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor)
+    return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor, admin)
 
 
 def key_from_table(table: Mapping[str, Any]) -> KeySpec:
     """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, max_waiting, name,
-    monitor."""
-    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "name", "monitor"}
+    monitor, admin."""
+    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "name", "monitor",
+                            "admin"}
     if unknown:
         raise ValueError(f"unknown field(s) in a [[keys]] table: {', '.join(sorted(unknown))}")
     deployments = table.get("deployments")
@@ -80,7 +82,8 @@ def key_from_table(table: Mapping[str, Any]) -> KeySpec:
         deployments = [deployments]
     return key_spec(table.get("key"), sha256=table.get("key_sha256"), deployments=deployments,
                     rpm=table.get("rpm"), tpm=table.get("tpm"), name=str(table.get("name", "")),
-                    max_waiting=table.get("max_waiting"), monitor=table.get("monitor", False))
+                    max_waiting=table.get("max_waiting"), monitor=table.get("monitor", False),
+                    admin=table.get("admin", False))
 
 
 def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
@@ -94,11 +97,11 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
         try:
             for option in options:
                 name, sep, value = option.partition("=")
-                if option == "monitor":
-                    fields["monitor"] = True
+                if option in ("monitor", "admin"):
+                    fields[option] = True
                     continue
                 if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "name"):
-                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N name=TEXT or monitor, "
+                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N name=TEXT, monitor or admin, "
                                      f"not {option!r}")
                 if name == "deployments":
                     fields[name] = [d for d in value.split(",") if d]
@@ -114,12 +117,14 @@ class _KeySettings(Protocol):
     api_key: list[str]
     api_key_file: Path | None
     monitor_key: list[str]
+    admin_key: list[str]
 
 
 def load_keys(settings: _KeySettings, tables: Sequence[Mapping[str, Any]] = ()) -> list[KeySpec]:
     """Every key the settings name (flags, variable, file) plus the config file's [[keys]] tables."""
     specs = [key_spec(k) for k in settings.api_key]
     specs += [key_spec(k, deployments=(), monitor=True) for k in settings.monitor_key]  # reads metrics, runs nothing
+    specs += [key_spec(k, admin=True) for k in settings.admin_key]  # any model, and loads and unloads them
     if settings.api_key_file is not None:
         path = Path(settings.api_key_file)
         specs += parse_key_file(path.read_text(encoding="utf-8"), str(path))

@@ -140,6 +140,46 @@ class _BatchCollector(Collector):
         return []
 
 
+@dataclass(frozen=True)
+class ModelCounts:
+    """One model loaded on demand (servelm/fleet.py) at scrape time."""
+
+    model: str
+    status: str  # loaded, loading, unloaded, failed
+    loaded_bytes: int  # what its parts may take while loaded (0 when not)
+    loads: int  # counters from here on
+    load_failures: int
+    unloads: int
+    load_seconds: float
+
+
+class _ModelCollector(Collector):
+    """The on-demand models' loads, unloads and memory, read from the catalog when Prometheus scrapes."""
+
+    def __init__(self, source: Callable[[], Iterable[ModelCounts]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        loaded = GaugeMetricFamily("servelm_model_loaded", "1 while a model loaded on demand is loaded", labels=["model"])
+        size = GaugeMetricFamily("servelm_model_loaded_bytes", "memory a loaded model's parts may take (weights, KV "
+                                 "cache, buffers)", labels=["model"])
+        loads = CounterMetricFamily("servelm_model_loads", "loads of a model, by outcome", labels=["model", "outcome"])
+        unloads = CounterMetricFamily("servelm_model_unloads", "unloads of a model (idle, evicted or by route)",
+                                      labels=["model"])
+        seconds = CounterMetricFamily("servelm_model_load_seconds", "time its successful loads took", labels=["model"])
+        for m in self._source():
+            loaded.add_metric([m.model], 1 if m.status == "loaded" else 0)
+            size.add_metric([m.model], m.loaded_bytes)
+            loads.add_metric([m.model, "loaded"], m.loads)
+            loads.add_metric([m.model, "failed"], m.load_failures)
+            unloads.add_metric([m.model], m.unloads)
+            seconds.add_metric([m.model], m.load_seconds)
+        yield from (loaded, size, loads, unloads, seconds)
+
+    def describe(self) -> list[Any]:
+        return []
+
+
 class Metrics:
     """The app's collectors. `route` labels are route templates (never raw paths), `model` deployment names."""
 
@@ -180,6 +220,10 @@ class Metrics:
     def watch_batches(self, source: Callable[[], tuple[dict[str, int], int, int]]) -> None:
         """Collect the Batch API's counts from `source` (batches by status, lines succeeded, lines failed)."""
         self.registry.register(_BatchCollector(source))
+
+    def watch_models(self, source: Callable[[], Iterable[ModelCounts]]) -> None:
+        """Collect the on-demand models' counts from `source` (servelm/fleet.py's Fleet.counts)."""
+        self.registry.register(_ModelCollector(source))
 
     def meter(self, model: str) -> GenerationMeter:
         return GenerationMeter(self, model)

@@ -120,11 +120,12 @@ def test_constrain_imports_nothing_of_the_engine():
 
 
 def test_nothing_but_main_imports_ray_mode_or_compose():
-    """The wiring (compose) and the Ray mode sit on top: no layer below them imports them."""
+    """The wiring (compose, and the fleet that builds with it) and the Ray mode sit on top: no layer below them
+    imports them."""
     for m, p in modules():
         if starts(m, "servelm.engine", "servelm.runners", "servelm.service", "servelm.http", "servelm.protocol",
                   "servelm.chat", "servelm.constrain"):
-            assert not any(starts(i, "servelm.compose", "servelm.ray") for i in imports_of(p)), m
+            assert not any(starts(i, "servelm.compose", "servelm.fleet", "servelm.ray") for i in imports_of(p)), m
 
 
 def test_errors_are_rendered_only_in_http_errors():

@@ -18,10 +18,12 @@ from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
 from servelm.http.middleware import RequestLog
+from servelm.http.models import LoadOnDemand, build_models_router
 from servelm.http.playground import build_playground_router
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
 from servelm.service.admission import QueuedEngine
+from servelm.service.catalog import ModelCatalog
 from servelm.service.chat import ChatService
 from servelm.service.deployments import Deployments
 from servelm.service.metered import MeteredEngine
@@ -31,16 +33,19 @@ from servelm.service.store import MemoryStore, ResponseStore
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
                on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None,
                store: ResponseStore | None = None, timings: bool = False, playground: bool = True,
-               batches: BatchConfig | None = None) -> FastAPI:
+               batches: BatchConfig | None = None, catalog: ModelCatalog | None = None) -> FastAPI:
     """The app over these deployments; `store` keeps the Responses API's stored answers (default: in this process's
     memory), `timings`: every answer carries llama-server's timings; `playground`: the web page at /; `batches`:
-    the Files and Batches API's state directory and bounds (None: those routes answer 404)."""
+    the Files and Batches API's state directory and bounds (None: those routes answer 404); `catalog`: models
+    loaded when a request names them (servelm/fleet.py)."""
     runner: BatchRunner | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
         if on_start is not None:
             on_start()
+        if catalog is not None:
+            await catalog.start()
         if runner is not None:
             runner.start()
         try:
@@ -49,6 +54,8 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
             if runner is not None:
                 await runner.stop()
                 runner.store.close()
+            if catalog is not None:
+                await catalog.stop()
             if on_stop is not None:
                 on_stop()
 
@@ -63,7 +70,8 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     errors.install(app)
     app.state.timings = timings
     chat = ChatService(deployments)
-    app.include_router(build_router(deployments, chat))
+    app.include_router(build_router(deployments, chat, catalog))
+    app.include_router(build_models_router(catalog))  # POST /models/load, /models/unload, /models/refresh
     app.include_router(build_agent_router(chat, store if store is not None else MemoryStore()))  # Responses, Messages
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
     app.state.metrics = metrics = app_metrics
@@ -77,6 +85,10 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     if playground:
         app.include_router(build_playground_router())
     app.add_middleware(ErrorBoundary)  # innermost: a bug is a 500 in the envelope, and the connection stays usable
+    if catalog is not None:  # inside auth and the body limits: a request waits here while its model loads
+        catalog.attach(deployments)
+        metrics.watch_models(catalog.counts)
+        app.add_middleware(LoadOnDemand, catalog=catalog)
     app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body size 413, deadline
     app.add_middleware(RequestLog, metrics=metrics)  # it sees every answer, 401/429 included

@@ -25,6 +25,7 @@ from servelm.protocol.common import ModelCard, ModelList
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.base import GeneratingService, P, Req
+from servelm.service.catalog import ModelCatalog, ModelStatus
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
 from servelm.service.content_filter import FilterEvents
@@ -148,7 +149,22 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
     )
 
 
-def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:
+def _cards(deployments: Deployments, catalog: ModelCatalog | None) -> list[tuple[str, ModelCard]]:
+    """Every model id with its card: the loaded ones, and the catalog's others with their status."""
+    statuses = catalog.statuses() if catalog is not None else {}
+    cards = []
+    for name, d in deployments.model_ids():
+        card = _card(name, d)
+        if d is not None:
+            card.status = (statuses.get(d.name) or ModelStatus("loaded")).wire()
+        cards.append((name, card))
+    listed = {d.name for _, d in deployments.model_ids() if d is not None}
+    cards += [(name, ModelCard(id=name, created=0, root=name, status=s.wire()))
+              for name, s in statuses.items() if name not in listed]
+    return cards
+
+
+def build_router(deployments: Deployments, chat: ChatService, catalog: ModelCatalog | None = None) -> APIRouter:
     router = APIRouter()
     completions = CompletionService(deployments)
     embeddings = EmbeddingService(deployments)
@@ -166,16 +182,17 @@ def build_router(deployments: Deployments, chat: ChatService) -> APIRouter:
 
     @router.get("/v1/models", openapi_extra=doc(response=ModelList))
     @router.get("/v3/models", openapi_extra=doc(response=ModelList))
+    @router.get("/models", openapi_extra=doc(response=ModelList))
     async def list_models(request: Request) -> JSONResponse:
-        cards = [_card(name, d) for name, d in deployments.model_ids() if can_use(request.scope, deployments, name)]
+        cards = [card for name, card in _cards(deployments, catalog) if can_use(request.scope, deployments, name)]
         return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
     @router.get("/v1/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
     @router.get("/v3/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
     async def get_model(model_id: str, request: Request) -> JSONResponse:
-        for name, d in deployments.model_ids():
+        for name, card in _cards(deployments, catalog):
             if name == model_id and can_use(request.scope, deployments, name):
-                return JSONResponse(_card(name, d).model_dump(mode="json"))
+                return JSONResponse(card.model_dump(mode="json"))
         raise ModelNotFound(model_id)
 
     @router.post("/v1/embeddings", openapi_extra=doc(request=EmbeddingRequest, response=EmbeddingResponse))

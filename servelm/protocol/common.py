@@ -53,6 +53,8 @@ class SamplingExtras(WireModel):
     priority: int | None = None
     # llama-server's: the answer carries `timings` (prompt and generation times, and the time it waited)
     timings_per_request: bool | None = None
+    # Ollama's: how long a model loaded on demand stays loaded after this request ("5m", seconds, 0, -1)
+    keep_alive: str | int | float | None = None
     # annotations: they describe the request to the platform and change nothing in the answer
     user: str | None = None
     store: bool | None = None
@@ -131,6 +133,8 @@ class ModelCard(ResponseModel):
     reasoning_markers: list[str] | None = None  # the thought's opening and closing markers, when it has them
     exact: bool | None = None  # answers bitwise the same under any load: the start-up self-check's finding
     exactness: str | None = None  # its words: the fences it took, or why it is not exact
+    # llama-server's router field: {"value": "loaded" | "loading" | "unloaded" | "failed", "reason"?: why it failed}
+    status: dict[str, Any] | None = None
 
 
 class ErrorDetail(ResponseModel):

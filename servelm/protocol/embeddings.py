@@ -16,6 +16,7 @@ class EmbeddingRequest(WireModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, Field(ge=1)] | None = None
+    keep_alive: str | int | float | None = None  # Ollama's: how long a model loaded on demand stays loaded
     user: str | None = None
     instruction: str | None = None  # Databricks: prepended to every text input
 

@@ -109,6 +109,20 @@ class Deployments:
         self._aliases = dict(aliases or {})
         self._endpoints = {name: ([d for d, _ in routes], [w for _, w in routes]) for name, routes in (endpoints or {}).items()}
         self._rng = rng or random.Random()
+        self._wrap: Callable[[TextDeployment], Engine] | None = None
+
+    def add(self, deployment: Deployment, aliases: Iterable[str] = ()) -> None:
+        """A deployment loaded while serving (servelm/fleet.py), its engine wrapped as with_engines wrapped the
+        rest."""
+        if isinstance(deployment, TextDeployment) and self._wrap is not None:
+            deployment = replace(deployment, engine=self._wrap(deployment))
+        self._by_name[deployment.name] = deployment
+        self._aliases.update({a: deployment.name for a in aliases})
+
+    def remove(self, name: str) -> None:
+        """A deployment being unloaded: requests no longer find it (its aliases stay, answering 404 until it is
+        back)."""
+        self._by_name.pop(name, None)
 
     def get(self, model: str) -> Deployment:
         """The deployment that answers `model`: by name, alias, or a weighted draw for an endpoint."""
@@ -169,7 +183,7 @@ class Deployments:
         the waiting queue around every engine); these deployments stay as they are."""
         wrapped = [replace(d, engine=wrap(d)) if isinstance(d, TextDeployment) else d for d in self._by_name.values()]
         out = Deployments(wrapped, rng=self._rng)
-        out._aliases, out._endpoints = self._aliases, self._endpoints
+        out._aliases, out._endpoints, out._wrap = self._aliases, self._endpoints, wrap
         return out
 
 

@@ -69,12 +69,16 @@ def start_server(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Runni
     if cluster is not None:
         ray_mode.adopt(srv, cluster)
     key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None  # with keys on, /health tells a key
-    _wait_ready(srv, slots, args[args.index("--model-id") + 1] if "--model-id" in args else MODEL, key)
+    name = args[args.index("--model-id") + 1] if "--model-id" in args else MODEL
+    if "--models-dir" in args and "--model-path" not in args:
+        name = None  # its models load when a request names them: ready once it answers
+    _wait_ready(srv, slots, name, key)
     return srv
 
 
-def _wait_ready(srv: RunningServer, slots: int | None, name: str = MODEL, key: str | None = None) -> None:
-    """Until /health lists the model `name` (with `slots` sequence slots, if given) to `key`; else fail the test."""
+def _wait_ready(srv: RunningServer, slots: int | None, name: str | None = MODEL, key: str | None = None) -> None:
+    """Until /health lists the model `name` (with `slots` sequence slots, if given) to `key` (None: until it answers
+    200); else fail the test."""
     timeout = ray_mode.STARTUP_TIMEOUT_S if ray_mode.ENABLED else STARTUP_TIMEOUT_S
     deadline = time.monotonic() + timeout
     while True:
@@ -83,6 +87,8 @@ def _wait_ready(srv: RunningServer, slots: int | None, name: str = MODEL, key: s
             pytest.fail(f"the server exited with code {srv.process.returncode} while starting:\n{srv.log_tail()}")
         try:
             r = httpx.get(f"{srv.base_url}/health", timeout=2, headers={"authorization": f"Bearer {key}"} if key else None)
+            if name is None and r.status_code == 200:
+                return
             model = r.json().get("deployments", {}).get(name) if r.status_code == 200 else None
             if model is not None and (slots is None or model.get("total_slots") == slots):
                 return

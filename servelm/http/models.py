@@ -1,0 +1,140 @@
+"""Models loaded on demand, over HTTP: the pure-ASGI piece that has a request wait while the model it names loads
+(and holds that model loaded until its answer ends), and llama-server's routes POST /models/load, /models/unload
+and /models/refresh (an admin key's, when keys are on)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
+from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
+from servelm.http.auth import KEYS_ON, allowed, current_key
+from servelm.http.limits import is_json
+from servelm.service.catalog import ModelCatalog, parse_keep_alive
+
+_AZURE_PATH = re.compile(r"^/openai/deployments/([^/]+)/")
+_ROUTING_HEADERS = (b"azureml-model-deployment", b"x-amzn-sagemaker-target-model")
+
+
+class LoadOnDemand:
+    """Inside auth and the body limits: a POST whose JSON body (or Azure path, or routing header) names one of
+    the catalog's models waits while it loads, and runs holding it loaded; the body is read here once and given
+    to the app as it came. A bad `keep_alive` is a 400 naming it; a load that fails answers its error."""
+
+    def __init__(self, app: ASGIApp, catalog: ModelCatalog) -> None:
+        self.app = app
+        self.catalog = catalog
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"].startswith("/models/"):
+            await self.app(scope, receive, send)
+            return
+        body, messages = b"", []
+        try:
+            if is_json(header(scope, b"content-type")):
+                while True:
+                    message = await receive()
+                    messages.append(message)
+                    body += message.get("body", b"")
+                    if message["type"] != "http.request" or not message.get("more_body", False):
+                        break
+            model, keep_alive = _named(scope, body)
+            name = self.catalog.resolve(model) if model and allowed(scope, model) else None
+        except ApiError as exc:
+            await send_error(send, exc, scope)
+            return
+        replay = iter(messages)
+
+        async def replayed() -> Message:
+            return next(replay, None) or await receive()
+
+        if name is None:
+            await self.app(scope, replayed, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            async with self.catalog.use(name, keep_alive):
+                await self.app(scope, replayed, tracked)
+        except ApiError as exc:  # the load's own error (the app answers its errors itself)
+            if started:
+                raise
+            await send_error(send, exc, scope)
+
+
+def _named(scope: Scope, body: bytes) -> tuple[str | None, float | None]:
+    """The model a request names, and its keep_alive (a 400 for a bad one)."""
+    data: Any = None
+    if body:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None  # the route answers the malformed body
+    data = data if isinstance(data, dict) else {}
+    keep_alive = parse_keep_alive(data.get("keep_alive"))
+    model = data.get("model")
+    if not isinstance(model, str):
+        path = _AZURE_PATH.match(scope["path"])
+        model = path.group(1) if path else next((v for h in _ROUTING_HEADERS if (v := header(scope, h))), None)
+    return model, keep_alive
+
+
+def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
+    router = APIRouter()
+
+    async def target(request: Request) -> str:
+        if request.scope.get(KEYS_ON) and not getattr(current_key(request.scope), "admin", False):
+            raise Forbidden("Loading and unloading models needs an admin key (--admin-key).")
+        if catalog is None:
+            raise InvalidParameter("This server loads no model on demand (start it with --models-dir, or give a "
+                                   "deployment `load = \"on-demand\"`).", "model", code="model_not_supported")
+        try:
+            data = await request.json()
+        except ValueError:
+            data = None
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, str) or not model:
+            raise InvalidParameter("Give the model to load or unload: {\"model\": NAME}.", "model",
+                                   code="missing_required_parameter")
+        name = catalog.resolve(model)
+        if name is None:
+            raise ModelNotFound(model)
+        return name
+
+    @router.post("/models/load")
+    async def load(request: Request) -> JSONResponse:
+        """llama-server's router: loads the model now (a no-op when it is loaded)."""
+        name = await target(request)
+        assert catalog is not None
+        await catalog.load(name)
+        return JSONResponse({"success": True, "model": name, "status": catalog.statuses()[name].wire()})
+
+    @router.post("/models/unload")
+    async def unload(request: Request) -> JSONResponse:
+        """Unloads the model once its requests under way end (its prefix cache written to disk first)."""
+        name = await target(request)
+        assert catalog is not None
+        await catalog.unload(name)
+        return JSONResponse({"success": True, "model": name, "status": catalog.statuses()[name].wire()})
+
+    @router.post("/models/refresh")
+    async def refresh(request: Request) -> JSONResponse:
+        """Rescans --models-dir: new files become models, changed settings apply at the next load."""
+        if request.scope.get(KEYS_ON) and not getattr(current_key(request.scope), "admin", False):
+            raise Forbidden("Rescanning the models directory needs an admin key (--admin-key).")
+        if catalog is not None:
+            catalog.refresh()
+        statuses = catalog.statuses() if catalog is not None else {}
+        return JSONResponse({"success": True, "models": {n: s.wire() for n, s in statuses.items()}})
+
+    return router
