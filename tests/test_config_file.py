@@ -120,3 +120,14 @@ def test_names_aliases_and_weighted_endpoints_route():
         deps.get("c")
     assert [n for n, _ in deps.model_ids()] == ["a", "b", "small", "ab"]
     assert ConfigFile().deployments == []
+
+
+def test_a_deployment_may_load_on_demand(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[[deployments]]\nname = "later"\nmodel = "smollm2-135m-instruct"\nload = "on-demand"\n'
+                    '[[deployments]]\nname = "now"\nmodel = "smollm2-135m-instruct"\n')
+    later, now = load_config_file(path).deployments
+    assert (later.load, now.load) == ("on-demand", "start")
+    path.write_text('[[deployments]]\nname = "x"\nmodel = "smollm2-135m-instruct"\nload = "lazily"\n')
+    with pytest.raises(ValueError, match="load"):
+        load_config_file(path)

@@ -10,6 +10,7 @@ import httpx
 import promql_parser
 import pytest
 
+from servelm.fleet import Fleet
 from servelm.http.batches import BatchConfig
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "servelm-dashboard.json"
@@ -61,7 +62,8 @@ def test_every_query_parses_as_promql(dashboard):
 
 
 def test_every_series_it_reads_is_one_metrics_exposes(fake_server_factory, tmp_path):
-    fake_server = fake_server_factory(batches=BatchConfig(str(tmp_path)))  # the Batch API's series too
+    # the Batch API's series too, and the models loaded on demand
+    fake_server = fake_server_factory(batches=BatchConfig(str(tmp_path)), catalog=Fleet([]))
     httpx.post(fake_server.base_url + "/v1/chat/completions", timeout=10,
                json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     text = httpx.get(fake_server.base_url + "/metrics").text

@@ -12,7 +12,7 @@ from servelm.chat.template import ChatTemplate, TemplateError
 from servelm.config import ServerSettings
 from servelm.http.auth import AuthMiddleware
 from servelm.http.limits import SecurityConfig
-from servelm.keys import hash_key, key_spec, load_keys, parse_key_file
+from servelm.keys import hash_key, key_from_table, key_spec, load_keys, parse_key_file
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "fake-model", "messages": MSG, "max_tokens": 3}
@@ -219,3 +219,11 @@ def test_health_states_the_memory_budget_part_by_part(fake_server):
     assert set(parts) == {"weights", "kv_cache", "logits", "grammar_cache", "prefix_cache_ram", "image_embeddings"}
     assert parts["grammar_cache"] == 512 << 20 and parts["kv_cache"] > 0
     assert memory["budget_bytes"] == memory["runtime_bytes"] + sum(sum(p.values()) for p in memory["deployments"].values())
+
+
+def test_an_admin_key_from_the_flag_the_file_and_a_table():
+    assert load_keys(ServerSettings(admin_key=["sk-adm"]))[0].admin
+    (spec,) = parse_key_file("sk-x admin")
+    assert spec.admin and not spec.monitor and spec.deployments is None
+    assert key_from_table({"key": "sk-t", "admin": True}).admin
+    assert key_spec("sk-y").admin is False
