@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from servelm import __version__
 from servelm.chat.reasoning import THINK, ReasoningMarkers
-from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, ServerSettings
+from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, LoraSpec, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
 from servelm.engine.pacing import StepPacer
 from servelm.engine.runner import ModelRunner
 from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
+from servelm.service.adapters import AdaptedEngine, Adapters
 from servelm.service.content_filter import check_guard
 from servelm.service.deployments import Deployment, Deployments, ModelFacts, TextDeployment
 from servelm.service.media import ImageInput, ImageSources
@@ -52,9 +53,11 @@ def build_deployment(
     special_tokens_in_content: bool = False,
     reasoning_markers: str = "auto",
     image_sources: ImageSources = ImageSources(),
+    max_loras: int = 8,
 ) -> tuple[TextDeployment, Engine]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
-    `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary)."""
+    `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary). A LocalEngine's
+    deployment takes LoRA adapters (at most `max_loras` loaded)."""
     from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import CHATML_END
     from servelm.chat.tools import detect_style
@@ -62,6 +65,7 @@ def build_deployment(
 
     grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
                         limits=grammar_limits or GrammarLimits())
+    local = engine is None
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
                                    spill=spill, pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None,
                                    priority_aging_s=priority_aging_s)
@@ -84,6 +88,10 @@ def build_deployment(
         fim_tokens=runner.fim_tokens,
         reasoning=reasoning_of(reasoning_markers, template_source),
     )
+    if local:
+        assert isinstance(engine, LocalEngine)
+        deployment.adapters = Adapters(engine, max_loras)
+        deployment.engine = AdaptedEngine(engine, deployment.adapters)
     projector = getattr(runner, "projector", None)  # a vision projector: images in prompts
     if projector is not None:
         deployment.images = ImageInput(projector, image_sources)
@@ -229,7 +237,7 @@ def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
         name=settings.model_id, model=str(settings.resolved_model_path()), kind="chat",
         chat_template=settings.chat_template, embedding_window=settings.chat_embedding_window, engine=settings.engine,
         special_tokens_in_content=settings.special_tokens_in_content, reasoning_markers=settings.reasoning_markers,
-        mmproj=settings.mmproj,
+        mmproj=settings.mmproj, loras=[LoraSpec.parse(text) for text in settings.lora],
     )]
     path = settings.resolved_embedding_model_path()
     if path is not None:
@@ -329,8 +337,11 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
         speculative=e.speculative == "ngram", spill=spill_store(e, runner.state_fingerprint),
         itl_target_s=e.itl_target_ms / 1000, priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e),
         special_tokens_in_content=spec.special_tokens_in_content,
-        reasoning_markers=spec.reasoning_markers, image_sources=images,
+        reasoning_markers=spec.reasoning_markers, image_sources=images, max_loras=e.max_loras,
     )
+    assert deployment.adapters is not None
+    for lora in spec.loras:
+        deployment.adapters.add_at_start(lora.name, str(lora.path), lora.scale)
     deployment.max_waiting = spec.limits.max_waiting
     deployment.min_priority = spec.limits.min_priority
     deployment.content_filter = content_filter_of(spec.content_filter)

@@ -97,6 +97,8 @@ class EngineSettings(BaseSettings):
         "followed its latest n-gram earlier in its prompt and output, and keeps those the model would have made "
         "(greedy and seeded answers are unchanged; sampled ones keep their distribution); each sequence drafts "
         "only while its guesses hold often enough to pay for their rows. off: one token a step")
+    max_loras: int = Field(8, ge=1, description="LoRA adapters loaded at once per deployment; past it the least "
+                           "recently used idle one is freed (and loaded again when a request names it)")
     kv_cache_type: Literal["f16", "q8_0", "q4_0"] = Field(
         "f16", description="the type of the KV cache's keys and values: f16, q8_0 (about half the memory a cell, so "
         "about twice the streams in the same memory) or q4_0 (about a quarter); a quantized cache moves logprobs "
@@ -122,6 +124,9 @@ class ServerSettings(BaseSettings):
         "auto", description="how the model marks its thought: 'auto' (<think>…</think> when the chat template speaks "
         "of them), 'none', or 'OPEN,CLOSE'; the thought is answered as reasoning_content",
     )
+    lora: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="a LoRA adapter of the model, NAME=PATH[:SCALE], loaded at start and "
+        "served as the model NAME (repeatable; SERVELM_LORA takes several separated by commas)")
     mmproj: Path | None = Field(
         None, description="a vision projector GGUF (mmproj) for the chat model: image_url parts in chat messages are "
         "read through llama.cpp's libmtmd (without one, an image is a 400, Azure ML's 404 on its path)",
@@ -227,7 +232,7 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 
-    @field_validator("api_key", "monitor_key", "admin_key", "cors_allow_origins", "allowed_media_domains", mode="before")
+    @field_validator("api_key", "monitor_key", "admin_key", "lora", "cors_allow_origins", "allowed_media_domains", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -307,6 +312,28 @@ class VllmSettings(BaseModel):
         return self
 
 
+class LoraSpec(BaseModel):
+    """A LoRA adapter GGUF of a deployment's model (llama.cpp's convert_lora_to_gguf.py writes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    path: Path
+    scale: float = Field(1.0, description="how much of it applies (llama.cpp's scale)")
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """--lora NAME=PATH[:SCALE]."""
+        name, sep, rest = text.partition("=")
+        if not sep or not name or not rest:
+            raise ValueError(f"--lora {text!r}: give NAME=PATH or NAME=PATH:SCALE")
+        path, colon, scale = rest.rpartition(":")
+        try:
+            return cls(name=name, path=Path(path), scale=float(scale)) if colon and path else cls(name=name, path=Path(rest))
+        except ValueError:
+            return cls(name=name, path=Path(rest))
+
+
 class DeploymentSpec(BaseModel):
     """One model the server runs. `model` is an embedded model's name (smollm2-135m-instruct,
     all-minilm-l6-v2), a GGUF file's path, or a Hugging Face repo id `org/repo[:file.gguf]` (needs
@@ -327,6 +354,8 @@ class DeploymentSpec(BaseModel):
                                             "tokens (the old behaviour; lets a user forge a system turn)")
     reasoning_markers: str = Field("auto", description="the thought's markers: auto, none, or OPEN,CLOSE")
     mmproj: Path | None = Field(None, description="a vision projector GGUF for this model: images in chat messages")
+    loras: list[LoraSpec] = Field(default_factory=list, description="LoRA adapters loaded at start, each served "
+                                  "as a model named `name` whose parent is this one")
     content_filter: ContentFilterSpec | None = Field(None, description="its content policy (none by default)")
     engine: EngineSettings = Field(default_factory=EngineSettings)
     limits: DeploymentLimits = Field(default_factory=DeploymentLimits)

@@ -180,6 +180,26 @@ class _ModelCollector(Collector):
         return []
 
 
+class _AdapterCollector(Collector):
+    """LoRA adapters: loaded or not, and the requests that ran with each, read when Prometheus scrapes."""
+
+    def __init__(self, source: Callable[[], Iterable[tuple[str, str, bool, int]]]) -> None:
+        self._source = source  # (model, adapter, loaded, requests)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        loaded = GaugeMetricFamily("servelm_lora_loaded", "1 while a LoRA adapter is loaded", labels=["model", "adapter"])
+        requests = CounterMetricFamily("servelm_lora_requests", "requests that ran with a LoRA adapter",
+                                       labels=["model", "adapter"])
+        for model, adapter, on, count in self._source():
+            loaded.add_metric([model, adapter], 1 if on else 0)
+            requests.add_metric([model, adapter], count)
+        yield loaded
+        yield requests
+
+    def describe(self) -> list[Any]:
+        return []
+
+
 class Metrics:
     """The app's collectors. `route` labels are route templates (never raw paths), `model` deployment names."""
 
@@ -220,6 +240,10 @@ class Metrics:
     def watch_batches(self, source: Callable[[], tuple[dict[str, int], int, int]]) -> None:
         """Collect the Batch API's counts from `source` (batches by status, lines succeeded, lines failed)."""
         self.registry.register(_BatchCollector(source))
+
+    def watch_adapters(self, source: Callable[[], Iterable[tuple[str, str, bool, int]]]) -> None:
+        """Collect the LoRA adapters' (model, adapter, loaded, requests) from `source`."""
+        self.registry.register(_AdapterCollector(source))
 
     def watch_models(self, source: Callable[[], Iterable[ModelCounts]]) -> None:
         """Collect the on-demand models' counts from `source` (servelm/fleet.py's Fleet.counts)."""

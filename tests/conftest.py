@@ -15,7 +15,7 @@ from servelm.engine.local import LocalEngine
 from servelm.http.app import create_app
 from servelm.http.server import make_server
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.media import ImageSources
 
 
@@ -55,6 +55,7 @@ class FakeServer:
     runner: FakeRunner
     engine: LocalEngine
     model: str = "fake-model"
+    deployment: TextDeployment | None = None
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def fake_server_factory() -> Iterator:
                              on_start=lambda: [e.start() for e in engines],
                              on_stop=lambda: [e.stop() for e in engines], security=security, batches=batches,
                              catalog=catalog)
-            return FakeServer(stack.enter_context(serving(app)), runner, engine)
+            return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment)
 
         yield start
 

@@ -34,6 +34,19 @@ class Engine(Protocol):
         ...
 
 
+class AdapterHost(Protocol):
+    """An engine whose model takes LoRA adapters (LocalEngine over llama.cpp). Both calls block: run them off the
+    event loop."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the adapter under `name`; a ValueError says why a file is not one of this model's adapters."""
+        ...
+
+    def free_adapter(self, name: str) -> None:
+        """Free it; no request may still run with it."""
+        ...
+
+
 class EngineWrapper:
     """An Engine around another (service/admission.py's QueuedEngine, service/metered.py's MeteredEngine): a
     subclass makes generate its own; the rest is the inner engine's."""

@@ -30,7 +30,7 @@ from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SequenceGroup
 from servelm.engine.speculate import Speculator
 from servelm.engine.spill import SpillStore
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams, adapter_scope
 from servelm.errors import ApiError
 
 log = logging.getLogger("servelm.engine")
@@ -102,10 +102,19 @@ class LocalEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """A LoRA adapter loaded into the runner (between two steps: the runner's own lock)."""
+        self.runner.load_adapter(name, path)
+
+    def free_adapter(self, name: str) -> None:
+        self.runner.free_adapter(name)
+
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params, scope=request.cache_scope,
-                              pin_seconds=request.pin_seconds, media=request.media, priority=request.priority)
+        group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params,
+                              scope=adapter_scope(request.cache_scope, request.adapters),
+                              pin_seconds=request.pin_seconds, media=request.media, priority=request.priority,
+                              adapters=request.adapters)
         params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")

@@ -86,6 +86,7 @@ class ScheduledChunk:
     offset: int = 0
     # the last `drafted` tokens are guesses (engine/speculate.py): a row for each, after the sampler's row
     drafted: int = 0
+    adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale) its rows are computed with
 
     @property
     def wants_logits(self) -> bool:
@@ -143,15 +144,17 @@ class StepPlan:
         """The chunks (by index) cut into forward passes that llama.cpp's micro-batching leaves whole: runs of
         consecutive slots whose chunks have the same length (a decode step's one-token chunks, mostly one run).
         A pass computes each of its rows with the same kernels whatever else it holds (docs/exactness.md). An
-        image's chunk is a pass of its own, last (llama.cpp takes a batch of embeddings or of tokens, not both)."""
+        image's chunk is a pass of its own, last (llama.cpp takes a batch of embeddings or of tokens, not both).
+        LoRA adapters apply to a whole pass, so chunks of different adapter sets never share one."""
         out: list[list[int]] = []
         chunks = self.chunks
         text = [i for i, c in enumerate(chunks) if c.media is None]
-        order = sorted(text, key=lambda i: (len(chunks[i].tokens) > 1, len(chunks[i].tokens), chunks[i].slot))
+        order = sorted(text, key=lambda i: (chunks[i].adapters, len(chunks[i].tokens) > 1, len(chunks[i].tokens),
+                                            chunks[i].slot))
         for i in order:
             last = out[-1][-1] if out else None
             if last is not None and len(chunks[last].tokens) == len(chunks[i].tokens) \
-                    and chunks[last].slot + 1 == chunks[i].slot:
+                    and chunks[last].slot + 1 == chunks[i].slot and chunks[last].adapters == chunks[i].adapters:
                 out[-1].append(i)
             else:
                 out.append([i])

@@ -100,6 +100,14 @@ class ModelRunner(Protocol):
         for a runner without a projector or an image its projector cannot encode."""
         ...
 
+    def load_adapter(self, name: str, path: str) -> None:
+        """A LoRA adapter of this model loaded under `name` (a ValueError with the reason when it is not one)."""
+        ...
+
+    def free_adapter(self, name: str) -> None:
+        """The adapter freed; no sequence may still run with it."""
+        ...
+
     def step(self, plan: StepPlan) -> np.ndarray:
         """Apply the plan's KV operations in order, then the forward pass over all its chunks.
 

@@ -441,7 +441,8 @@ class Scheduler:
         all_logits = seq.group.params.prompt_logprobs is not None and start < seq.prompt_len
         prev = seq.token_ids[start - 1] if start > 0 and seq.token_ids[start - 1] >= 0 else None  # not an image's
         media, offset = (span.chunk, start - span.start) if span is not None else (None, 0)
-        return ScheduledChunk(seq.key, seq.slot, start, tokens, prev, samplers, all_logits, media, offset)
+        return ScheduledChunk(seq.key, seq.slot, start, tokens, prev, samplers, all_logits, media, offset,
+                              adapters=seq.group.adapters)
 
     def update(self, plan: StepPlan, sampled: SampledStep, result: StepResult) -> list[SequenceGroup]:
         """Record a step: the cells its pass computed (and its refused restores), the tokens drawn (a drafted chunk's

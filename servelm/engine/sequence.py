@@ -72,6 +72,7 @@ class SequenceGroup:
     pin_seconds: float = 0.0  # its cells at rest are given up after others' for this long (GenerationRequest's)
     media: tuple[MediaSpan, ...] = ()  # images in the prompt, in position order
     priority: int = 0  # lower runs first (vLLM's); equal ones first come, first served
+    adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters its rows are computed with (name, scale)
     preempted: int = 0  # times its sequence gave its slot up to a request ranked above it
     # perf_counter times: received by the engine, first scheduled (its prompt begins), its first token
     received_at: float = field(default_factory=time.perf_counter)

@@ -131,6 +131,8 @@ class GenerationRequest:
     thinking: Thinking | None = None  # reasoning to count, and to bound
     media: tuple[MediaSpan, ...] = ()  # images in the prompt, in order; their positions hold their placeholders
     priority: int = 0  # vLLM's: lower runs first, and may preempt a running request ranked below it
+    # LoRA adapters (name, scale) applied while its rows are computed; its prefix cache is theirs alone
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 class FinishReason(str, enum.Enum):
@@ -219,3 +221,11 @@ class EngineStats:
     spill_restore_failures: int = 0  # spilled entries the model refused (dropped; their requests read their prompts)
     preemptions: int = 0  # running requests that gave their slot up to one ranked above them, since start
     resumed_tokens: int = 0  # of their tokens, those they found cached again (a slot or the spill) on resuming
+
+
+def adapter_scope(scope: str, adapters: tuple[tuple[str, float], ...]) -> str:
+    """A prefix-cache scope divided by the LoRA adapters a request runs with: cells computed under one adapter set
+    are never read under another (the base model's scope is the request's own)."""
+    if not adapters:
+        return scope
+    return scope + "\x00lora:" + ",".join(f"{name}*{scale!r}" for name, scale in adapters)

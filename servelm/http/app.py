@@ -18,7 +18,7 @@ from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
 from servelm.http.middleware import RequestLog
-from servelm.http.models import LoadOnDemand, build_models_router
+from servelm.http.models import LoadOnDemand, build_lora_router, build_models_router
 from servelm.http.playground import build_playground_router
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
@@ -72,6 +72,9 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     chat = ChatService(deployments)
     app.include_router(build_router(deployments, chat, catalog))
     app.include_router(build_models_router(catalog))  # POST /models/load, /models/unload, /models/refresh
+    app.include_router(build_lora_router(deployments))  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    app_metrics.watch_adapters(lambda: [(d.name, a.name, a.loaded, a.requests) for d in deployments.generators()
+                                        for a in (d.adapters.all() if d.adapters is not None else ())])
     app.include_router(build_agent_router(chat, store if store is not None else MemoryStore()))  # Responses, Messages
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
     app.state.metrics = metrics = app_metrics

@@ -1,6 +1,7 @@
-"""Models loaded on demand, over HTTP: the pure-ASGI piece that has a request wait while the model it names loads
-(and holds that model loaded until its answer ends), and llama-server's routes POST /models/load, /models/unload
-and /models/refresh (an admin key's, when keys are on)."""
+"""Models and adapters that come and go, over HTTP: the pure-ASGI piece that has a request wait while the model it
+names loads (and holds that model loaded until its answer ends); llama-server's routes POST /models/load,
+/models/unload and /models/refresh; vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. With keys on,
+the routes answer an admin key only."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import KEYS_ON, allowed, current_key
 from servelm.http.limits import is_json
+from servelm.service.adapters import AdapterNotFound, Adapters
 from servelm.service.catalog import ModelCatalog, parse_keep_alive
+from servelm.service.deployments import Deployments, TextDeployment
 
 _AZURE_PATH = re.compile(r"^/openai/deployments/([^/]+)/")
 _ROUTING_HEADERS = (b"azureml-model-deployment", b"x-amzn-sagemaker-target-model")
@@ -89,12 +92,77 @@ def _named(scope: Scope, body: bytes) -> tuple[str | None, float | None]:
     return model, keep_alive
 
 
+def _admin(request: Request, what: str) -> None:
+    if request.scope.get(KEYS_ON) and not getattr(current_key(request.scope), "admin", False):
+        raise Forbidden(f"{what} needs an admin key (--admin-key).")
+
+
+async def _fields(request: Request, *names: str) -> list[Any]:
+    """The JSON body's string fields (a 400 naming the first one missing); `model` may be absent."""
+    try:
+        data = await request.json()
+    except ValueError:
+        data = None
+    data = data if isinstance(data, dict) else {}
+    out = []
+    for name in names:
+        value = data.get(name)
+        if name != "model" and (not isinstance(value, str) or not value):
+            raise InvalidParameter(f"`{name}` is required (a string).", name, code="missing_required_parameter")
+        out.append(value if isinstance(value, str) else None)
+    return out
+
+
+def _adapters_of(deployments: Deployments, model: str | None) -> Adapters:
+    """The deployment a LoRA route acts on: the one `model` names, else the first that takes adapters."""
+    if model is not None:
+        d = deployments.get(model)
+        if not isinstance(d, TextDeployment) or d.adapters is None:
+            raise InvalidParameter(f"The model `{model}` takes no LoRA adapters.", "model")
+        return d.adapters
+    for d in deployments.generators():
+        if d.adapters is not None:
+            return d.adapters
+    raise InvalidParameter("No model on this server takes LoRA adapters.", "model")
+
+
+def build_lora_router(deployments: Deployments) -> APIRouter:
+    """vLLM's runtime LoRA routes (its shapes and status codes; `model` names the base when there are several)."""
+    router = APIRouter()
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> PlainTextResponse:
+        _admin(request, "Loading a LoRA adapter")
+        name, path, model = await _fields(request, "lora_name", "lora_path", "model")
+        if deployments.base_of(name) is not None:
+            raise InvalidParameter(f"The lora adapter '{name}' has already been loaded.", "lora_name",
+                                   code="lora_already_loaded")
+        if name in {n for n, _ in deployments.model_ids()}:
+            raise InvalidParameter(f"`{name}` names a model already.", "lora_name", code="lora_already_loaded")
+        scale = (await request.json()).get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise InvalidParameter("`scale` must be a number.", "scale")
+        await _adapters_of(deployments, model).add(name, path, float(scale))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> PlainTextResponse:
+        _admin(request, "Unloading a LoRA adapter")
+        (name,) = await _fields(request, "lora_name")
+        base = deployments.base_of(name)
+        if base is None or base.adapters is None:
+            raise AdapterNotFound(name)
+        await base.adapters.remove(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    return router
+
+
 def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
     router = APIRouter()
 
     async def target(request: Request) -> str:
-        if request.scope.get(KEYS_ON) and not getattr(current_key(request.scope), "admin", False):
-            raise Forbidden("Loading and unloading models needs an admin key (--admin-key).")
+        _admin(request, "Loading and unloading models")
         if catalog is None:
             raise InvalidParameter("This server loads no model on demand (start it with --models-dir, or give a "
                                    "deployment `load = \"on-demand\"`).", "model", code="model_not_supported")
@@ -130,8 +198,7 @@ def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
     @router.post("/models/refresh")
     async def refresh(request: Request) -> JSONResponse:
         """Rescans --models-dir: new files become models, changed settings apply at the next load."""
-        if request.scope.get(KEYS_ON) and not getattr(current_key(request.scope), "admin", False):
-            raise Forbidden("Rescanning the models directory needs an admin key (--admin-key).")
+        _admin(request, "Rescanning the models directory")
         if catalog is not None:
             catalog.refresh()
         statuses = catalog.statuses() if catalog is not None else {}

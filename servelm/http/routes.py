@@ -158,6 +158,10 @@ def _cards(deployments: Deployments, catalog: ModelCatalog | None) -> list[tuple
         if d is not None:
             card.status = (statuses.get(d.name) or ModelStatus("loaded")).wire()
         cards.append((name, card))
+    for d in deployments.generators():  # LoRA adapters, as vLLM lists them
+        for a in d.adapters.all() if d.adapters is not None else ():
+            cards.append((a.name, ModelCard(id=a.name, created=d.created, max_model_len=d.context_window, root=a.path,
+                                            parent=d.name, status=ModelStatus("loaded" if a.loaded else "unloaded").wire())))
     listed = {d.name for _, d in deployments.model_ids() if d is not None}
     cards += [(name, ModelCard(id=name, created=0, root=name, status=s.wire()))
               for name, s in statuses.items() if name not in listed]

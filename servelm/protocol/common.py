@@ -26,6 +26,11 @@ class StreamOptions(WireModel):
     continuous_usage_stats: bool | None = None
 
 
+class LoraChoice(WireModel):
+    id: Annotated[int, Field(ge=0)]
+    scale: Annotated[float, Field(ge=-10.0, le=10.0)] | None = None
+
+
 class SamplingExtras(WireModel):
     """The fields every text-generating request shares (chat, completions, Responses): the model, how tokens are
     drawn and what stops them, and the annotations."""
@@ -53,6 +58,8 @@ class SamplingExtras(WireModel):
     priority: int | None = None
     # llama-server's: the answer carries `timings` (prompt and generation times, and the time it waited)
     timings_per_request: bool | None = None
+    # llama-server's: LoRA adapters by id (their order in /v1/models) and scale for this request
+    lora: Annotated[list[LoraChoice], Field(max_length=64)] | None = None
     # Ollama's: how long a model loaded on demand stays loaded after this request ("5m", seconds, 0, -1)
     keep_alive: str | int | float | None = None
     # annotations: they describe the request to the platform and change nothing in the answer
@@ -135,6 +142,7 @@ class ModelCard(ResponseModel):
     exactness: str | None = None  # its words: the fences it took, or why it is not exact
     # llama-server's router field: {"value": "loaded" | "loading" | "unloaded" | "failed", "reason"?: why it failed}
     status: dict[str, Any] | None = None
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (root: the adapter's file)
 
 
 class ErrorDetail(ResponseModel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -47,6 +48,7 @@ class FakeRunner:
         self.max_step_tokens = max_step_tokens
         self.context_window = context_window
         self.kv_cells = num_slots * context_window
+        self.adapters: dict[str, int] = {}  # fake LoRA adapters: name → the shift of every logits row
         self.max_rows = max_rows
         self.call_cost_rows = 1.5
         self.lone_row_from: int | None = None  # it reads a lone row alone
@@ -190,7 +192,8 @@ class FakeRunner:
             held.extend(chunk.tokens)
             if len(held) > self.context_window:
                 raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells, more than its {self.context_window}")
-            rows.extend(self.logits_after(t) for t in held[len(held) - chunk.num_rows :])
+            shift = sum(self.adapters[name] * scale for name, scale in chunk.adapters)  # KeyError: not loaded
+            rows.extend(np.roll(self.logits_after(t), round(shift)) for t in held[len(held) - chunk.num_rows :])
         self.max_cells_seen = max(self.max_cells_seen, self.cells_in_use())
         self.steps.append(plan)
         if plan.chunks:  # the forward pass: llama.cpp has made every copy by now
@@ -201,6 +204,18 @@ class FakeRunner:
         if not rows:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         return np.stack(rows)
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """A fake adapter: a file whose text is an integer, by which it shifts every logits row (times its scale)."""
+        if name in self.adapters:
+            raise ValueError(f"the adapter {name!r} is loaded already")
+        try:
+            self.adapters[name] = int(Path(path).read_text())
+        except ValueError:
+            raise ValueError(f"{path}: not a fake LoRA adapter (an integer)") from None
+
+    def free_adapter(self, name: str) -> None:
+        self.adapters.pop(name, None)
 
     def save_seq(self, slot: int) -> bytes:
         return json.dumps(["fake-state", self.cells.get(slot, [])]).encode()

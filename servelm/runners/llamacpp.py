@@ -95,11 +95,16 @@ def _load_progress(model_path: str | Path) -> Any:
     return C.llama_progress_callback(progress)
 
 
+_log_capture: list[bytes] | None = None  # llama.cpp's log lines while an adapter loads (LlamaCppRunner.load_adapter)
+
+
 def _silence_llama_logs(verbose: bool) -> None:
     """Keep llama.cpp's warnings and errors on stderr; drop its chatter unless verbose."""
     global _quiet_logs
 
     def write(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if _log_capture is not None:  # a LoRA adapter's load, which says why it fails only here
+            _log_capture.append(text)
         if verbose or level >= _LOG_LEVEL_WARN and level != 5:  # 5 is GGML_LOG_LEVEL_CONT
             os.write(2, text)
 
@@ -198,6 +203,9 @@ class LlamaCppRunner:
         self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
         self.exactness = Exactness(False, checked=False)  # load_exact checks it
         self.forward_calls = 0  # llama_decode calls since start
+        self._adapters: dict[str, Any] = {}  # LoRA adapters by name: llama.cpp's llama_adapter_lora pointers
+        self._applied: tuple[tuple[str, float], ...] = ()  # the adapters set on the context now
+        self._lock = threading.Lock()  # a step, or an adapter's load or free: never two at once
 
         n_threads = threads or os.cpu_count() or 1
         self.projector: Projector | None = None
@@ -401,7 +409,53 @@ class LlamaCppRunner:
             raise ValueError("this model has no vision projector")
         self.projector.embeddings(media)
 
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """A LoRA adapter GGUF loaded for this model under `name`; a ValueError with llama.cpp's reason for a file
+        that is not one of this model's adapters."""
+        global _log_capture
+        with self._lock:
+            if name in self._adapters:
+                raise ValueError(f"the adapter {name!r} is loaded already")
+            _log_capture = []
+            try:
+                adapter = C.llama_adapter_lora_init(self._model, str(path).encode())
+                said = b"".join(_log_capture).decode(errors="replace")
+            finally:
+                _log_capture = None
+            if not adapter:
+                lines = [ln.strip() for ln in said.splitlines() if ln.strip()]
+                failed = [ln.split(": ", 1)[-1] for ln in lines if "failed" in ln]
+                raise ValueError("; ".join(failed or lines[-1:]) or f"llama.cpp could not load {path} as a LoRA adapter")
+            self._adapters[name] = adapter
+
+    def free_adapter(self, name: str) -> None:
+        """The adapter's weights freed (no request may use it any more)."""
+        with self._lock:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
+                return
+            if any(n == name for n, _ in self._applied):
+                C.llama_set_adapters_lora(self._ctx, None, 0, None)
+                self._applied = ()
+            C.llama_adapter_lora_free(adapter)
+
+    def _use_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """The context's adapters for the next call (llama.cpp applies them to a whole pass)."""
+        if adapters == self._applied:
+            return
+        n = len(adapters)
+        handles = (C.llama_adapter_lora_p_ctypes * n)(*(self._adapters[name] for name, _ in adapters))
+        scales = (ctypes.c_float * n)(*(scale for _, scale in adapters))
+        rc = C.llama_set_adapters_lora(self._ctx, handles if n else None, n, scales if n else None)
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not set the LoRA adapters {[a for a, _ in adapters]} ({rc})")
+        self._applied = adapters
+
     def step(self, plan: StepPlan) -> np.ndarray:
+        with self._lock:
+            return self._step(plan)
+
+    def _step(self, plan: StepPlan) -> np.ndarray:
         failed: set[int] = set()  # slots whose Restore the model refused, and slots copied from them since
         for op in plan.ops:
             self._apply(op, failed)
@@ -458,11 +512,14 @@ class LlamaCppRunner:
 
     def _decode(self, chunks: list[ScheduledChunk], call: list[int], first: list[int]) -> None:
         """One llama_decode over the chunks `call` names; their logits rows go to self._logits at their places."""
+        self._use_adapters(chunks[call[0]].adapters)
         if chunks[call[0]].media is not None:
             self._decode_media(chunks[call[0]], first[call[0]])
             return
         one = len(call) == 1 and len(chunks[call[0]].tokens) == 1
-        lone = one and (self.pair_rows or chunks[call[0]].start >= LONE_ROW_FROM)
+        # a LoRA adapter's F32 matmuls take another kernel for a one-row call: an adapter's call has two rows always
+        pair = self.pair_rows or bool(chunks[call[0]].adapters)
+        lone = one and (pair or chunks[call[0]].start >= LONE_ROW_FROM)
         n, places = 0, []  # places: (row in self._logits or -1 for none, rows) per run of logits rows, in batch order
         pad_slot = -1  # a slot whose position after the call's token is a pad, dropped after the call
         for i in call:
@@ -473,8 +530,8 @@ class LlamaCppRunner:
             if lone and chunk.prev_token is not None and start > 0:  # its previous position again, beside it
                 C.llama_memory_seq_rm(self._mem, chunk.slot, start - 1, -1)
                 tokens, start = (chunk.prev_token, *tokens), start - 1
-                extra = 1 if self.pair_rows and rows else 0
-            elif lone and self.pair_rows:  # no previous position (a sequence's first, or one after an image): a pad
+                extra = 1 if pair and rows else 0
+            elif lone and pair:  # no previous position (a sequence's first, or one after an image): a pad
                 tokens, pad_slot = (*tokens, tokens[-1]), chunk.slot
                 extra = -1 if rows else 0
             k = len(tokens)
@@ -493,7 +550,7 @@ class LlamaCppRunner:
             n += k
         if n > len(self._tok):
             raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")
-        if self.pair_rows and sum(r for _, r in places) == 1:  # a second logits row, beside the only one
+        if pair and sum(r for _, r in places) == 1:  # a second logits row, beside the only one
             at = int(np.flatnonzero(self._out[:n])[0])  # the call has two rows or more here (a lone one got its pair)
             self._out[at - 1 if at else at + 1] = 1
             places.insert(0 if at else len(places), (-1, 1))

@@ -40,7 +40,15 @@ from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
 from servelm.service.media import ModalityNotSupported, Piece
 from servelm.service.messages import image_parts, prompt_ids, template_messages
-from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, request_priority, sampling_params
+from servelm.service.params import (
+    EndpointParams,
+    RequestContext,
+    cache_hint,
+    cache_scope,
+    request_adapters,
+    request_priority,
+    sampling_params,
+)
 from servelm.service.structured import ToolPlan, plan_output
 
 
@@ -100,11 +108,12 @@ class ChatService:
         thinking = _thinking(req, dep, markers, prompt)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
                                        scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media,
-                                       priority=request_priority(req, dep))
+                                       priority=request_priority(req, dep), adapters=request_adapters(req, dep))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [prompt_texts(req, rendered)] if dep.content_filter is not None else []
         screening = Screening.of(dep, self.deployments, texts, scope, ctx.on_filtered)
-        return PreparedChat(dep, generation, dep.name, int(time.time()), bool(req.stream), include_usage, output.tools,
+        name = req.model if dep.adapters is not None and req.model in dep.adapters else dep.name  # vLLM: the adapter
+        return PreparedChat(dep, generation, name, int(time.time()), bool(req.stream), include_usage, output.tools,
                             legacy, markers, bool(req.timings_per_request or ctx.timings), screening)
 
     # -- running ----------------------------------------------------------------------------------

@@ -19,7 +19,15 @@ from servelm.service.choices import Collector, SeqResult, streams_live
 from servelm.service.content_filter import PromptText, Screening, choice_results, generate
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
-from servelm.service.params import EndpointParams, RequestContext, cache_hint, cache_scope, request_priority, sampling_params
+from servelm.service.params import (
+    EndpointParams,
+    RequestContext,
+    cache_hint,
+    cache_scope,
+    request_adapters,
+    request_priority,
+    sampling_params,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 
@@ -97,12 +105,14 @@ class CompletionService:
             scope = cache_scope(ctx.owner, req.cache_salt)
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
                                                     cache_hint=cache_hint(scope, req.prompt_cache_key),
-                                                    priority=request_priority(req, dep)), echo,
+                                                    priority=request_priority(req, dep),
+                                                    adapters=request_adapters(req, dep)), echo,
                                  len(parts.head)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [_prompt_texts(prompt, i if len(prompts) > 1 else None, req.suffix, dep) for i, prompt in enumerate(prompts)]
         screening = Screening.of(dep, self.deployments, texts, cache_scope(ctx.owner, req.cache_salt), ctx.on_filtered)
-        return PreparedCompletion(dep, request_id, tuple(jobs), dep.name, int(time.time()), bool(req.stream),
+        name = req.model if dep.adapters is not None and req.model in dep.adapters else dep.name  # vLLM: the adapter
+        return PreparedCompletion(dep, request_id, tuple(jobs), name, int(time.time()), bool(req.stream),
                                   include_usage, bool(req.echo), req.logprobs, req.prompt_logprobs is not None, screening)
 
     # -- running ----------------------------------------------------------------------------------

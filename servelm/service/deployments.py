@@ -15,6 +15,7 @@ from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
 from servelm.errors import InvalidParameter, ModelNotFound
+from servelm.service.adapters import Adapters
 from servelm.service.admission import WaitingQueue
 from servelm.service.media import ImageInput
 from servelm.service.policy import ContentFilter
@@ -98,6 +99,7 @@ class TextDeployment(Deployment):
     content_filter: ContentFilter | None = None  # the policy its prompts and answers are checked against
     template_stops: tuple[str, ...] = ()  # stop strings every request gets: the fallback template's end marker
     facts: ModelFacts = ModelFacts()
+    adapters: Adapters | None = None  # its LoRA adapters (a llama.cpp engine's); None: it takes none
 
 
 class Deployments:
@@ -133,19 +135,30 @@ class Deployments:
         try:
             return self._by_name[name]
         except KeyError:
-            raise ModelNotFound(model) from None
+            based = self.base_of(name)
+            if based is None:
+                raise ModelNotFound(model) from None
+            return based
+
+    def base_of(self, adapter: str) -> TextDeployment | None:
+        """The deployment whose LoRA adapter this name is (None: no adapter's)."""
+        for d in self.generators():
+            if d.adapters is not None and adapter in d.adapters:
+                return d
+        return None
 
     def targets(self, model: str) -> list[str]:
         """The deployments a name may reach: itself, an alias's deployment, or every route of an endpoint."""
         name = self._aliases.get(model, model)
         if name in self._endpoints:
             return list(self._endpoints[name][0])
-        return [name] if name in self._by_name else []
+        based = self.base_of(name) if name not in self._by_name else None
+        return [based.name] if based is not None else [name] if name in self._by_name else []
 
     def model_ids(self) -> list[tuple[str, Deployment | None]]:
         """Every name a request may use, with the deployment it names (None for a weighted endpoint)."""
         ids: list[tuple[str, Deployment | None]] = [(d.name, d) for d in self._by_name.values()]
-        ids += [(a, self._by_name[n]) for a, n in self._aliases.items()]
+        ids += [(a, self._by_name[n]) for a, n in self._aliases.items() if n in self._by_name]
         ids += [(e, None) for e in self._endpoints]
         return ids
 

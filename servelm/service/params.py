@@ -61,6 +61,15 @@ def request_priority(req: SamplingExtras, dep: Deployment) -> int:
     return priority
 
 
+def request_adapters(req: SamplingExtras, dep: TextDeployment) -> tuple[tuple[str, float], ...]:
+    """The LoRA adapters a request runs with: the one its `model` names, and llama-server's `lora` list."""
+    if dep.adapters is None:
+        if req.lora:
+            raise InvalidParameter(f"The model `{dep.name}` takes no LoRA adapters.", "lora")
+        return ()
+    return dep.adapters.select(req.model, req.lora)
+
+
 def sampling_params(req: GenerationFields, dep: TextDeployment, prompt_len: int, ep: EndpointParams) -> SamplingParams:
     n = req.n or 1
     best_of = req.best_of

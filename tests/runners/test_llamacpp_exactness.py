@@ -80,3 +80,41 @@ def test_a_saved_state_is_another_build_s_under_other_fences():
         assert r.state_fingerprint != plain
     finally:
         r.close()
+
+
+def test_a_lora_adapters_call_is_two_rows_so_any_chunking_reads_the_same(tmp_path):
+    """Issue 36: an adapter's F32 matmuls took ggml's one-row dot product in a one-row call, as F16 weights do, so
+    a prompt read a token a call (or a lone decode step) under an adapter rounded otherwise than one read in
+    chunks, and greedy answers among other requests moved. A call with adapters is now two rows always."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from servelm.engine.plan import Clear, ScheduledChunk, SeqKey, StepPlan
+
+    adapter = tmp_path / "lora.gguf"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "make_test_lora.py"),
+                    str(adapter)], check=True, capture_output=True)
+    r = runner(embedded_model_path())
+    try:
+        r.load_adapter("a", str(adapter))
+        prompt = tuple(r.tokenize("The harbour records list every ship that came in, with its cargo.",
+                                  add_special=True, parse_special=True))
+
+        def last_row(size: int, adapters: tuple) -> np.ndarray:
+            r.step(StepPlan(ops=[Clear(0)]))
+            for pos in range(0, len(prompt), size):
+                part = prompt[pos: pos + size]
+                last = pos + len(part) == len(prompt)
+                out = r.step(StepPlan(chunks=[ScheduledChunk(SeqKey(0), 0, pos, part, prompt[pos - 1] if pos else None,
+                                                             (SeqKey(0),) if last else (), adapters=adapters)]))
+            return out[-1].copy()
+
+        on = (("a", 1.0),)
+        whole = last_row(len(prompt), on)
+        assert not np.array_equal(whole, last_row(len(prompt), ())), "the adapter changes the logits"
+        for size in (1, 2, 5):
+            assert np.array_equal(last_row(size, on), whole), size
+    finally:
+        r.close()
