@@ -331,7 +331,7 @@ class Scheduler:
         group.started_at = group.started_at or time.perf_counter()
         first, *others = group.live
         resumed = group.preempted > 0  # its tokens so far, not only its prompt, may be cached
-        placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group))
+        placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group), group.adapters)
         assert placed is not None  # the caller checked that enough slots rest
         if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
             placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
@@ -365,7 +365,7 @@ class Scheduler:
             self.cache_hits += 1
             self.cached_tokens += reuse
         for seq in others:  # they share the prompt once the first has read it (a copy: _fork)
-            spare = self.slots.spare()
+            spare = self.slots.spare(adapters=group.adapters)
             if spare.cached:
                 self._save(spare)
                 self._ops.append(Clear(spare.index))

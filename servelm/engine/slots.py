@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from servelm.engine.sequence import Sequence
 
+Adapters = tuple[tuple[str, float], ...]  # a sequence's LoRA adapters (name, scale); () for the base model
+
 MIN_REUSE = 4  # fewer shared tokens than this are not worth keeping a slot's cells for
 MIN_COPY = 8  # nor a stream copy: about 10 ms for a 2,048-cell stream of the default model, reading 8 tokens more
 
@@ -103,29 +105,31 @@ class Slots:
                 best, best_key = slot, key
         return (best, best_key[0]) if best_key[0] else (None, 0)
 
-    def place(self, tokens: Seq[int], scope: str, reads_cache: bool) -> Placement | None:
+    def place(self, tokens: Seq[int], scope: str, reads_cache: bool,
+              adapters: Adapters = ()) -> Placement | None:
         """Where a sequence with this prompt starts, or None when no slot is at rest. The last prompt token is
-        always read (its logits are needed)."""
+        always read (its logits are needed). `adapters`: its LoRA adapters (it shares passes only with slots of
+        the same ones)."""
         idle = self.idle
         if not idle:
             return None
         best, n = self.best_match(tokens, len(tokens) - 1, scope) if reads_cache else (None, 0)
         if best is None or n < MIN_REUSE:
-            return self._make_room(Placement(self.spare()))
-        near = self._nearest(idle)
+            return self._make_room(Placement(self.spare(adapters=adapters)))
+        near = self._nearest(idle, adapters)
         continues = len(best.cached) <= len(tokens) and tuple(tokens[: len(best.cached)]) == best.cached
         if best in near and (continues or near == [best]):
             return Placement(best, n)  # the prompt continues the entry (or no other slot will do): nothing is lost
-        other = self.spare(besides=best)
+        other = self.spare(besides=best, adapters=adapters)
         if self._worth(other)[0] and not self._worth(best)[0]:
             return Placement(best, n)  # the only other slot holds a pinned entry: this unpinned one's tail goes
         return self._make_room(Placement(other, n, best) if n >= MIN_COPY else Placement(other), besides=best)
 
-    def spare(self, besides: Slot | None = None) -> Slot:
-        """A slot at rest to give a new sequence: next to running ones first, then an empty one (the lowest), else
-        the one whose cells were used least recently."""
+    def spare(self, besides: Slot | None = None, adapters: Adapters = ()) -> Slot:
+        """A slot at rest to give a new sequence: next to running ones (of its adapters) first, then an empty one
+        (the lowest), else the one whose cells were used least recently."""
         idle = [s for s in self.idle if s is not besides] or self.idle
-        return min(self._nearest(idle), key=self._worth)
+        return min(self._nearest(idle, adapters), key=self._worth)
 
     def _make_room(self, placed: Placement, besides: Slot | None = None) -> Placement:
         """Keep the entry of the slot a sequence takes by copying it to the slot that would have been given up
@@ -146,13 +150,21 @@ class Slots:
         pinned = bool(slot.cached) and slot.pinned_until > time.monotonic()
         return (pinned, bool(slot.cached), slot.used if slot.cached else slot.index)
 
-    def _nearest(self, idle: list[Slot]) -> list[Slot]:
-        """The slots among `idle` with the most running neighbours (a slot that joins two runs of running slots
-        saves a pass a step; one beside a run costs none; one apart from every run costs one)."""
-        running = {s.index for s in self.slots if s.seq is not None}
+    def _nearest(self, idle: list[Slot], adapters: Adapters = ()) -> list[Slot]:
+        """The slots among `idle` with the most running neighbours of the same LoRA adapters (a slot that joins two
+        runs of running slots saves a pass a step; one beside a run costs none; one apart from every run costs
+        one: runs of other adapters are passes of their own). Beside none, those farthest from other adapters' runs,
+        so that each adapter's run has room to grow."""
+        running = {s.index for s in self.slots if s.seq is not None and s.seq.group.adapters == adapters}
+        others = [s.index for s in self.slots if s.seq is not None and s.seq.group.adapters != adapters]
         score = {s.index: (s.index - 1 in running) + (s.index + 1 in running) for s in idle}
         top = max(score.values())
-        return [s for s in idle if score[s.index] == top]
+        near = [s for s in idle if score[s.index] == top]
+        if top == 0 and others:
+            far = {s.index: min(abs(s.index - o) for o in others) for s in near}
+            most = max(far.values())
+            near = [s for s in near if far[s.index] == most]
+        return near
 
     def move(self, src: Slot, dst: Slot) -> None:
         """src's entry now lies in dst (the caller copies the cells)."""

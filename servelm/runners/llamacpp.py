@@ -465,7 +465,10 @@ class LlamaCppRunner:
         for chunk in plan.chunks:
             first.append(total)
             total += chunk.num_rows
-        for call in plan.calls():
+        calls = plan.calls()
+        # the calls with the adapters set now go first: each change of them costs llama.cpp a graph reservation
+        calls.sort(key=lambda call: (plan.chunks[call[0]].media is not None, plan.chunks[call[0]].adapters != self._applied))
+        for call in calls:
             self._decode(plan.chunks, call, first)
         return self._logits[:total]
 

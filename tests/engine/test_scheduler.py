@@ -358,3 +358,28 @@ def test_a_waiting_request_that_cannot_fit_holds_no_one_back():
     for _ in range(3):
         plan = run_step(s)
         assert {s.group(c).request_id for c in plan.chunks} == {"pair"}, "the running pair goes on"
+
+
+def test_sequences_of_one_lora_adapter_gather_in_neighbouring_slots():
+    """Issue 36: a pass holds one adapter set and runs of neighbouring slots, so requests on 4 adapters arriving
+    interleaved (a0, a1, a2, a3, a0, …) take 4 runs of slots, one pass each a step (placed side by side, 16 passes)."""
+    s = sched(num_slots=16, max_step_tokens=256)
+    names = [f"a{i % 4}" for i in range(16)]
+    for i, name in enumerate(names):
+        g = group(f"r{i}", 5)
+        g.adapters = ((name, 1.0),)
+        s.add(g)
+    run_step(s)
+    plan = run_step(s)  # every sequence decodes
+    assert len(plan.chunks) == 16
+    assert len(plan.calls()) == 4
+    for call in plan.calls():
+        assert len({plan.chunks[i].adapters for i in call}) == 1
+
+
+def test_base_sequences_still_fill_slots_side_by_side():
+    s = sched(num_slots=8, max_step_tokens=256)
+    for i in range(8):
+        s.add(group(f"r{i}", 5))
+    run_step(s)
+    assert len(run_step(s).calls()) == 1
