@@ -97,20 +97,17 @@ def _admin(request: Request, what: str) -> None:
         raise Forbidden(f"{what} needs an admin key (--admin-key).")
 
 
-async def _fields(request: Request, *names: str) -> list[Any]:
-    """The JSON body's string fields (a 400 naming the first one missing); `model` may be absent."""
+async def _body(request: Request, *required: str) -> dict[str, Any]:
+    """The JSON body, with these string fields present (a 400 naming the first one missing)."""
     try:
         data = await request.json()
     except ValueError:
         data = None
     data = data if isinstance(data, dict) else {}
-    out = []
-    for name in names:
-        value = data.get(name)
-        if name != "model" and (not isinstance(value, str) or not value):
+    for name in required:
+        if not isinstance(data.get(name), str) or not data[name]:
             raise InvalidParameter(f"`{name}` is required (a string).", name, code="missing_required_parameter")
-        out.append(value if isinstance(value, str) else None)
-    return out
+    return data
 
 
 def _adapters_of(deployments: Deployments, model: str | None) -> Adapters:
@@ -133,22 +130,22 @@ def build_lora_router(deployments: Deployments) -> APIRouter:
     @router.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> PlainTextResponse:
         _admin(request, "Loading a LoRA adapter")
-        name, path, model = await _fields(request, "lora_name", "lora_path", "model")
+        body = await _body(request, "lora_name", "lora_path")
+        name, path, model, scale = body["lora_name"], body["lora_path"], body.get("model"), body.get("scale", 1.0)
         if deployments.base_of(name) is not None:
             raise InvalidParameter(f"The lora adapter '{name}' has already been loaded.", "lora_name",
                                    code="lora_already_loaded")
         if name in {n for n, _ in deployments.model_ids()}:
             raise InvalidParameter(f"`{name}` names a model already.", "lora_name", code="lora_already_loaded")
-        scale = (await request.json()).get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise InvalidParameter("`scale` must be a number.", "scale")
-        await _adapters_of(deployments, model).add(name, path, float(scale))
+        await _adapters_of(deployments, model if isinstance(model, str) else None).add(name, path, float(scale))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> PlainTextResponse:
         _admin(request, "Unloading a LoRA adapter")
-        (name,) = await _fields(request, "lora_name")
+        name = (await _body(request, "lora_name"))["lora_name"]
         base = deployments.base_of(name)
         if base is None or base.adapters is None:
             raise AdapterNotFound(name)
@@ -166,14 +163,7 @@ def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
         if catalog is None:
             raise InvalidParameter("This server loads no model on demand (start it with --models-dir, or give a "
                                    "deployment `load = \"on-demand\"`).", "model", code="model_not_supported")
-        try:
-            data = await request.json()
-        except ValueError:
-            data = None
-        model = data.get("model") if isinstance(data, dict) else None
-        if not isinstance(model, str) or not model:
-            raise InvalidParameter("Give the model to load or unload: {\"model\": NAME}.", "model",
-                                   code="missing_required_parameter")
+        model = (await _body(request, "model"))["model"]
         name = catalog.resolve(model)
         if name is None:
             raise ModelNotFound(model)
