@@ -115,6 +115,9 @@ class Adapters:
                 chosen[adapter.name] = scale
             else:
                 chosen.pop(adapter.name, None)
+        if len(chosen) > self.max_loaded:
+            raise InvalidParameter(f"A request may use at most {self.max_loaded} LoRA adapters at once (--max-loras); "
+                                   f"this one names {len(chosen)}.", "lora")
         return tuple(sorted(chosen.items()))
 
     async def hold(self, adapters: tuple[tuple[str, float], ...]) -> list[Adapter]:

@@ -124,3 +124,15 @@ def test_the_lora_routes_need_an_admin_key_when_keys_are_on(fake_server_factory,
     assert load(server.base_url, "one", path, key="sk-admin").status_code == 200
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="sk-user")
     assert answer(client, "one")[1] == "one"
+
+
+def test_a_request_naming_more_adapters_than_max_loras_is_a_400(fake_server_factory, tmp_path):
+    server = fake_server_factory()
+    assert server.deployment is not None and server.deployment.adapters is not None
+    server.deployment.adapters.max_loaded = 1
+    load(server.base_url, "one", adapter_file(tmp_path, "one", 1))
+    load(server.base_url, "two", adapter_file(tmp_path, "two", 2))
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError) as too_many:
+        answer(client, "fake-model", lora=[{"id": 0}, {"id": 1}])
+    assert too_many.value.body["param"] == "lora"
