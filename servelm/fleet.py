@@ -54,8 +54,10 @@ class _Model:
     last_used: float = field(default_factory=time.monotonic)
     keep_alive: float | None = None  # the last request's; None: --idle-unload-s
     loaded_bytes: int = 0
-    counts: dict[str, float] = field(default_factory=lambda: {"loads": 0, "load_failures": 0, "unloads": 0,
-                                                              "load_seconds": 0.0})
+    loads: int = 0  # counters for /metrics
+    load_failures: int = 0
+    unloads: int = 0
+    load_seconds: float = 0.0
 
     @property
     def estimate(self) -> int:
@@ -246,9 +248,8 @@ class Fleet:
                 model.built, model.status = None, "unloaded"
 
     def counts(self) -> list[ModelCounts]:
-        return [ModelCounts(m.name, m.status, m.loaded_bytes if m.status == "loaded" else 0, int(m.counts["loads"]),
-                            int(m.counts["load_failures"]), int(m.counts["unloads"]), m.counts["load_seconds"])
-                for m in self._models.values()]
+        return [ModelCounts(m.name, m.status, m.loaded_bytes if m.status == "loaded" else 0, m.loads, m.load_failures,
+                            m.unloads, m.load_seconds) for m in self._models.values()]
 
     # -- inside --
 
@@ -293,7 +294,7 @@ class Fleet:
             reason = str(exc) or type(exc).__name__
             async with changed:
                 model.status, model.reason = "failed", reason
-                model.counts["load_failures"] += 1
+                model.load_failures += 1
                 changed.notify_all()
             log.warning("loading %r failed: %s", model.name, reason)
             if isinstance(exc, MemoryError):
@@ -307,8 +308,8 @@ class Fleet:
                 for d in built.deployments.all():
                     self._registry.add(d, model.spec.aliases)
             model.status, model.last_used = "loaded", time.monotonic()
-            model.counts["loads"] += 1
-            model.counts["load_seconds"] += time.monotonic() - started
+            model.loads += 1
+            model.load_seconds += time.monotonic() - started
             model.leases += 1
             changed.notify_all()
         log.info("loaded %r in %.1f s (%d MiB)", model.name, time.monotonic() - started, model.loaded_bytes >> 20)
@@ -361,7 +362,7 @@ class Fleet:
             await asyncio.to_thread(_stop, built)  # the engine writes its prefix cache out as it stops
         async with changed:
             model.built, model.status, model.draining, model.loaded_bytes = None, "unloaded", False, 0
-            model.counts["unloads"] += 1
+            model.unloads += 1
             changed.notify_all()
         log.info("unloaded %r (%s)", model.name, why)
 

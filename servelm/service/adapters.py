@@ -179,11 +179,7 @@ class AdaptedEngine(EngineWrapper):
         self.adapters = adapters
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        if not request.adapters:
-            async for out in self.inner.generate(request):
-                yield out
-            return
-        held = await self.adapters.hold(request.adapters)
+        held = await self.adapters.hold(request.adapters)  # none for the base model
         try:
             async for out in self.inner.generate(request):
                 yield out
