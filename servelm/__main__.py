@@ -115,13 +115,11 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         specs = with_blocklist(specs, settings.content_blocklist)
         on_demand = [s for s in specs if s.load == "on-demand"]
         specs = [s for s in specs if s.load == "start"]
-        if ray and (on_demand or settings.models_dir):
-            raise ValueError("models loaded on demand (--models-dir, load = \"on-demand\") are not served under "
-                             "--ray yet; serve them without --ray")
-        if ray and any(s.mmproj for s in specs):
+        if ray and any(s.mmproj for s in [*specs, *on_demand]):
             raise ValueError("--mmproj (images) is not served under --ray yet; serve the vision model without --ray")
         if ray:
-            return _serve_on_ray(settings, specs, config.endpoints if config else [], keys, verbose_llama, ray_address)
+            return _serve_on_ray(settings, specs, on_demand, config.endpoints if config else [], keys, verbose_llama,
+                                 ray_address)
         built = build(specs, config.endpoints if config else [], verbose_llama, image_sources(settings))
         catalog = _fleet(settings, on_demand, verbose_llama) if on_demand or settings.models_dir else None
     except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
@@ -155,8 +153,10 @@ def _fleet(settings: ServerSettings, on_demand: list[Any], verbose_llama: bool) 
                                             images))
 
 
-def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[Any], keys: list[Any], verbose_llama: bool,
-                  address: str | None) -> None:
+def _serve_on_ray(settings: ServerSettings, specs: list[Any], on_demand: list[Any], endpoints: list[Any], keys: list[Any],
+                  verbose_llama: bool, address: str | None) -> None:
+    from servelm.compose import with_blocklist
+    from servelm.fleet import FleetLimits, scan_models_dir
     from servelm.http.batches import BatchConfig
     from servelm.http.limits import SecurityConfig
 
@@ -166,10 +166,21 @@ def _serve_on_ray(settings: ServerSettings, specs: list[Any], endpoints: list[An
         raise SystemExit(f"servelm: --ray needs Ray Serve (pip install 'servelm[ray]'): {exc}") from None
     from servelm.service.store import StoreLimits
 
+    if settings.models_dir is not None:  # scanned once: under Ray each model is a deployment of the application
+        found, failed = scan_models_dir(settings.models_dir, settings.engine)
+        for name, reason in failed.items():
+            log.warning("--models-dir: %s is not served: %s", name, reason)
+        on_demand = [*on_demand, *(s for s in found if s.mmproj is None)]
+        for s in found:
+            if s.mmproj is not None:
+                log.warning("--models-dir: %s is not served under --ray (images are not, yet)", s.name)
     app = build_application(specs, endpoints, SecurityConfig.from_settings(settings, keys), verbose_llama=verbose_llama,
                             log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout,
                             store=StoreLimits.from_settings(settings), timings=settings.timings,
-                            playground=settings.playground, batches=BatchConfig.from_settings(settings))
+                            playground=settings.playground, batches=BatchConfig.from_settings(settings),
+                            on_demand=with_blocklist(on_demand, settings.content_blocklist),
+                            models=FleetLimits(settings.models_max, settings.models_memory_mib << 20,
+                                               settings.idle_unload_s))
     serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
 
 

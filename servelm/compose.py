@@ -339,7 +339,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
         special_tokens_in_content=spec.special_tokens_in_content,
         reasoning_markers=spec.reasoning_markers, image_sources=images, max_loras=e.max_loras,
     )
-    assert deployment.adapters is not None
+    assert isinstance(deployment.adapters, Adapters)
     for lora in spec.loras:
         deployment.adapters.add_at_start(lora.name, str(lora.path), lora.scale)
     deployment.max_waiting = spec.limits.max_waiting

@@ -16,7 +16,7 @@ from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import KEYS_ON, allowed, current_key
 from servelm.http.limits import is_json
-from servelm.service.adapters import AdapterNotFound, Adapters
+from servelm.service.adapters import AdapterNotFound, AdapterRegistry
 from servelm.service.catalog import ModelCatalog, parse_keep_alive
 from servelm.service.deployments import Deployments, TextDeployment
 
@@ -110,7 +110,7 @@ async def _body(request: Request, *required: str) -> dict[str, Any]:
     return data
 
 
-def _adapters_of(deployments: Deployments, model: str | None) -> Adapters:
+def _adapters_of(deployments: Deployments, model: str | None) -> AdapterRegistry:
     """The deployment a LoRA route acts on: the one `model` names, else the first that takes adapters."""
     if model is not None:
         d = deployments.get(model)

@@ -12,9 +12,11 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from servelm.config import DeploymentSpec, EndpointSpec
+from servelm.fleet import FleetLimits
 from servelm.http.batches import BatchConfig
 from servelm.http.limits import SecurityConfig
 from servelm.service.store import StoreLimits
@@ -28,27 +30,33 @@ REPLICA_QUEUE_FACTOR = 4  # a replica takes up to this many times max_num_seqs r
 # Ray Serve's throughput-optimized mode (gRPC between deployments, routing on the caller's loop): about half the
 # ingress's CPU per streamed token here (0.6 ms instead of 1.2). Set on every node of an existing cluster.
 THROUGHPUT_OPTIMIZED = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+ROUTING_STATS_PERIOD_S = 1.0
 CONSTRUCTOR_TRIES = 3  # a replica that cannot start (a missing model file) fails the deployment after this many
 
 
 def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec],
                       security: SecurityConfig | None = None, *, verbose_llama: bool = False,
                       log_level: str = "info", shutdown_timeout: float = 10.0, store: StoreLimits | None = None,
-                      timings: bool = False, playground: bool = True, batches: BatchConfig | None = None) -> Any:
+                      timings: bool = False, playground: bool = True, batches: BatchConfig | None = None,
+                      on_demand: Sequence[DeploymentSpec] = (), models: FleetLimits = FleetLimits()) -> Any:
     """The bound Ray Serve application (pass it to serve.run). `shutdown_timeout`: seconds requests in flight
-    may take to finish when the application stops (ServerSettings.shutdown_timeout)."""
+    may take to finish when the application stops (ServerSettings.shutdown_timeout). `on_demand`: deployments
+    whose replicas start without their model, loaded when a request names it within the `models` bounds."""
     from ray import serve
 
     from servelm.ray.ingress import IngressDeployment, IngressPlan
 
-    for s in specs:
+    for s in [*specs, *on_demand]:
         if getattr(s, "backend", "llamacpp") != "llamacpp":
             raise ValueError(f"deployment {s.name!r}: only llama.cpp deployments run under --ray for now (the "
                              "ingress tokenizes with a tokenizer-only copy of a GGUF)")
-    models = {s.name: model_deployment(s, verbose_llama, shutdown_timeout) for s in specs}
+    deployments = {s.name: model_deployment(s, verbose_llama, shutdown_timeout) for s in specs}
+    deployments.update({s.name: model_deployment(s, verbose_llama, shutdown_timeout, on_demand=True) for s in on_demand})
     plan = IngressPlan(
         specs=[s.model_dump(mode="json") for s in specs],
-        aliases={a: s.name for s in specs for a in s.aliases},
+        on_demand=[s.model_dump(mode="json") for s in on_demand],
+        models=models,
+        aliases={a: s.name for s in [*specs, *on_demand] for a in s.aliases},
         endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints},
         security=security or SecurityConfig(),
         log_level=log_level,
@@ -64,17 +72,19 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         max_constructor_retry_count=CONSTRUCTOR_TRIES,
         graceful_shutdown_timeout_s=shutdown_timeout,
     )
-    return ingress.bind(plan, models)
+    return ingress.bind(plan, deployments)
 
 
-def model_deployment(spec: DeploymentSpec, verbose_llama: bool = False, shutdown_timeout: float = 10.0) -> Any:
+def model_deployment(spec: DeploymentSpec, verbose_llama: bool = False, shutdown_timeout: float = 10.0,
+                     on_demand: bool = False) -> Any:
     """One config deployment as a Ray Serve deployment of ModelReplica (bound, not yet running)."""
     from ray import serve
 
     from servelm.ray.replica import ModelReplica
 
     options = deployment_options(spec, shutdown_timeout)
-    return serve.deployment(ModelReplica).options(**options).bind(spec.model_dump(mode="json"), verbose_llama)
+    return serve.deployment(ModelReplica).options(**options).bind(spec.model_dump(mode="json"), verbose_llama,
+                                                                  on_demand)
 
 
 def deployment_options(spec: DeploymentSpec, shutdown_timeout: float = 10.0) -> dict[str, Any]:
@@ -91,6 +101,7 @@ def deployment_options(spec: DeploymentSpec, shutdown_timeout: float = 10.0) -> 
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={"imbalance": max(DEFAULT_IMBALANCE, seqs // 4)},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,  # which replicas hold the model and which adapters
         ),
         health_check_period_s=5,
         graceful_shutdown_timeout_s=shutdown_timeout,

@@ -8,6 +8,11 @@ the service layer runs unchanged, a request's 4xx (unknown model, a prompt too l
 answered without a replica, grammars for constrained output are compiled once here, and the router sees
 the prompt's token ids, which prefix-affine routing needs. What only a replica knows (its context window,
 sequence slots, fingerprint, embedding width) is asked of one replica at start.
+
+Models loaded on demand (--models-dir, `load = "on-demand"`) are the ingress's ModelCatalog, a Fleet whose
+load broadcasts `load` to the model deployment's replicas (each starts without its model), asks one of them to
+describe it and builds the ingress's side; its unload broadcasts `unload`. The catalog's bounds (--models-max,
+--models-memory-mib, keep_alive) are the ingress's, over all replicas.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ from typing import Any
 
 from ray import serve
 
-from servelm.compose import check_guards, content_filter_of
+from servelm.compose import Built, check_guards, content_filter_of
 from servelm.config import DeploymentSpec
+from servelm.fleet import Fleet, FleetLimits
 from servelm.http.batches import BatchConfig
 from servelm.http.limits import SecurityConfig
 from servelm.models import resolve_model_source
-from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaSet
+from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaAdapters, ReplicaSet
 from servelm.ray.replica import ReplicaInfo
 from servelm.ray.served_by import ReplicaHeader
 from servelm.service.deployments import Deployment, Deployments
@@ -46,27 +52,31 @@ class IngressPlan:
     timings: bool = False
     playground: bool = True
     batches: BatchConfig | None = None  # the Batch API's state (on the ingress's node; its lines go to the replicas)
+    on_demand: list[dict[str, Any]] = field(default_factory=list)  # DeploymentSpecs whose models load on demand
+    models: FleetLimits = field(default_factory=FleetLimits)
 
 
 class Ingress:
     async def __init__(self, plan: IngressPlan, handles: dict[str, Any]) -> None:  # type: ignore[misc]  # Ray Serve awaits it
         logging.basicConfig(level=plan.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._plan = plan
+        self._handles = handles
         self._sets: list[ReplicaSet] = []
         self._runners: list[Any] = []  # tokenizer-only llama.cpp models, closed at shutdown
+        self._loop = asyncio.get_running_loop()
         deployments = []
         for raw in plan.specs:
             spec = DeploymentSpec.model_validate(raw)
-            handle = handles[spec.name]
-            replicas = ReplicaSet(spec.name, handle, spec.engine.max_num_seqs)
-            info: ReplicaInfo = await handle.describe.remote()  # waits for the first replica to be up
-            deployment = await asyncio.to_thread(self._deployment, spec, replicas, info)
-            deployment.max_waiting = spec.limits.max_waiting
-            deployments.append(deployment)
+            replicas = ReplicaSet(spec.name, handles[spec.name], spec.engine.max_num_seqs)
+            info: ReplicaInfo = await replicas.handle.describe.remote()  # waits for the first replica to be up
+            deployments.append(await asyncio.to_thread(self._deployment, spec, replicas, info, self._runners))
             self._sets.append(replicas)
         self._deployments = Deployments(deployments, aliases=plan.aliases, endpoints=plan.endpoints)
         check_guards(self._deployments)
-        log.info("ingress ready for %s", ", ".join(repr(d.name) for d in deployments))
+        on_demand = [DeploymentSpec.model_validate(raw) for raw in plan.on_demand]
+        self._catalog = Fleet(on_demand, plan.models, builder=self._load) if on_demand else None
+        log.info("ingress ready for %s", ", ".join([repr(d.name) for d in deployments]
+                                                   + [f"{s.name!r} (on demand)" for s in on_demand]))
 
     def __serve_build_asgi_app__(self) -> Any:
         from servelm.http.app import create_app
@@ -74,10 +84,11 @@ class Ingress:
 
         app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security,
                          store=RayStore(self._plan.store), timings=self._plan.timings,
-                         playground=self._plan.playground, batches=self._plan.batches)
+                         playground=self._plan.playground, batches=self._plan.batches, catalog=self._catalog)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         for s in self._sets:
             s.start()
 
@@ -88,34 +99,82 @@ class Ingress:
             r.close()
         self._runners = []
 
-    def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo) -> Deployment:
+    def _load(self, spec: DeploymentSpec) -> Built:
+        """An on-demand model loaded on every replica of its deployment, and the ingress's side of it (the catalog
+        calls it on a worker thread; the replicas are reached from the app's event loop)."""
+        def on_loop(coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+        replicas = ReplicaSet(spec.name, self._handles[spec.name], spec.engine.max_num_seqs)
+        on_loop(replicas.broadcast("load"))
+        info: ReplicaInfo = on_loop(_describe(replicas))
+        runners: list[Any] = []
+        deployment = self._deployment(spec, replicas, info, runners)
+        deployment.memory = {}  # the catalog's --models-memory-mib counts the model's files and KV budget instead
+        return Built(Deployments([deployment]), workers=[_Loaded(replicas, self._sets, on_loop)], closers=runners)
+
+    def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo, runners: list[Any]) -> Deployment:
         from servelm.compose import build_deployment, grammar_limits
         from servelm.runners.llamacpp import LlamaCppRunner
 
         path = resolve_model_source(spec.model, spec.kind)
         runner = LlamaCppRunner(path, num_slots=spec.engine.max_num_seqs, vocab_only=True)
-        self._runners.append(runner)
+        runners.append(runner)
 
         def tokenize_input(text: str) -> list[int]:  # an embedding input: the model's own special tokens, none parsed
             return runner.tokenize(text, add_special=True, parse_special=False)
 
         embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input) if info.embedding else None
+        deployment: Deployment
         if spec.kind == "embedding":
             assert embedder is not None and info.embedding is not None  # an embedding replica always has one
-            return Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
-                              embedder=embedder)
-        template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
-        deployment, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
-                                         grammar_limits=grammar_limits(spec.engine),
-                                         special_tokens_in_content=spec.special_tokens_in_content,
-                                         reasoning_markers=spec.reasoning_markers)
-        deployment.context_window = info.context_window  # the replicas' (their KV cache bounds it)
-        deployment.facts = info.facts  # and their self-check's finding
-        deployment.max_choices = info.max_choices
-        deployment.fingerprint = info.fingerprint
-        deployment.embedder = embedder
-        deployment.content_filter = content_filter_of(spec.content_filter)
+            deployment = Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
+                                    embedder=embedder)
+        else:
+            template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
+            text, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
+                                       grammar_limits=grammar_limits(spec.engine),
+                                       special_tokens_in_content=spec.special_tokens_in_content,
+                                       reasoning_markers=spec.reasoning_markers)
+            text.context_window = info.context_window  # the replicas' (their KV cache bounds it)
+            text.facts = info.facts  # and their self-check's finding
+            text.max_choices = info.max_choices
+            text.fingerprint = info.fingerprint
+            text.embedder = embedder
+            text.content_filter = content_filter_of(spec.content_filter)
+            replicas.adapters = text.adapters = ReplicaAdapters(replicas, spec.loras, spec.engine.max_loras)
+            deployment = text
+        deployment.max_waiting = spec.limits.max_waiting
         return deployment
+
+
+async def _describe(replicas: ReplicaSet) -> ReplicaInfo:
+    info: ReplicaInfo = await replicas.handle.describe.remote()
+    return info
+
+
+class _Loaded:
+    """An on-demand model's replicas while it is loaded (a worker of its Built): their counts polled, and joined to
+    /health's and /metrics' fresh reads; stopping it unloads the model on every replica."""
+
+    def __init__(self, replicas: ReplicaSet, sets: list[ReplicaSet], on_loop: Any) -> None:
+        self.replicas, self.sets, self.on_loop = replicas, sets, on_loop
+
+    def start(self) -> None:
+        self.on_loop(self._start())
+
+    def stop(self) -> None:
+        self.on_loop(self._stop())
+
+    async def _start(self) -> None:
+        self.sets.append(self.replicas)
+        self.replicas.start()
+
+    async def _stop(self) -> None:
+        self.replicas.stop()
+        if self.replicas in self.sets:
+            self.sets.remove(self.replicas)
+        await self.replicas.broadcast("unload")
 
 
 class FreshStats:

@@ -13,6 +13,7 @@ event), since a partial answer cannot be resumed elsewhere. Nothing else is affe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -24,16 +25,19 @@ import numpy as np
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError, RequestCancelledError
 
+from servelm.config import LoraSpec
 from servelm.engine.embedding import EmbeddingStats
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
 from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
 from servelm.ray.replica import EmbeddingInfo, ReplicaStats
 from servelm.ray.served_by import end_call, note_call, note_replica
+from servelm.service.adapters import Adapter, AdapterNotFound, AdapterRegistry
 
 log = logging.getLogger("servelm.ray")
 
 ATTEMPTS = 3  # tries of a request no output of which has been seen, each on a live replica
 STATS_PERIOD_S = 1.0  # how often the ingress asks every replica for its counts (/health, /metrics, admit)
+CONTROL_TIMEOUT_S = 600.0  # a load, unload or adapter change on every replica (a model may take minutes to load)
 _LOST = (RayActorError, ReplicaUnavailableError)
 
 
@@ -47,6 +51,7 @@ class ReplicaSet:
         self.slots_per_replica = slots_per_replica
         self.latest: list[ReplicaStats] = []
         self.polled = False
+        self.adapters: ReplicaAdapters | None = None  # a text deployment's LoRA adapters, kept alike on its replicas
         self._task: asyncio.Task[Any] | None = None
 
     def start(self) -> None:
@@ -61,7 +66,21 @@ class ReplicaSet:
     async def _poll(self) -> None:
         while True:
             await self.refresh()
+            if self.adapters is not None:
+                await self.adapters.sync()
             await asyncio.sleep(STATS_PERIOD_S)
+
+    async def broadcast(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        """Call `method` on every replica; the first replica's error is raised (an ApiError keeps its status)."""
+        answers = await self.handle.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, RayTaskError):
+                raise _cause(answer)
+            if isinstance(answer, ApiError):  # the replica's own error, as Ray Serve's gRPC path hands it back
+                raise answer
+            if isinstance(answer, BaseException):
+                raise ServiceUnavailable(f"A replica of `{self.name}` did not answer {method}: {answer}",
+                                         code="replica_unavailable")
 
     async def refresh(self, timeout_s: float = 5.0) -> None:
         """Ask every replica for its counts now (the poll does it each second; /health and /metrics on every
@@ -211,6 +230,58 @@ class RemoteEmbedder:
     @property
     def alive(self) -> bool:
         return self.replicas.alive
+
+
+class ReplicaAdapters(AdapterRegistry):
+    """A deployment's LoRA adapters as the ingress sees them. Each replica keeps its own (--lora's loaded at its
+    start, at most --max-loras loaded by its own LRU, loaded again when a request names one); a load or unload by
+    route reaches every replica, and a replica that started since is given the ones it lacks at the next poll.
+    Whether an adapter is loaded, and the requests run with it, are the replicas' together."""
+
+    def __init__(self, replicas: ReplicaSet, loras: list[LoraSpec], max_loaded: int) -> None:
+        super().__init__(max_loaded)
+        self.replicas = replicas
+        self._adding: set[str] = set()
+        for lora in loras:
+            self._register(lora.name, str(lora.path), lora.scale)
+
+    def all(self) -> list[Adapter]:
+        states = [a for s in self.replicas.latest for a in s.adapters]
+        for adapter in self._by_name.values():
+            adapter.loaded = any(loaded for name, loaded, _ in states if name == adapter.name)
+            adapter.requests = sum(n for name, _, n in states if name == adapter.name)
+        return super().all()
+
+    async def add(self, name: str, path: str, scale: float = 1.0) -> None:
+        self._register(name, path, scale)
+        self._adding.add(name)
+        try:
+            await self.replicas.broadcast("add_adapter", name, path, scale)
+            await self.replicas.refresh()  # the replicas' counts say it is loaded from now on
+        except BaseException:
+            del self._by_name[name]
+            with contextlib.suppress(Exception):  # those that loaded it let it go
+                await self.replicas.broadcast("remove_adapter", name)
+            raise
+        finally:
+            self._adding.discard(name)
+
+    async def remove(self, name: str) -> None:
+        if self._by_name.pop(name, None) is None:
+            raise AdapterNotFound(name)
+        await self.replicas.broadcast("remove_adapter", name)
+        await self.replicas.refresh()
+
+    async def sync(self) -> None:
+        """Replicas that lack one of the adapters (started since it was loaded by route) are given it."""
+        known = [(a.name, a.path, a.scale) for a in self._by_name.values() if a.name not in self._adding]
+        lacking = [s for s in self.replicas.latest if s.engine is not None
+                   and {n for n, *_ in known} - {name for name, *_ in s.adapters}]
+        if lacking:
+            try:
+                await self.replicas.broadcast("ensure_adapters", known)
+            except Exception as exc:  # noqa: BLE001 - tried again at the next poll
+                log.warning("giving %r's replicas their LoRA adapters failed: %s", self.replicas.name, exc)
 
 
 def _cause(exc: RayTaskError) -> BaseException:

@@ -8,6 +8,12 @@ DeploymentHandle:
   before any token exists), then lists of GenerationOutput, one list per hand-off (every output the engine had
   ready when the stream asked: a slow reader gets fewer, larger items).
 - `embed(inputs)` answers one array of pooled vectors; `stats()` and `describe()` are small snapshots.
+- `add_adapter`, `remove_adapter` and `ensure_adapters` act on its LoRA adapters (the ingress broadcasts them).
+- An on-demand deployment's replica starts with no model: `load()` loads it (the ingress broadcasts it when a
+  request names the model, and `generate`/`embed` load it if this replica joined since), `unload()` unloads it
+  (its prefix cache written to its --prefix-cache-dir first).
+- `record_routing_stats()` tells the router (servelm/ray/router.py) whether the model and which adapters are
+  loaded here, so a request goes where they already are.
 
 Ray Serve calls `check_health` periodically: an engine thread that died fails it, and the replica is replaced.
 """
@@ -26,7 +32,9 @@ from ray import serve
 
 from servelm.config import DeploymentSpec
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
-from servelm.service.deployments import ModelFacts, TextDeployment, all_alive
+from servelm.errors import InvalidParameter, ServiceUnavailable
+from servelm.service.adapters import Adapters
+from servelm.service.deployments import Deployment, ModelFacts, TextDeployment, all_alive
 
 if TYPE_CHECKING:
     from servelm.compose import Built
@@ -57,6 +65,7 @@ class ReplicaStats:
     replica: str
     engine: EngineStats | None
     embedder: Any | None  # EmbeddingStats
+    adapters: tuple[tuple[str, bool, int], ...] = ()  # its LoRA adapters: (name, loaded, requests run with it)
 
 
 def replica_id() -> str:
@@ -65,19 +74,52 @@ def replica_id() -> str:
 
 
 class ModelReplica:
-    def __init__(self, spec: dict[str, Any], verbose_llama: bool = False) -> None:
-        from servelm.compose import build
-
+    def __init__(self, spec: dict[str, Any], verbose_llama: bool = False, on_demand: bool = False) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._spec = DeploymentSpec.model_validate(spec)
-        built = build([self._spec], [], verbose_llama)
-        built.start()
-        self._built: Built | None = built
-        self._deployment = built.deployments.all()[0]
+        self._verbose = verbose_llama
+        self._built: Built | None = None
+        self._loading = asyncio.Lock()
         self._id = replica_id()
-        log.info("replica %s of %r is ready", self._id, self._spec.name)
+        if not on_demand:
+            self._build()
+        log.info("replica %s of %r is ready%s", self._id, self._spec.name, " (its model loads on demand)" if on_demand else "")
+
+    def _build(self) -> None:
+        from servelm.compose import build
+
+        built = build([self._spec], [], self._verbose)
+        try:
+            built.start()
+        except BaseException:
+            built.close()
+            raise
+        self._built = built
+
+    @property
+    def _deployment(self) -> Deployment:
+        if self._built is None:
+            raise ServiceUnavailable(f"The model `{self._spec.name}` is not loaded on this replica.", code="model_not_loaded")
+        return self._built.deployments.all()[0]
+
+    async def load(self) -> None:
+        """Its model loaded (at once when it is)."""
+        async with self._loading:
+            if self._built is None:
+                await asyncio.to_thread(self._build)
+                log.info("replica %s loaded %r", self._id, self._spec.name)
+
+    async def unload(self) -> None:
+        """Its model unloaded (the ingress's catalog asks once the model's requests have ended)."""
+        async with self._loading:
+            built, self._built = self._built, None
+            if built is not None:
+                await asyncio.to_thread(_close, built)
+                log.info("replica %s unloaded %r", self._id, self._spec.name)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[str | list[GenerationOutput], None]:
+        if self._built is None:
+            await self.load()
         d = self._deployment
         if not isinstance(d, TextDeployment):
             raise RuntimeError(f"the deployment {self._spec.name!r} does not generate text")
@@ -103,17 +145,32 @@ class ModelReplica:
             pump.cancel()  # a cancelled stream (the client went away) closes the engine's generator: abort
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        if self._built is None:
+            await self.load()
         embedder = self._deployment.embedder
         if embedder is None:
             raise RuntimeError(f"the deployment {self._spec.name!r} does not embed")
         return await embedder.embed(inputs)
 
     def stats(self) -> ReplicaStats:
+        if self._built is None:
+            return ReplicaStats(self._id, None, None)
         d = self._deployment
+        held = d.adapters.all() if isinstance(d, TextDeployment) and d.adapters is not None else []
+        adapters = tuple((a.name, a.loaded, a.requests) for a in held)
         return ReplicaStats(self._id, d.engine.stats() if isinstance(d, TextDeployment) else None,
-                            d.embedder.stats() if d.embedder is not None else None)
+                            d.embedder.stats() if d.embedder is not None else None, adapters)
 
-    def describe(self) -> ReplicaInfo:
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing stats, read by the router: whether the model is loaded, and its loaded adapters."""
+        if self._built is None:
+            return {"loaded": False, "adapters": []}
+        d = self._deployment
+        held = d.adapters.all() if isinstance(d, TextDeployment) and d.adapters is not None else []
+        return {"loaded": True, "adapters": [a.name for a in held if a.loaded]}
+
+    async def describe(self) -> ReplicaInfo:
+        await self.load()
         d = self._deployment
         emb = d.embedder
         info = EmbeddingInfo(emb.dim, emb.vocab_size, emb.context_window) if emb is not None else None
@@ -121,19 +178,46 @@ class ModelReplica:
             return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices, info, d.facts)
         return ReplicaInfo(d.fingerprint, d.context_window, 0, info)
 
+    def _adapters(self) -> Adapters:
+        d = self._deployment
+        if not isinstance(d, TextDeployment) or not isinstance(d.adapters, Adapters):
+            raise InvalidParameter(f"The model `{self._spec.name}` takes no LoRA adapters.", "model")
+        return d.adapters
+
+    async def add_adapter(self, name: str, path: str, scale: float) -> None:
+        await self.load()
+        await self._adapters().add(name, path, scale)
+
+    async def remove_adapter(self, name: str) -> None:
+        if self._built is not None:
+            await self._adapters().remove(name)
+
+    async def ensure_adapters(self, adapters: list[tuple[str, str, float]]) -> None:
+        """Adds those of the ingress's adapters this replica lacks (it started after they were loaded by route)."""
+        if self._built is None:
+            return
+        registry = self._adapters()
+        for name, path, scale in adapters:
+            if name not in registry:
+                await registry.add(name, path, scale)
+
     def check_health(self) -> None:
-        if not all_alive([self._deployment]):
+        if self._built is not None and not all_alive(self._built.deployments.all()):
                 raise RuntimeError(f"an engine thread of {self._spec.name!r} has stopped")
 
     def __del__(self) -> None:  # Ray Serve's graceful shutdown of the replica
         built = getattr(self, "_built", None)
         if built is not None:
-            built.stop()
-            built.close()
             self._built = None
+            _close(built)
 
 
 _END = object()
+
+
+def _close(built: Built) -> None:
+    built.stop()
+    built.close()
 
 
 async def _pump(outputs: AsyncGenerator[GenerationOutput, None], ready: asyncio.Queue[Any]) -> None:

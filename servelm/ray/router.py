@@ -7,8 +7,13 @@ requests in flight, which is its engine's running plus waiting, as Ray Serve cou
 every send and completion, and probed when stale).
 
 The policy:
-1. Cut the prompt's token ids into blocks and look them up in the PrefixTable: the replicas that were sent a
-   prompt with the same beginning, deepest match first.
+0. Prefer the replicas that hold what the request runs on: the model loaded (an on-demand model's replica that
+   joined since may not have it) and every LoRA adapter it names loaded (each replica loads its own, at most
+   --max-loras), as the replicas' routing stats say (`ModelReplica.record_routing_stats`, every second) or as
+   this router sent them in the last few seconds. Steps 1-3 run among them; every replica stays the last rank.
+1. Cut the prompt's token ids into blocks (the chain starting from the request's cache scope and its adapters)
+   and look them up in the PrefixTable: the replicas that were sent a prompt with the same beginning, deepest
+   match first.
 2. Take the deepest-matching replica whose load is at most `imbalance × matched share` above the least
    loaded replica's (matched share: the part of the prompt it was sent before): its prefix cache most likely
    still holds the prompt's beginning (a conversation's earlier turns, a shared system prompt). The more of
@@ -26,16 +31,18 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from servelm.engine.types import GenerationRequest
+from servelm.engine.types import GenerationRequest, adapter_scope
 from servelm.ray.prefix_table import PrefixTable
 
 log = logging.getLogger("servelm.ray")
 
+RECENT_S = 3.0  # an adapter sent to a replica this recently counts as loaded there (routing stats lag a second)
 MAX_HINTS = 100_000  # prompt_cache_keys remembered (least recently routed forgotten first)
 DEFAULT_IMBALANCE = 4  # requests in flight an affine replica may have above the least loaded one
 
@@ -47,6 +54,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._imbalance = imbalance
         self._known: set[str] = set()
         self._hints: OrderedDict[str, str] = OrderedDict()  # prompt_cache_key (in its scope) -> replica, LRU
+        self._sent: dict[str, dict[str, float]] = {}  # replica -> adapter -> when a request on it was last sent there
 
     def _state(self) -> PrefixTable:
         if not hasattr(self, "_table"):  # Ray Serve may update replicas before initialize_state
@@ -60,21 +68,38 @@ class PrefixAffinityRouter(RequestRouter):
         if request is None or len(shuffled) < 2:
             return [shuffled]
         table = self._state()
-        matches = table.match(table.keys(request.prompt_token_ids, request.cache_scope))
+        ready = [r for r in shuffled if self._holds(r, request.adapters)]
+        pool = ready if ready else shuffled
+        fallback = [pool, shuffled] if len(pool) < len(shuffled) else [shuffled]
+        if len(pool) < 2:
+            return fallback
+        matches = table.match(table.keys(request.prompt_token_ids, adapter_scope(request.cache_scope, request.adapters)))
         hinted = self._hints.get(request.cache_hint) if request.cache_hint else None
         if hinted is not None:  # the client's prompt_cache_key: its replica first, as if it held the whole prompt
             matches = [(hinted, len(request.prompt_token_ids)), *matches]
         if not matches:
-            return [shuffled]
-        loads = await self._loads(shuffled)
+            return fallback
+        loads = await self._loads(pool)
         least = min(loads.values(), default=0)
-        by_id = {r.replica_id.unique_id: r for r in shuffled}
+        by_id = {r.replica_id.unique_id: r for r in pool}
         for rid, tokens in matches:
             replica = by_id.get(rid)
             allowed = self._imbalance * tokens / len(request.prompt_token_ids)
             if replica is not None and loads.get(rid, least) - least <= allowed:
-                return [[replica], shuffled]
-        return [shuffled]
+                return [[replica], *fallback]
+        return fallback
+
+    def _holds(self, replica: RunningReplica, adapters: tuple[tuple[str, float], ...]) -> bool:
+        """Whether the replica has the model loaded and every adapter (its routing stats, or sent here lately)."""
+        stats = getattr(replica, "routing_stats", None) or {}
+        if not stats.get("loaded", True):
+            return False
+        if not adapters:
+            return True
+        rid = replica.replica_id.unique_id
+        recent = time.monotonic() - RECENT_S
+        held = set(stats.get("adapters", ())) | {a for a, at in self._sent.get(rid, {}).items() if at >= recent}
+        return all(name in held for name, _ in adapters)
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests in flight per replica: from Ray Serve's cache, probing the replicas it has no fresh count of."""
@@ -96,7 +121,11 @@ class PrefixAffinityRouter(RequestRouter):
         request = generation_request(pending_request)
         if request is not None:
             table = self._state()
-            table.insert(table.keys(request.prompt_token_ids, request.cache_scope), replica_id.unique_id)
+            rid = replica_id.unique_id
+            table.insert(table.keys(request.prompt_token_ids, adapter_scope(request.cache_scope, request.adapters)), rid)
+            if request.adapters:
+                now = time.monotonic()
+                self._sent.setdefault(rid, {}).update({name: now for name, _ in request.adapters})
             if request.cache_hint:
                 self._hints[request.cache_hint] = replica_id.unique_id
                 self._hints.move_to_end(request.cache_hint)
@@ -108,17 +137,19 @@ class PrefixAffinityRouter(RequestRouter):
         table = self._state()
         now = {r.replica_id.unique_id for r in replicas}
         table.forget(self._known - now)
-        self._forget_hints(self._known - now)
+        self._forget_replicas(self._known - now)
         self._known = now
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._state().forget([replica_id.unique_id])
-        self._forget_hints({replica_id.unique_id})
+        self._forget_replicas({replica_id.unique_id})
         log.warning("replica %s died: its prefixes are forgotten", replica_id.unique_id)
 
-
-    def _forget_hints(self, replicas: set[str]) -> None:
+    def _forget_replicas(self, replicas: set[str]) -> None:
+        """Their hints and the adapters sent to them (their prefixes are the table's to forget)."""
+        for rid in replicas:
+            self._sent.pop(rid, None)
         for hint in [h for h, r in self._hints.items() if r in replicas]:
             del self._hints[hint]
 

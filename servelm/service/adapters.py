@@ -1,10 +1,15 @@
 """LoRA adapters of a text deployment: the ones it knows (from --lora, `loras` in the config, or loaded by route),
 which of them are loaded in its runner (at most --max-loras; the least recently used idle one is freed first and
 loaded again when a request names it), which a request runs with (`model: NAME`, or llama-server's per-request
-`lora: [{"id", "scale"}]`), and AdaptedEngine, which holds a request's adapters loaded while it runs."""
+`lora: [{"id", "scale"}]`), and AdaptedEngine, which holds a request's adapters loaded while it runs.
+
+AdapterRegistry is what the HTTP and service layers see: names, ids and scales, choosing a request's adapters, and
+the routes' add and remove. Adapters is a local engine's; servelm/ray's ingress has its own, whose adds and removes
+reach every replica."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -36,16 +41,13 @@ class AdapterNotFound(NotFound):
         super().__init__(f"The LoRA adapter '{name}' cannot be found.", code="lora_not_found")
 
 
-class Adapters:
-    """One deployment's LoRA adapters over its engine (an AdapterHost)."""
+class AdapterRegistry(abc.ABC):
+    """One deployment's LoRA adapters by name: which a request runs with, and the routes that add and remove them."""
 
-    def __init__(self, host: AdapterHost, max_loaded: int = 8) -> None:
-        self.host = host
+    def __init__(self, max_loaded: int = 8) -> None:
         self.max_loaded = max_loaded
         self._by_name: dict[str, Adapter] = {}
         self._next_id = 0
-        self._lock = asyncio.Lock()  # loads and frees, one at a time
-        self._idle = asyncio.Event()
 
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
@@ -62,41 +64,14 @@ class Adapters:
         self._by_name[name] = adapter
         return adapter
 
-    def add_at_start(self, name: str, path: str, scale: float = 1.0) -> None:
-        """An adapter of --lora / `loras`: loaded now (a ValueError names the file and llama.cpp's reason)."""
-        adapter = self._register(name, path, scale)
-        try:
-            self.host.load_adapter(name, path)
-        except ValueError as exc:
-            del self._by_name[name]
-            raise ValueError(f"LoRA adapter {name!r} ({path}): {exc}") from None
-        adapter.loaded = True
-
+    @abc.abstractmethod
     async def add(self, name: str, path: str, scale: float = 1.0) -> None:
         """vLLM's POST /v1/load_lora_adapter: 400 for a name loaded already or a file that is not one of this
         model's adapters (llama.cpp's reason quoted), 404 for a path that does not exist."""
-        if not Path(path).is_file():
-            raise NotFound(f"The LoRA adapter file '{path}' does not exist.", code="lora_path_not_found")
-        async with self._lock:
-            adapter = self._register(name, path, scale)
-            try:
-                await self._load(adapter)
-            except InvalidParameter:
-                del self._by_name[name]
-                raise
 
+    @abc.abstractmethod
     async def remove(self, name: str) -> None:
         """vLLM's POST /v1/unload_lora_adapter: gone for new requests at once, freed once its requests end."""
-        adapter = self._by_name.pop(name, None)
-        if adapter is None:
-            raise AdapterNotFound(name)
-        while adapter.users:
-            self._idle.clear()
-            await self._idle.wait()
-        async with self._lock:
-            if adapter.loaded:
-                await asyncio.to_thread(self.host.free_adapter, name)
-                adapter.loaded = False
 
     def select(self, model: str, lora: Sequence[Any] | None) -> tuple[tuple[str, float], ...]:
         """The adapters a request runs with: the one `model` names, and those llama-server's `lora` list names by
@@ -119,6 +94,49 @@ class Adapters:
             raise InvalidParameter(f"A request may use at most {self.max_loaded} LoRA adapters at once (--max-loras); "
                                    f"this one names {len(chosen)}.", "lora")
         return tuple(sorted(chosen.items()))
+
+
+class Adapters(AdapterRegistry):
+    """The LoRA adapters of a deployment whose engine (an AdapterHost) runs here."""
+
+    def __init__(self, host: AdapterHost, max_loaded: int = 8) -> None:
+        super().__init__(max_loaded)
+        self.host = host
+        self._lock = asyncio.Lock()  # loads and frees, one at a time
+        self._idle = asyncio.Event()
+
+    def add_at_start(self, name: str, path: str, scale: float = 1.0) -> None:
+        """An adapter of --lora / `loras`: loaded now (a ValueError names the file and llama.cpp's reason)."""
+        adapter = self._register(name, path, scale)
+        try:
+            self.host.load_adapter(name, path)
+        except ValueError as exc:
+            del self._by_name[name]
+            raise ValueError(f"LoRA adapter {name!r} ({path}): {exc}") from None
+        adapter.loaded = True
+
+    async def add(self, name: str, path: str, scale: float = 1.0) -> None:
+        if not Path(path).is_file():
+            raise NotFound(f"The LoRA adapter file '{path}' does not exist.", code="lora_path_not_found")
+        async with self._lock:
+            adapter = self._register(name, path, scale)
+            try:
+                await self._load(adapter)
+            except InvalidParameter:
+                del self._by_name[name]
+                raise
+
+    async def remove(self, name: str) -> None:
+        adapter = self._by_name.pop(name, None)
+        if adapter is None:
+            raise AdapterNotFound(name)
+        while adapter.users:
+            self._idle.clear()
+            await self._idle.wait()
+        async with self._lock:
+            if adapter.loaded:
+                await asyncio.to_thread(self.host.free_adapter, name)
+                adapter.loaded = False
 
     async def hold(self, adapters: tuple[tuple[str, float], ...]) -> list[Adapter]:
         """The request's adapters loaded (an idle one freed first past max_loaded), each counted as in use."""

@@ -15,7 +15,7 @@ from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
 from servelm.errors import InvalidParameter, ModelNotFound
-from servelm.service.adapters import Adapters
+from servelm.service.adapters import AdapterRegistry
 from servelm.service.admission import WaitingQueue
 from servelm.service.media import ImageInput
 from servelm.service.policy import ContentFilter
@@ -99,7 +99,7 @@ class TextDeployment(Deployment):
     content_filter: ContentFilter | None = None  # the policy its prompts and answers are checked against
     template_stops: tuple[str, ...] = ()  # stop strings every request gets: the fallback template's end marker
     facts: ModelFacts = ModelFacts()
-    adapters: Adapters | None = None  # its LoRA adapters (a llama.cpp engine's); None: it takes none
+    adapters: AdapterRegistry | None = None  # its LoRA adapters (a llama.cpp engine's, here or on Ray replicas); None: it takes none
 
 
 class Deployments:

@@ -20,7 +20,8 @@ from . import ray_mode
 from .conftest import REPO_ROOT, own_server
 from .helpers import MODEL, STORY, client_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(ray_mode.ENABLED, reason="adapters are not served under --ray yet")]
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(ray_mode.ENABLED, reason="under --ray: tests/ray/test_runtime_models.py")]
 
 
 def make_lora(out, seed: int, model: str | None = None) -> str:

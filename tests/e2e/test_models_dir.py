@@ -16,7 +16,7 @@ from .conftest import own_server
 from .helpers import client_for
 
 pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(ray_mode.ENABLED, reason="models on demand are not served under --ray yet")]
+              pytest.mark.skipif(ray_mode.ENABLED, reason="under --ray: tests/ray/test_runtime_models.py")]
 
 HISTORY = "The harbour records list every ship that came in, with its cargo, its captain and the weather. " * 40
 LONG = [{"role": "system", "content": HISTORY}, {"role": "user", "content": "Which ship came in first?"}]

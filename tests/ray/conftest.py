@@ -4,6 +4,7 @@ two replicas through servelm's Ray Serve application, started once per test modu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -61,24 +62,34 @@ def replica_specs():
 
 @pytest.fixture(scope="module")
 def ray_server() -> Iterator[RayServer]:
+    with ray_app(replica_specs()) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def ray_app(specs: list, *, node_cpus: int = 1, **app: Any) -> Iterator[RayServer]:
+    """servelm's Ray Serve application over `specs` (build_application's other arguments in `app`) on a fresh
+    two-node local cluster, ready once the first deployment reports all its replicas' slots."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from servelm.ray.application import APP_NAME, build_application
 
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    node = {**NODE, "num_cpus": node_cpus}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="ray-test-handles", daemon=True)
     thread.start()
     try:
-        cluster.add_node(**NODE)
+        cluster.add_node(**node)
         ray.init(address=cluster.address)
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        serve.run(build_application(replica_specs(), []), name=APP_NAME, route_prefix="/")
+        serve.run(build_application(specs, [], **app), name=APP_NAME, route_prefix="/")
         server = RayServer(f"http://127.0.0.1:{port}", cluster, loop)
-        _wait_ready(server)
+        first = specs[0]
+        _wait_ready(server, first.name, (first.num_replicas or 1) * first.engine.max_num_seqs)
         yield server
     finally:
         try:
@@ -91,15 +102,14 @@ def ray_server() -> Iterator[RayServer]:
             thread.join(timeout=10)
 
 
-def _wait_ready(server: RayServer) -> None:
+def _wait_ready(server: RayServer, model: str, slots: int) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         try:
             health = server.health()
-            slots = health["deployments"][MODEL]["total_slots"]
-            if health.get("status") == "ok" and slots == 2 * ENGINE["max_num_seqs"]:
+            if health.get("status") == "ok" and health["deployments"][model]["total_slots"] == slots:
                 return
         except (httpx.HTTPError, ValueError, KeyError):
             pass
         time.sleep(0.5)
-    pytest.fail(f"the Ray Serve application did not report two replicas within {READY_TIMEOUT_S} s")
+    pytest.fail(f"the Ray Serve application did not report {model}'s replicas within {READY_TIMEOUT_S} s")

@@ -228,3 +228,86 @@ async def test_calls_still_open_when_the_request_ends_are_cancelled() -> None:
     with pytest.raises(asyncio.CancelledError):
         await run_app(app)
     assert still_open.cancelled and not over.cancelled
+
+
+class Broadcasts:
+    """A handle's broadcast over stand-in replicas, each a dict of its adapters (name -> path); records the calls."""
+
+    def __init__(self, replicas: list[dict[str, str]], fail: Exception | None = None) -> None:
+        self.replicas = replicas
+        self.fail = fail
+        self.calls: list[tuple] = []
+
+    def broadcast(self, method: str, *args: Any) -> Any:
+        self.calls.append((method, *args))
+        answers: list[Any] = []
+        for held in self.replicas:
+            if method == "add_adapter" and self.fail is not None:
+                answers.append(self.fail)
+                continue
+            if method == "add_adapter":
+                held[args[0]] = args[1]
+            elif method == "remove_adapter":
+                held.pop(args[0], None)
+            elif method == "ensure_adapters":
+                held.update({name: path for name, path, _ in args[0]})
+            answers.append(None)
+        return _Answers(answers)
+
+
+class _Answers:
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+
+    async def results_async(self, **_: Any) -> list[Any]:
+        return self.answers
+
+
+def _replica_set(handle: Broadcasts) -> Any:
+    from servelm.ray.remote import ReplicaSet
+    from servelm.ray.replica import ReplicaStats
+
+    replicas = ReplicaSet("m", handle, 2)
+
+    async def refresh(timeout_s: float = 5.0) -> None:  # the replicas' counts, as their stats() would say
+        replicas.latest = [ReplicaStats(f"r{i}", EngineStats(0, 0, 0, 0, 8, 1, 2, 2), None, tuple((n, True, 0) for n in held))
+                           for i, held in enumerate(handle.replicas)]
+
+    replicas.refresh = refresh  # type: ignore[method-assign]
+    return replicas
+
+
+async def test_adapters_loaded_by_route_reach_every_replica_and_a_new_one_gets_them() -> None:
+    from servelm.config import LoraSpec
+    from servelm.ray.remote import ReplicaAdapters
+
+    handle = Broadcasts([{"two": "/a/two.gguf"}, {"two": "/a/two.gguf"}])
+    replicas = _replica_set(handle)
+    adapters = ReplicaAdapters(replicas, [LoraSpec.parse("two=/a/two.gguf")], max_loaded=8)
+    await adapters.add("three", "/a/three.gguf", 0.5)
+    assert handle.replicas == [{"two": "/a/two.gguf", "three": "/a/three.gguf"}] * 2
+    assert [(a.name, a.loaded) for a in adapters.all()] == [("two", True), ("three", True)]
+    assert adapters.select("three", None) == (("three", 0.5),)
+
+    handle.replicas.append({"two": "/a/two.gguf"})  # a replica started since (a replacement, a scale-up)
+    await replicas.refresh()
+    await adapters.sync()
+    assert handle.replicas[2] == {"two": "/a/two.gguf", "three": "/a/three.gguf"}
+    handle.calls.clear()
+    await replicas.refresh()
+    await adapters.sync()
+    assert handle.calls == [], "nothing is sent while every replica has them all"
+
+    await adapters.remove("three")
+    assert handle.replicas == [{"two": "/a/two.gguf"}] * 3 and "three" not in adapters
+
+
+async def test_an_adapter_a_replica_refuses_is_taken_back_everywhere_with_its_error() -> None:
+    from servelm.errors import NotFound
+    from servelm.ray.remote import ReplicaAdapters
+
+    handle = Broadcasts([{}, {}], fail=NotFound("The LoRA adapter file '/x' does not exist.", code="lora_path_not_found"))
+    adapters = ReplicaAdapters(_replica_set(handle), [], max_loaded=8)
+    with pytest.raises(NotFound):
+        await adapters.add("x", "/x")
+    assert "x" not in adapters and handle.calls[-1] == ("remove_adapter", "x")

@@ -1,0 +1,119 @@
+"""Models and LoRA adapters that come and go (issue 36) under Ray Serve, on a two-node local cluster: an on-demand
+deployment whose replica starts without its model, loaded when a request names it and unloaded by route; a base
+model of two replicas with an adapter from the start and one loaded and unloaded by vLLM's routes, which reach
+every replica. Driven by the official openai client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .conftest import ENGINE, MODEL, RayServer, ray_app
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(300)]
+
+LATER = "smollm2-later"  # the same file as MODEL, loaded on demand: its greedy answers must equal MODEL's
+QUESTION = [{"role": "user", "content": "Write a story about a cat."}]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_lora(out: Path, seed: int) -> str:
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_test_lora.py"), str(out), "--seed", str(seed)],
+                   check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def loras(tmp_path_factory) -> tuple[str, str]:
+    d = tmp_path_factory.mktemp("loras")
+    return make_lora(d / "two.gguf", 2), make_lora(d / "three.gguf", 3)
+
+
+@pytest.fixture(scope="module")
+def server(loras) -> Iterator[RayServer]:
+    from servelm.config import DeploymentSpec, EngineSettings, LoraSpec
+    from servelm.fleet import FleetLimits
+
+    base = DeploymentSpec(name=MODEL, model="smollm2", num_replicas=2, engine=EngineSettings(**ENGINE),
+                          loras=[LoraSpec(name="two", path=Path(loras[0]))])
+    later = DeploymentSpec(name=LATER, model="smollm2", load="on-demand", engine=EngineSettings(**ENGINE))
+    with ray_app([base], node_cpus=2, on_demand=[later], models=FleetLimits(idle_unload_s=-1)) as s:
+        yield s
+
+
+def client(server: RayServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", timeout=180, max_retries=0)
+
+
+def answer(server: RayServer, model: str) -> openai.types.chat.ChatCompletion:
+    return client(server).chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
+
+
+def statuses(server: RayServer) -> dict[str, dict]:
+    return {m.id: (m.model_extra or {}) for m in client(server).models.list().data}
+
+
+async def _replica_adapters(deployment: str) -> list[set[str]]:
+    """Each replica's loaded adapters, from the replicas themselves."""
+    from ray import serve
+
+    from servelm.ray.application import APP_NAME
+
+    handle = serve.get_deployment_handle(deployment, APP_NAME)
+    stats = await handle.broadcast("stats").results_async(timeout_s=30)
+    return [{name for name, loaded, _ in s.adapters if loaded} for s in stats]
+
+
+def test_an_on_demand_model_loads_when_named_and_unloads_by_route(server: RayServer) -> None:
+    assert statuses(server)[LATER]["status"]["value"] == "unloaded"
+    base = answer(server, MODEL).choices[0].message.content
+    reply = answer(server, LATER)
+    assert reply.model == LATER and reply.choices[0].message.content == base  # the same file, the same greedy answer
+    assert statuses(server)[LATER]["status"]["value"] == "loaded"
+    assert LATER in server.health()["deployments"]
+    r = httpx.post(f"{server.base_url}/models/unload", json={"model": LATER}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert statuses(server)[LATER]["status"]["value"] == "unloaded"
+    assert LATER not in server.health()["deployments"]
+    r = httpx.post(f"{server.base_url}/models/load", json={"model": LATER}, timeout=180)
+    assert r.status_code == 200, r.text
+    assert answer(server, LATER).choices[0].message.content == base
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert f'servelm_model_loads_total{{model="{LATER}",outcome="loaded"}} 2.0' in metrics
+
+
+def test_adapters_reach_every_replica_by_route(server: RayServer, loras) -> None:
+    base = answer(server, MODEL).choices[0].message.content
+    two = answer(server, "two")
+    assert two.model == "two" and two.choices[0].message.content != base  # the adapter from the start applies
+    assert server.run(_replica_adapters(MODEL), timeout=60) == [{"two"}, {"two"}]
+
+    r = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "three", "lora_path": loras[1]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert server.run(_replica_adapters(MODEL), timeout=60) == [{"two", "three"}, {"two", "three"}]
+    cards = statuses(server)
+    assert cards["three"]["parent"] == MODEL and cards["three"]["status"]["value"] == "loaded"
+    three = answer(server, "three").choices[0].message.content
+    assert three not in (base, two.choices[0].message.content)
+    assert [answer(server, "three").choices[0].message.content for _ in range(3)] == [three] * 3
+
+    twice = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={"lora_name": "three", "lora_path": loras[1]})
+    assert twice.status_code == 400
+    missing = httpx.post(f"{server.base_url}/v1/load_lora_adapter",
+                         json={"lora_name": "four", "lora_path": loras[1] + ".no"}, timeout=60)
+    assert missing.status_code == 404, missing.text
+    assert "four" not in statuses(server)
+
+    r = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json={"lora_name": "three"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert server.run(_replica_adapters(MODEL), timeout=60) == [{"two"}, {"two"}]
+    with pytest.raises(openai.NotFoundError):
+        answer(server, "three")
+    assert answer(server, MODEL).choices[0].message.content == base  # the base model unchanged throughout
