@@ -128,7 +128,10 @@ def phantom_tokens(vocab: list[str], control: set[str]) -> tuple[list[str], list
 
 
 # -- writing the GGUF -----------------------------------------------------------------------------
-def convert(source: Path, output: Path) -> None:
+def convert(source: Path, output: Path, rank_head: np.ndarray | None = None) -> None:
+    """Write the GGUF. `rank_head` (a row of hidden_size weights) makes a cross-encoder instead: rank pooling over
+    the checkpoint's pooler (dense and tanh on [CLS], llama.cpp's `cls` tensors) and that row as its one-score
+    classifier (`cls.output`) - scripts/make_test_reranker.py's test fixture."""
     import gguf
 
     config = json.loads((source / "config.json").read_text())
@@ -158,7 +161,7 @@ def convert(source: Path, output: Path) -> None:
     w.add_head_count(config["num_attention_heads"])
     w.add_layer_norm_eps(config["layer_norm_eps"])
     w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_pooling_type(gguf.PoolingType.MEAN if rank_head is None else gguf.PoolingType.RANK)
 
     w.add_tokenizer_model("bert")
     w.add_tokenizer_pre("default")
@@ -181,12 +184,22 @@ def convert(source: Path, output: Path) -> None:
     seen = set()
     for hf_name, array in read_safetensors(source / "model.safetensors"):
         name = gguf_tensor_name(hf_name)
+        if rank_head is not None and hf_name.removeprefix("bert.").startswith("pooler.dense."):
+            name = "cls." + hf_name.rpartition(".")[2]
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+            seen.add(name)
+            continue
         if name is None:
             continue
         seen.add(name)
         # matrices in f16; vectors, and the two-row token-type table that is added to f32 rows, in f32
         dtype = np.float16 if array.ndim == 2 and not name.startswith("token_types") else np.float32
         w.add_tensor(name, np.ascontiguousarray(array, dtype=dtype))
+    if rank_head is not None:
+        w.add_tensor("cls.output.weight", np.ascontiguousarray(rank_head.reshape(1, -1), dtype=np.float32))
+        w.add_tensor("cls.output.bias", np.zeros(1, dtype=np.float32))
+        if {"cls.weight", "cls.bias"} - seen:
+            raise ValueError("the checkpoint has no pooler for the classification head")
     missing = expected_tensors(config["num_hidden_layers"]) - seen
     if missing:
         raise ValueError(f"the checkpoint lacks {sorted(missing)}")

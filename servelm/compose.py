@@ -246,6 +246,10 @@ def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
     elif settings.embedding_model and settings.embedding_model_path is None:
         log.warning("the embedding model is not installed (run `make install`); serving no %r",
                     settings.embedding_model_id)
+    if settings.rerank_model_path:
+        path = Path(settings.rerank_model_path)
+        specs.append(DeploymentSpec(name=settings.rerank_model_id or path.stem, model=str(path), kind="rerank",
+                                    engine=settings.engine))
     return specs
 
 
@@ -394,7 +398,7 @@ def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any]
     path = resolve_model_source(spec.model, "embedding")
     log.info("loading %s for %r", path, spec.name)
     model = LlamaCppEmbedder(path, window=EMBEDDING_WINDOW, max_seqs=EMBEDDING_SEQS, threads=spec.engine.threads,
-                             verbose=verbose)
+                             verbose=verbose, pooling="rank" if spec.kind == "rerank" else None)
     embedders.append(model)
     deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
     deployment.memory = {"weights": path.stat().st_size, "embedding_context": EMBEDDING_CONTEXT_BYTES}

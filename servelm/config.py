@@ -152,6 +152,11 @@ class ServerSettings(BaseSettings):
         "empty value serves none)",
     )
     embedding_model_id: str = Field(DEFAULT_EMBEDDING_MODEL_ID, description="the embedding model's id")
+    rerank_model_path: str | None = Field(
+        None, description="a reranker's GGUF file (a cross-encoder such as bge-reranker-v2-m3): served beside the chat "
+        "model on /v1/rerank, /v2/rerank, /v3/rerank and /v1/score with llama.cpp's rank pooling",
+    )
+    rerank_model_id: str | None = Field(None, description="the reranker's id (default: its file's name)")
     special_tokens_in_content: bool = Field(
         False, description="read control-token text in chat messages (`<|im_start|>`, …) as those control tokens, as "
         "before: off by default, since it lets a user forge a system turn; only the chat template's own markers are "
@@ -343,7 +348,7 @@ class DeploymentSpec(BaseModel):
 
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
-    kind: Literal["chat", "embedding"] = "chat"
+    kind: Literal["chat", "embedding", "rerank"] = "chat"
     load: Literal["start", "on-demand"] = Field(
         "start", description="when its model is loaded: at start, or when a request names it (then unloaded when "
         "idle, as --models-dir's models are)")

@@ -39,6 +39,7 @@ log = logging.getLogger("servelm.fleet")
 MiB = 1 << 20
 # llama.cpp's encoder-only architectures: their files serve embeddings
 ENCODERS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "modern-bert", "neo-bert"})
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK, in a GGUF's ARCH.pooling_type
 RETRY_AFTER_S = 5  # a load refused for want of room: about when a running request may have ended
 
 
@@ -129,7 +130,7 @@ def _spec(name: str, model: Path, projector: Path | None, settings: Path | None,
     fields = {**engine.model_dump(exclude_unset=True), **own_engine}
     if engine.prefix_cache_dir and "prefix_cache_dir" not in own_engine:  # each model's entries in its own folder
         fields["prefix_cache_dir"] = str(Path(engine.prefix_cache_dir) / name)
-    table.setdefault("kind", "embedding" if _architecture(model) in ENCODERS else "chat")
+    table.setdefault("kind", _kind(model))
     if projector is not None:
         table.setdefault("mmproj", projector)
     try:
@@ -138,15 +139,21 @@ def _spec(name: str, model: Path, projector: Path | None, settings: Path | None,
         raise ValueError(f"{settings or model}: {exc}") from None
 
 
-def _architecture(path: Path) -> str:
-    """The GGUF's general.architecture ("" if it cannot be read: the load will say why)."""
+def _kind(path: Path) -> str:
+    """What a GGUF serves: "rerank" for rank pooling (a cross-encoder), "embedding" for an encoder architecture,
+    else "chat" (also when the file cannot be read: the load will say why)."""
     try:
         from gguf import GGUFReader
 
-        fld = GGUFReader(path).fields["general.architecture"]
-        return bytes(fld.parts[fld.data[0]]).decode()
+        fields = GGUFReader(path).fields
+        fld = fields["general.architecture"]
+        arch = bytes(fld.parts[fld.data[0]]).decode()
+        pooling = fields.get(f"{arch}.pooling_type")
+        if pooling is not None and int(pooling.parts[pooling.data[0]][0]) == RANK_POOLING:
+            return "rerank"
+        return "embedding" if arch in ENCODERS else "chat"
     except Exception:
-        return ""
+        return "chat"
 
 
 class Fleet:

@@ -77,8 +77,13 @@ class Embedder(Protocol):
     dim: int  # width of one vector
     vocab_size: int
     context_window: int  # most tokens one input may have
+    cross_encoder: bool  # a reranker: an input is a query and a document together, its row the head's scores
 
     def tokenize(self, text: str) -> list[int]: ...
+
+    def tokenize_pair(self, query: str, document: str) -> list[int]:
+        """A cross-encoder's input for a query and a document (only a cross-encoder has one)."""
+        ...
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One pooled, unnormalized vector (a row) per input; inputs share forward passes with others'."""

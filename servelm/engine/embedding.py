@@ -31,9 +31,14 @@ class EmbeddingModel(Protocol):
     context_window: int  # most tokens one input may have
     max_batch_tokens: int  # most tokens one forward pass may carry
     max_batch_seqs: int  # most inputs one forward pass may carry
+    cross_encoder: bool  # rank pooling: an input is a query and a document, its row the classifier's scores
 
     def tokenize(self, text: str) -> list[int]:
         """Text → token ids, with the special tokens the model expects around one input."""
+        ...
+
+    def tokenize_pair(self, query: str, document: str) -> list[int]:
+        """A query and a document as one cross-encoder input."""
         ...
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
@@ -76,6 +81,7 @@ class EmbeddingEngine:
         self.model = model
         self.dim = model.dim
         self.vocab_size = model.vocab_size
+        self.cross_encoder = model.cross_encoder
         self.context_window = min(model.context_window, model.max_batch_tokens)
         self._q = _Queue()
         self._thread: threading.Thread | None = None  # the worker, while there is work
@@ -124,6 +130,9 @@ class EmbeddingEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
         return self.model.tokenize(text)
+
+    def tokenize_pair(self, query: str, document: str) -> list[int]:
+        return self.model.tokenize_pair(query, document)
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Every input's vector (rows in input order). Inputs must be non-empty, within the context window

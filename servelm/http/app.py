@@ -20,6 +20,7 @@ from servelm.http.metrics_route import build_metrics_router, engine_gauges
 from servelm.http.middleware import RequestLog
 from servelm.http.models import LoadOnDemand, build_lora_router, build_models_router
 from servelm.http.playground import build_playground_router
+from servelm.http.rerank import build_rerank_router
 from servelm.http.routes import build_router
 from servelm.metrics import Metrics
 from servelm.service.admission import QueuedEngine
@@ -77,6 +78,7 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                                         for a in (d.adapters.all() if d.adapters is not None else ())])
     app.include_router(build_agent_router(chat, store if store is not None else MemoryStore()))  # Responses, Messages
     app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
+    app.include_router(build_rerank_router(deployments))  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
     app.state.metrics = metrics = app_metrics
     app.include_router(build_metrics_router(metrics))
     if batches is not None:

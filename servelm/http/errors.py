@@ -24,6 +24,10 @@ def error_parts(exc: ApiError, path: str | None = None, data: Any = None) -> tup
         return _azure_parts(exc, data)
     if path is not None and is_anthropic(path):
         return exc.status, anthropic_error(exc), dict(exc.headers)
+    if path == COHERE_RERANK_PATH:  # Cohere's errors: {"message"}
+        return exc.status, {"message": exc.message}, dict(exc.headers)
+    if path == OVMS_RERANK_PATH:  # OpenVINO Model Server's: {"error": message}
+        return exc.status, {"error": exc.message}, dict(exc.headers)
     return exc.status, exc.body(), dict(exc.headers)
 
 
@@ -205,6 +209,10 @@ def _detail(param: str, data: dict[str, Any] | None) -> dict[str, Any]:
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                     504: "timeout_error"}
+
+
+COHERE_RERANK_PATH = "/v2/rerank"
+OVMS_RERANK_PATH = "/v3/rerank"
 
 
 def is_anthropic(path: str) -> bool:

@@ -50,6 +50,9 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         if getattr(s, "backend", "llamacpp") != "llamacpp":
             raise ValueError(f"deployment {s.name!r}: only llama.cpp deployments run under --ray for now (the "
                              "ingress tokenizes with a tokenizer-only copy of a GGUF)")
+        if s.kind == "rerank":
+            raise ValueError(f"deployment {s.name!r}: rerankers are not served under --ray yet (an embedding "
+                             "model's scores are)")
     deployments = {s.name: model_deployment(s, verbose_llama, shutdown_timeout) for s in specs}
     deployments.update({s.name: model_deployment(s, verbose_llama, shutdown_timeout, on_demand=True) for s in on_demand})
     plan = IngressPlan(

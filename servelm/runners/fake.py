@@ -265,9 +265,13 @@ class FakeEmbedder:
     Text: BOS, then one token per character (as FakeRunner spells it). The vector of an input depends on
     its tokens only, never on what shares its pass: component j is 1 + the mean of cos((j + 1) * t) over
     its tokens t. Every pass is recorded (`passes`), and checked against the model's limits.
+
+    As a `cross_encoder` (a reranker) an input is BOS, the query, SEP and the document, and its one score is the
+    logit 8 × (the share of the document's tokens found in the query) - 4.
     """
 
     BOS = 1
+    SEP = 0
 
     def __init__(
         self,
@@ -278,7 +282,10 @@ class FakeEmbedder:
         max_batch_tokens: int = 64,
         max_batch_seqs: int = 4,
         delay: float = 0.0,
+        cross_encoder: bool = False,
     ) -> None:
+        self.cross_encoder = cross_encoder
+        dim = 1 if cross_encoder else dim
         self.dim = dim
         self.vocab_size = vocab_size
         self.context_window = context_window
@@ -290,6 +297,16 @@ class FakeEmbedder:
 
     def tokenize(self, text: str) -> list[int]:
         return [self.BOS] + [2 + ord(c) % (self.vocab_size - 2) for c in text]
+
+    def tokenize_pair(self, query: str, document: str) -> list[int]:
+        return self.tokenize(query) + [self.SEP] + self.tokenize(document)[1:]
+
+    @classmethod
+    def score_of(cls, tokens: list[int]) -> float:
+        """A cross-encoder input's logit."""
+        sep = tokens.index(cls.SEP)
+        query, document = set(tokens[1:sep]), tokens[sep + 1:]
+        return 8.0 * sum(t in query for t in document) / max(len(document), 1) - 4.0
 
     @staticmethod
     def vector_of(tokens: list[int], dim: int) -> np.ndarray:
@@ -308,6 +325,8 @@ class FakeEmbedder:
                for ids in inputs):
             raise FakeKVError("an input is empty, too long or outside the vocabulary")
         self.passes.append([list(ids) for ids in inputs])
+        if self.cross_encoder:
+            return np.array([[self.score_of(ids)] for ids in inputs], dtype=np.float32)
         return np.stack([self.vector_of(ids, self.dim) for ids in inputs])
 
     def close(self) -> None:

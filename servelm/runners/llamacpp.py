@@ -685,12 +685,16 @@ class LlamaCppEmbedder:
 
     Owns its model (loaded from `model_path`), or borrows the model of a LlamaCppRunner (`share`) and owns
     only its context; close() frees what it owns. Pooling comes from the model file unless `pooling` names
-    one ("mean", "cls", "last"): a chat model has none of its own and is asked for "mean". Every forward
+    one ("mean", "cls", "last", "rank"): a chat model has none of its own and is asked for "mean". Every forward
     pass carries whole inputs (a pooled vector cannot span two passes), so the batch, the micro-batch and
     the context all have `window` tokens, and one input may have at most `window` tokens.
+
+    With rank pooling (a reranker: a cross-encoder's classification head) the model is a `cross_encoder`: an
+    input is a query and a document together (`tokenize_pair`), and its row holds the head's scores.
     """
 
-    _POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS, "last": C.LLAMA_POOLING_TYPE_LAST}
+    _POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS, "last": C.LLAMA_POOLING_TYPE_LAST,
+                "rank": C.LLAMA_POOLING_TYPE_RANK}
 
     def __init__(
         self,
@@ -747,7 +751,10 @@ class LlamaCppEmbedder:
             self.close()
             raise ValueError(f"{self.description} has no pooling: give one (e.g. pooling='mean')")
         self._mem = C.llama_get_memory(self._ctx)  # None for encoder-only models such as BERT
-        self.dim = int(C.llama_model_n_embd_out(model))
+        self.cross_encoder = C.llama_pooling_type(self._ctx) == C.LLAMA_POOLING_TYPE_RANK
+        self.dim = int(C.llama_model_n_cls_out(model) if self.cross_encoder else C.llama_model_n_embd_out(model))
+        template = C.llama_model_chat_template(model, b"rerank") if self.cross_encoder else None
+        self._pair_template = template.decode("utf-8") if template else None
         self._init_batch(self.max_batch_tokens)
 
     def _init_batch(self, size: int) -> None:
@@ -756,6 +763,25 @@ class LlamaCppEmbedder:
     def tokenize(self, text: str) -> list[int]:
         """Text → token ids with the model's own special tokens (BERT: [CLS] … [SEP]); none parsed from text."""
         return _tokenize(self._vocab, text, True, False)
+
+    def tokenize_pair(self, query: str, document: str) -> list[int]:
+        """A query and a document as one input of a cross-encoder, as llama-server writes it: the model's rerank
+        template (`{query}`, `{document}`) when it has one, else BOS, the query, EOS (SEP where there is no EOS),
+        SEP, the document and EOS, each special token where the vocabulary adds it."""
+        if self._pair_template is not None:
+            text = self._pair_template.replace("{query}", query).replace("{document}", document)
+            return _tokenize(self._vocab, text, False, True)
+        v = self._vocab
+        eos = C.llama_vocab_eos(v)
+        eos = C.llama_vocab_sep(v) if eos == C.LLAMA_TOKEN_NULL else eos
+        add_eos = bool(C.llama_vocab_get_add_eos(v))
+        ids = [C.llama_vocab_bos(v)] if C.llama_vocab_get_add_bos(v) else []
+        ids += _tokenize(v, query, False, False)
+        ids += [eos] if add_eos else []
+        ids += [C.llama_vocab_sep(v)] if C.llama_vocab_get_add_sep(v) else []
+        ids += _tokenize(v, document, False, False)
+        ids += [eos] if add_eos else []
+        return [int(i) for i in ids]
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One forward pass over every input, each as its own sequence; rows of pooled (unnormalized) vectors.

@@ -35,6 +35,10 @@ class EmbeddingService:
     def prepare(self, req: EmbeddingRequest) -> PreparedEmbedding:
         """Validate and tokenize (may take milliseconds: call it off the event loop)."""
         dep, embedder = self.deployments.embedder(req.model)
+        if embedder.cross_encoder:
+            raise InvalidParameter(f"The model `{req.model}` is a reranker: it scores a query against documents "
+                                   "(/v1/rerank, /v1/score) and makes no embeddings.", "model",
+                                   code="model_not_supported")
         dimensions = embedder.dim if req.dimensions is None else req.dimensions
         if not 1 <= dimensions <= embedder.dim:
             raise InvalidParameter(
