@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
 from servelm.errors import ApiError
+from servelm.logs import configure as configure_logs
 
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
@@ -104,7 +105,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     from servelm.keys import load_keys
     from servelm.service.store import MemoryStore, StoreLimits
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logs(settings.log_level, settings.log_format)
     try:
         config = load_config_file(settings.config) if settings.config else None
         keys = load_keys(settings, config.keys if config else [])  # hashed here: the keys themselves go no further
@@ -128,7 +129,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
                      security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
                      playground=settings.playground, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
-                     batches=BatchConfig.from_settings(settings), catalog=catalog)
+                     batches=BatchConfig.from_settings(settings), catalog=catalog, tracing=_tracing(settings))
     names = ", ".join(repr(d.name) for d in built.deployments.all())
     if catalog is not None:
         names += (", " if names else "") + ", ".join(f"{n!r} (on demand)" for n in catalog.statuses())
@@ -139,6 +140,23 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
                    keep_alive_timeout=settings.keep_alive_timeout, max_connections=settings.max_connections)
     finally:
         built.close()
+
+
+def _tracing(settings: ServerSettings) -> Any:
+    """The OpenTelemetry exporter of --otlp-traces-endpoint (None: tracing off)."""
+    from servelm.tracing import Tracing
+
+    found = trace_settings(settings)
+    return Tracing(found) if found is not None else None
+
+
+def trace_settings(settings: ServerSettings) -> Any:
+    """--otlp-traces-endpoint and its companions as TraceSettings (None: tracing off)."""
+    from servelm.tracing import TraceSettings
+
+    if not settings.otlp_traces_endpoint:
+        return None
+    return TraceSettings(settings.otlp_traces_endpoint, settings.otlp_protocol, settings.otlp_capture_content)
 
 
 def _fleet(settings: ServerSettings, on_demand: list[Any], verbose_llama: bool) -> Any:
@@ -180,7 +198,7 @@ def _serve_on_ray(settings: ServerSettings, specs: list[Any], on_demand: list[An
                             playground=settings.playground, batches=BatchConfig.from_settings(settings),
                             on_demand=with_blocklist(on_demand, settings.content_blocklist),
                             models=FleetLimits(settings.models_max, settings.models_memory_mib << 20,
-                                               settings.idle_unload_s))
+                                               settings.idle_unload_s), tracing=trace_settings(settings))
     serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
 
 
@@ -228,7 +246,7 @@ def _batch(args: argparse.Namespace) -> int:
     except Exception as exc:  # pydantic's message names the setting
         print(f"servelm: invalid setting: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logs(settings.log_level, settings.log_format)
     if not source.is_file():
         print(f"servelm batch: no such file: {source}", file=sys.stderr)
         return 2

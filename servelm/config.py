@@ -202,6 +202,17 @@ class ServerSettings(BaseSettings):
     idle_unload_s: float = Field(300.0, description="seconds a model loaded on demand stays loaded after its last "
                                  "request (a request's keep_alive overrides it; -1: never unloaded)")
     log_level: str = Field("info", description="log level: debug, info, warning, error")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="log lines as text, or as one JSON object each (json: the access line's fields, "
+        "request_id, status, duration_ms and trace_id among them, as keys)")
+    # -- OpenTelemetry traces (servelm/tracing.py) --
+    otlp_traces_endpoint: str | None = Field(
+        None, description="send a span per request over OTLP to this endpoint (HTTP: a URL, /v1/traces added when it "
+        "has no path; gRPC: host:port), named and attributed by the GenAI semantic conventions. Off when unset")
+    otlp_protocol: Literal["http/protobuf", "grpc"] = Field("http/protobuf", description="OTLP over HTTP with "
+                                                          "protobuf, or gRPC")
+    otlp_capture_content: bool = Field(False, description="put prompts and answers into the spans "
+                                       "(gen_ai.input.messages, gen_ai.output.messages): off by default")
     # -- security and load control (http/auth.py, http/ratelimit.py, http/limits.py) --
     api_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list, repr=False, description="an API key clients must send (Authorization: Bearer KEY "

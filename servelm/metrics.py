@@ -227,6 +227,8 @@ class Metrics:
                              ["model"], buckets=_E2E_BUCKETS, registry=r)
         self.filtered = Counter("servelm_content_filtered", "requests a content filter blocked, by deployment, "
                                 "direction (input, output) and category", ["model", "direction", "category"], registry=r)
+        self.scored = Counter("servelm_rerank_pairs", "query-document pairs scored (rerank, score), by deployment and "
+                              "how (cross_encoder: a reranker; cosine: an embedding model)", ["model", "kind"], registry=r)
         r.register(_EngineCollector(engine_gauges))
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, regex_to_lark
 
+from servelm import tracing
 from servelm.constrain.constraint import Constraint
 
 if TYPE_CHECKING:  # its type stubs only
@@ -201,7 +202,10 @@ class Grammars:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
+        start = time.monotonic()
         proto = hit[0] if hit is not None else self._remember(key, *self._prototype(grammar))
+        tracing.event("servelm.grammar_compiled", servelm__grammar_kind=kind, servelm__grammar_cached=hit is not None,
+                      servelm__compile_seconds=time.monotonic() - start)
         return Constraint(grammar=grammar, key=key, kind=kind, proto=proto)
 
     def _prototype(self, grammar: str) -> tuple[LLMatcher, int]:

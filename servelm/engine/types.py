@@ -133,6 +133,8 @@ class GenerationRequest:
     priority: int = 0  # vLLM's: lower runs first, and may preempt a running request ranked below it
     # LoRA adapters (name, scale) applied while its rows are computed; its prefix cache is theirs alone
     adapters: tuple[tuple[str, float], ...] = ()
+    # the request's trace span as a W3C traceparent ("" untraced): a Ray replica's span of it joins the trace
+    traceparent: str = ""
 
 
 class FinishReason(str, enum.Enum):

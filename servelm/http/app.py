@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from servelm import __version__
 from servelm.batch.runner import BatchRunner
+from servelm.engine.base import Engine
 from servelm.http import errors, limits, openapi
 from servelm.http.agents import build_agent_router
 from servelm.http.asgi import ErrorBoundary
@@ -22,23 +23,27 @@ from servelm.http.models import LoadOnDemand, build_lora_router, build_models_ro
 from servelm.http.playground import build_playground_router
 from servelm.http.rerank import build_rerank_router
 from servelm.http.routes import build_router
+from servelm.http.tracing import Traced
 from servelm.metrics import Metrics
 from servelm.service.admission import QueuedEngine
 from servelm.service.catalog import ModelCatalog
 from servelm.service.chat import ChatService
-from servelm.service.deployments import Deployments
+from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.metered import MeteredEngine
 from servelm.service.store import MemoryStore, ResponseStore
+from servelm.service.traced import TracedEngine
+from servelm.tracing import Tracing
 
 
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
                on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None,
                store: ResponseStore | None = None, timings: bool = False, playground: bool = True,
-               batches: BatchConfig | None = None, catalog: ModelCatalog | None = None) -> FastAPI:
+               batches: BatchConfig | None = None, catalog: ModelCatalog | None = None,
+               tracing: Tracing | None = None) -> FastAPI:
     """The app over these deployments; `store` keeps the Responses API's stored answers (default: in this process's
     memory), `timings`: every answer carries llama-server's timings; `playground`: the web page at /; `batches`:
     the Files and Batches API's state directory and bounds (None: those routes answer 404); `catalog`: models
-    loaded when a request names them (servelm/fleet.py)."""
+    loaded when a request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span per request."""
     runner: BatchRunner | None = None
 
     @asynccontextmanager
@@ -59,12 +64,17 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                 await catalog.stop()
             if on_stop is not None:
                 on_stop()
+            if tracing is not None:
+                tracing.shutdown()  # the spans still buffered go out
 
     app_metrics = Metrics(lambda: engine_gauges(deployments))
     # time every generation (TTFT, inter-token and end-to-end latency, tokens), and free its place in the waiting
     # queue at its first output; the deployments given stay as they are
-    deployments = deployments.with_engines(
-        lambda d: MeteredEngine(QueuedEngine(d.engine, d.queue), app_metrics.meter(d.name)))
+    def wrap(d: TextDeployment) -> Engine:
+        metered = MeteredEngine(QueuedEngine(d.engine, d.queue), app_metrics.meter(d.name))
+        return TracedEngine(metered) if tracing is not None else metered
+
+    deployments = deployments.with_engines(wrap)
     app = FastAPI(title="servelm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=OPENAPI_PATH)
     openapi.install(app)
@@ -97,5 +107,7 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body size 413, deadline
     app.add_middleware(RequestLog, metrics=metrics)  # it sees every answer, 401/429 included
+    if tracing is not None:  # around the access log, which writes the span's trace id
+        app.add_middleware(Traced, tracing=tracing)
     limits.install_cors(app, security or SecurityConfig())  # outermost: preflights need no key
     return app

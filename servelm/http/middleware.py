@@ -9,6 +9,7 @@ import re
 import time
 import uuid
 
+from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.metrics import Metrics
@@ -18,6 +19,7 @@ log = logging.getLogger("servelm.access")
 MAX_REQUEST_ID = 128
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,%d}" % MAX_REQUEST_ID)
 FILTERED_NOTE = "content_filter"  # scope state a content filter's block leaves ("input:hate"), logged here
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 OTHER_ROUTE = "other"  # a path no route matched: never a raw path, which would make labels unbounded
 
 
@@ -83,5 +85,24 @@ class RequestLog:
         filtered = scope.get("state", {}).get(FILTERED_NOTE)
         if filtered:  # that a request was filtered, and why; never what it said
             note += f" filtered={filtered}"
-        log.info("%s %s %d %.1fms request_id=%s%s", method, scope.get("path", ""), status, seconds * 1000, rid, note,
-                 extra={"request_id": rid, "status": status, "duration_ms": round(seconds * 1000, 1)})
+        trace_id, span_id = trace_of(scope)
+        if trace_id:
+            note += f" trace_id={trace_id}"
+        path = scope.get("path", "")
+        log.info("%s %s %d %.1fms request_id=%s%s", method, path, status, seconds * 1000, rid, note,
+                 extra={"request_id": rid, "method": method, "path": path, "status": status,
+                        "duration_ms": round(seconds * 1000, 1), "trace_id": trace_id, "span_id": span_id})
+
+
+def trace_of(scope: Scope) -> tuple[str | None, str | None]:
+    """The request's trace and span ids: its OpenTelemetry span's while traced, else the caller's W3C traceparent's
+    (so a line can be found from the caller's trace even with tracing off)."""
+    span = trace.get_current_span().get_span_context()
+    if span.is_valid:
+        return f"{span.trace_id:032x}", f"{span.span_id:016x}"
+    for name, value in scope.get("headers", []):
+        if name == b"traceparent":
+            m = _TRACEPARENT.fullmatch(value.decode("latin-1").strip())
+            if m and m.group(1) != "0" * 32:
+                return m.group(1), m.group(2)
+    return None, None

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from servelm import tracing
 from servelm.http.auth import check_access
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
@@ -50,8 +51,16 @@ def build_rerank_router(deployments: Deployments) -> APIRouter:
         if model is None:
             check_access(request.scope, deployments, prepared.model)
         charge_tokens(request.scope, prepared.tokens, 0)
+        tracing.annotate(gen_ai__operation__name="rerank", gen_ai__request__model=prepared.model,
+                         servelm__pairs=len(prepared.pairs), gen_ai__usage__input_tokens=prepared.tokens)
         scores = await run_unless_disconnected(request, asyncio.ensure_future(service.run(prepared)))
-        return None if scores is None else (prepared, scores)
+        if scores is None:
+            return None
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            kind = "cross_encoder" if prepared.embedder.cross_encoder else "cosine"
+            metrics.scored.labels(prepared.model, kind).inc(len(prepared.pairs))
+        return prepared, scores
 
     def results(texts: list[str], scores: list[float], top_n: int | None, documents: bool) -> list[RerankResult]:
         return [RerankResult(index=i, relevance_score=s, document=RerankDocument(text=texts[i]) if documents else None)

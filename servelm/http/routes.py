@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from servelm import tracing
 from servelm.errors import ModelNotFound
 from servelm.http.asgi import Scope
 from servelm.http.auth import can_use, check_access, current_key, sees_counters
@@ -20,6 +21,7 @@ from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
 from servelm.http.streams import SSE, Framing, frames
+from servelm.http.tracing import describe_generation
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
 from servelm.protocol.completions import Completion, CompletionRequest
@@ -81,12 +83,18 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
     dep = prepared.deployment
     admission = admit(request.scope, dep.queue, [g.request_id for g in gens], sum(len(g.prompt_token_ids) for g in gens),
                       sum(g.params.max_tokens * g.params.num_seqs for g in gens), dep.max_waiting)
+    trace = tracing.current()
+    if trace is not None:
+        describe_generation(trace, req, service.operation, dep.name, [g.request_id for g in gens], gens[0].priority,
+                            gens[0].adapters)
+        trace.event("servelm.admitted", servelm__waiting=dep.queue.total)
     if prepared.screening is not None:  # the deployment's content policy on the prompt: a 400 before anything runs
         try:
             await bounded(request.scope, prepared.screening.check_prompt())
         except BaseException:
             admission.close()  # nothing generated: the key's tokens per minute get the reservation back
             raise
+        tracing.annotate(servelm__content_filter="passed")  # the answer's block, if any, says so at the end
     if prepared.stream:
         return StreamingResponse(
             frames(streamed(request.scope, admission, service.stream(prepared)), framing),

@@ -20,6 +20,7 @@ from servelm.fleet import FleetLimits
 from servelm.http.batches import BatchConfig
 from servelm.http.limits import SecurityConfig
 from servelm.service.store import StoreLimits
+from servelm.tracing import TraceSettings
 
 log = logging.getLogger("servelm.ray")
 
@@ -38,10 +39,12 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
                       security: SecurityConfig | None = None, *, verbose_llama: bool = False,
                       log_level: str = "info", shutdown_timeout: float = 10.0, store: StoreLimits | None = None,
                       timings: bool = False, playground: bool = True, batches: BatchConfig | None = None,
-                      on_demand: Sequence[DeploymentSpec] = (), models: FleetLimits = FleetLimits()) -> Any:
+                      on_demand: Sequence[DeploymentSpec] = (), models: FleetLimits = FleetLimits(),
+                      tracing: TraceSettings | None = None) -> Any:
     """The bound Ray Serve application (pass it to serve.run). `shutdown_timeout`: seconds requests in flight
     may take to finish when the application stops (ServerSettings.shutdown_timeout). `on_demand`: deployments
-    whose replicas start without their model, loaded when a request names it within the `models` bounds."""
+    whose replicas start without their model, loaded when a request names it within the `models` bounds.
+    `tracing`: the ingress's spans and the replicas' join one trace per request."""
     from ray import serve
 
     from servelm.ray.ingress import IngressDeployment, IngressPlan
@@ -53,12 +56,14 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         if s.kind == "rerank":
             raise ValueError(f"deployment {s.name!r}: rerankers are not served under --ray yet (an embedding "
                              "model's scores are)")
-    deployments = {s.name: model_deployment(s, verbose_llama, shutdown_timeout) for s in specs}
-    deployments.update({s.name: model_deployment(s, verbose_llama, shutdown_timeout, on_demand=True) for s in on_demand})
+    deployments = {s.name: model_deployment(s, verbose_llama, shutdown_timeout, tracing=tracing) for s in specs}
+    deployments.update({s.name: model_deployment(s, verbose_llama, shutdown_timeout, on_demand=True, tracing=tracing)
+                        for s in on_demand})
     plan = IngressPlan(
         specs=[s.model_dump(mode="json") for s in specs],
         on_demand=[s.model_dump(mode="json") for s in on_demand],
         models=models,
+        tracing=tracing,
         aliases={a: s.name for s in [*specs, *on_demand] for a in s.aliases},
         endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints},
         security=security or SecurityConfig(),
@@ -79,7 +84,7 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
 
 
 def model_deployment(spec: DeploymentSpec, verbose_llama: bool = False, shutdown_timeout: float = 10.0,
-                     on_demand: bool = False) -> Any:
+                     on_demand: bool = False, tracing: TraceSettings | None = None) -> Any:
     """One config deployment as a Ray Serve deployment of ModelReplica (bound, not yet running)."""
     from ray import serve
 
@@ -87,7 +92,7 @@ def model_deployment(spec: DeploymentSpec, verbose_llama: bool = False, shutdown
 
     options = deployment_options(spec, shutdown_timeout)
     return serve.deployment(ModelReplica).options(**options).bind(spec.model_dump(mode="json"), verbose_llama,
-                                                                  on_demand)
+                                                                  on_demand, tracing)
 
 
 def deployment_options(spec: DeploymentSpec, shutdown_timeout: float = 10.0) -> dict[str, Any]:

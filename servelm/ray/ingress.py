@@ -35,6 +35,7 @@ from servelm.ray.replica import ReplicaInfo
 from servelm.ray.served_by import ReplicaHeader
 from servelm.service.deployments import Deployment, Deployments
 from servelm.service.store import StoreLimits
+from servelm.tracing import TraceSettings, Tracing
 
 log = logging.getLogger("servelm.ray")
 
@@ -54,6 +55,7 @@ class IngressPlan:
     batches: BatchConfig | None = None  # the Batch API's state (on the ingress's node; its lines go to the replicas)
     on_demand: list[dict[str, Any]] = field(default_factory=list)  # DeploymentSpecs whose models load on demand
     models: FleetLimits = field(default_factory=FleetLimits)
+    tracing: TraceSettings | None = None  # OpenTelemetry: a span per request here, joined by the replica's
 
 
 class Ingress:
@@ -82,9 +84,11 @@ class Ingress:
         from servelm.http.app import create_app
         from servelm.ray.store import RayStore
 
+        tracing = Tracing(self._plan.tracing) if self._plan.tracing is not None else None
         app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security,
                          store=RayStore(self._plan.store), timings=self._plan.timings,
-                         playground=self._plan.playground, batches=self._plan.batches, catalog=self._catalog)
+                         playground=self._plan.playground, batches=self._plan.batches, catalog=self._catalog,
+                         tracing=tracing)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:

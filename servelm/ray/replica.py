@@ -35,6 +35,7 @@ from servelm.engine.types import EngineStats, GenerationOutput, GenerationReques
 from servelm.errors import InvalidParameter, ServiceUnavailable
 from servelm.service.adapters import Adapters
 from servelm.service.deployments import Deployment, ModelFacts, TextDeployment, all_alive
+from servelm.tracing import RequestTrace, TraceSettings, Tracing
 
 if TYPE_CHECKING:
     from servelm.compose import Built
@@ -74,9 +75,11 @@ def replica_id() -> str:
 
 
 class ModelReplica:
-    def __init__(self, spec: dict[str, Any], verbose_llama: bool = False, on_demand: bool = False) -> None:
+    def __init__(self, spec: dict[str, Any], verbose_llama: bool = False, on_demand: bool = False,
+                 tracing: TraceSettings | None = None) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._spec = DeploymentSpec.model_validate(spec)
+        self._tracing = Tracing(tracing) if tracing is not None else None
         self._verbose = verbose_llama
         self._built: Built | None = None
         self._loading = asyncio.Lock()
@@ -125,6 +128,7 @@ class ModelReplica:
             raise RuntimeError(f"the deployment {self._spec.name!r} does not generate text")
         engine = d.engine
         yield self._id
+        trace = self._trace(request)
         ready: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.ensure_future(_pump(engine.generate(request), ready))
         try:
@@ -134,6 +138,9 @@ class ModelReplica:
                 while not ready.empty():
                     batch.append(ready.get_nowait())
                 outputs = [o for o in batch if isinstance(o, GenerationOutput)]
+                if trace is not None:
+                    for o in outputs:
+                        trace.output(request.request_id, o, len(request.prompt_token_ids))
                 if outputs:
                     yield outputs
                 ends = [o for o in batch if not isinstance(o, GenerationOutput)]
@@ -143,6 +150,20 @@ class ModelReplica:
                     return
         finally:
             pump.cancel()  # a cancelled stream (the client went away) closes the engine's generator: abort
+            if trace is not None:
+                trace.finish()
+                trace.span.end()
+
+    def _trace(self, request: GenerationRequest) -> RequestTrace | None:
+        """The replica's span of a traced request: a child of the ingress's (its traceparent came with it)."""
+        if self._tracing is None or not request.traceparent:
+            return None
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        parent = TraceContextTextMapPropagator().extract({"traceparent": request.traceparent})
+        span = self._tracing.tracer.start_span(f"generate {self._spec.name}", context=parent, attributes={
+            "servelm.replica": self._id, "gen_ai.request.model": self._spec.name})
+        return RequestTrace(span)
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         if self._built is None:
@@ -210,6 +231,9 @@ class ModelReplica:
         if built is not None:
             self._built = None
             _close(built)
+        tracing = getattr(self, "_tracing", None)
+        if tracing is not None:
+            tracing.shutdown()  # its buffered spans go out
 
 
 _END = object()

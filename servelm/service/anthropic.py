@@ -54,6 +54,8 @@ class PreparedMessage(Translated):
 
 
 class MessagesService:
+    operation = "chat"  # its GenAI operation name (traces)
+
     def __init__(self, chat: ChatService) -> None:
         self.chat = chat
         self.deployments = chat.deployments

@@ -70,6 +70,7 @@ P = TypeVar("P", bound=Prepared)
 
 class GeneratingService(Protocol[Req, P]):
     deployments: Deployments
+    operation: str  # the OpenTelemetry GenAI operation name: "chat" or "text_completion"
 
     def prepare(self, req: Req, ctx: RequestContext) -> P:
         """Check the request and make its engine requests: raises the 4xx for anything it cannot run."""

@@ -74,6 +74,8 @@ class PreparedChat:
 
 
 class ChatService:
+    operation = "chat"  # its GenAI operation name (traces)
+
     def __init__(self, deployments: Deployments) -> None:
         self.deployments = deployments
 

@@ -75,6 +75,8 @@ class PromptParts:
 
 
 class CompletionService:
+    operation = "text_completion"  # its GenAI operation name (traces)
+
     def __init__(self, deployments: Deployments, default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> None:
         """default_max_tokens: used when a request gives none (None: up to the context window, as OVMS does)."""
         self.deployments = deployments

@@ -186,6 +186,8 @@ class PreparedNative(Translated):
 
 class NativeService:
     """DJL's native schema over CompletionService: `inputs` is the raw prompt (no chat template)."""
+    operation = "text_completion"  # its GenAI operation name (traces)
+
 
     def __init__(self, completions: CompletionService) -> None:
         self.completions = completions

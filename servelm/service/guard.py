@@ -6,12 +6,14 @@ always parses. The labels map to categories (Azure's hate, sexual, violence and 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 import weakref
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
+from servelm import tracing
 from servelm.chat.template import ChatTemplate
 from servelm.constrain.constraint import Constraint
 from servelm.engine.types import GenerationRequest, SamplingParams
@@ -69,13 +71,17 @@ async def judge(guard: Guard, deployments: Deployments, messages: list[dict[str,
     request = GenerationRequest(f"guard-{uuid.uuid4().hex}", tuple(ids),
                                 SamplingParams(max_tokens=guard.max_tokens, temperature=0.0), grammar,
                                 cache_scope=scope)
+    start = time.monotonic()
     try:
         text = await asyncio.wait_for(_answer(dep, request), guard.timeout)
     except TimeoutError:
         raise GuardUnavailable(guard.deployment, f"it did not answer within {guard.timeout:g} s") from None
     except ApiError as exc:
         raise GuardUnavailable(guard.deployment, exc.message) from None
-    return guard.parse(text)
+    flagged = guard.parse(text)
+    tracing.event("servelm.guard_check", servelm__guard=guard.deployment, servelm__role=role,
+                  servelm__flagged=sorted(flagged), servelm__seconds=time.monotonic() - start)
+    return flagged
 
 def _prompt(guard: Guard, view: TextDeployment, messages: list[dict[str, Any]], role: str) -> list[int]:
     """The guard's prompt; a conversation too long for its context loses its earliest turns, then the start

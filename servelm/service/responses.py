@@ -69,6 +69,8 @@ class PreparedResponse(Translated):
 
 
 class ResponsesService:
+    operation = "chat"  # its GenAI operation name (traces)
+
     def __init__(self, chat: ChatService, store: ResponseStore) -> None:
         self.chat = chat
         self.deployments = chat.deployments

@@ -155,3 +155,15 @@ def test_limits_are_clear_4xx_in_each_dialects_shape(base_url):
 def test_a_reranker_makes_no_embeddings(base_url):
     r = post(base_url, "/v1/embeddings", {"model": RERANK, "input": "hello"})
     assert r.status_code == 400 and "reranker" in r.json()["error"]["message"]
+
+
+def test_pairs_scored_are_counted_by_kind(base_url):
+    def counted(kind: str, model: str) -> float:
+        text = httpx.get(base_url + "/metrics").text
+        line = f'servelm_rerank_pairs_total{{kind="{kind}",model="{model}"}} '
+        return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+    before = counted("cross_encoder", RERANK), counted("cosine", EMBED)
+    post(base_url, "/v1/rerank", {"model": RERANK, "query": QUERY, "documents": DOCS})
+    post(base_url, "/v1/score", {"model": EMBED, "text_1": QUERY, "text_2": DOCS[:2]})
+    assert (counted("cross_encoder", RERANK), counted("cosine", EMBED)) == (before[0] + 4, before[1] + 2)

@@ -5,6 +5,7 @@ every replica. Driven by the official openai client."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.otlp_receiver import OtlpReceiver
 
 from .conftest import ENGINE, MODEL, RayServer, ray_app
 
@@ -36,15 +39,29 @@ def loras(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(loras) -> Iterator[RayServer]:
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def server(loras, receiver) -> Iterator[RayServer]:
     from servelm.config import DeploymentSpec, EngineSettings, LoraSpec
     from servelm.fleet import FleetLimits
+    from servelm.tracing import TraceSettings
 
     base = DeploymentSpec(name=MODEL, model="smollm2", num_replicas=2, engine=EngineSettings(**ENGINE),
                           loras=[LoraSpec(name="two", path=Path(loras[0]))])
     later = DeploymentSpec(name=LATER, model="smollm2", load="on-demand", engine=EngineSettings(**ENGINE))
-    with ray_app([base], node_cpus=2, on_demand=[later], models=FleetLimits(idle_unload_s=-1)) as s:
-        yield s
+    # the ingress and the replicas send their spans every 0.2 s (the SDK reads it; Ray's workers inherit it)
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"
+    try:
+        with ray_app([base], node_cpus=2, on_demand=[later], models=FleetLimits(idle_unload_s=-1),
+                     tracing=TraceSettings(receiver.start_http())) as s:
+            yield s
+    finally:
+        del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
 
 
 def client(server: RayServer) -> openai.OpenAI:
@@ -117,3 +134,18 @@ def test_adapters_reach_every_replica_by_route(server: RayServer, loras) -> None
     with pytest.raises(openai.NotFoundError):
         answer(server, "three")
     assert answer(server, MODEL).choices[0].message.content == base  # the base model unchanged throughout
+
+
+def test_the_ingress_and_replica_spans_join_the_callers_trace(server: RayServer, receiver: OtlpReceiver) -> None:
+    trace_id, caller = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120,
+                   headers={"traceparent": f"00-{trace_id}-{caller}-01"},
+                   json={"model": "two", "messages": QUESTION, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    ingress = receiver.wait_for(lambda s: s.trace_id == trace_id and s.name == "chat two")
+    assert ingress.parent_span_id == caller and ingress.attributes["servelm.lora"] == ["two"]
+    assert ingress.attributes["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
+    replica = receiver.wait_for(lambda s: s.trace_id == trace_id and s.name == f"generate {MODEL}")
+    assert replica.parent_span_id == ingress.span_id
+    assert replica.attributes["servelm.replica"] == r.headers["x-servelm-replica"]
+    assert replica.attributes["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
