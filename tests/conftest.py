@@ -64,11 +64,12 @@ def fake_server_factory() -> Iterator:
 
         def start(*, security=None, extra_deployments=(), prefix_cache=False, image_sources=ImageSources(),
                   content_filter=None, other_runner_kw=None, min_priority=None, batches=None, catalog=None,
-                  **runner_kw) -> FakeServer:
+                  tracing=None, **runner_kw) -> FakeServer:
             """runner_kw go to FakeRunner (other_runner_kw, when given, to the extra deployments'); security (a
             SecurityConfig) and extra deployment names to create_app; prefix_cache turns the first deployment's
             cache on; image_sources are where it may fetch images; content_filter is its policy; min_priority its bound; batches the Batch API's
-            config (http/batches.BatchConfig); catalog its models loaded on demand (servelm/fleet.Fleet)."""
+            config (http/batches.BatchConfig); catalog its models loaded on demand (servelm/fleet.Fleet); tracing its
+            OpenTelemetry exporter (servelm/tracing.Tracing)."""
             runner = FakeRunner(**runner_kw)
             deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache,
                                                   image_sources=image_sources)
@@ -79,7 +80,7 @@ def fake_server_factory() -> Iterator:
             app = create_app(Deployments([deployment, *(d for d, _ in others)]),
                              on_start=lambda: [e.start() for e in engines],
                              on_stop=lambda: [e.stop() for e in engines], security=security, batches=batches,
-                             catalog=catalog)
+                             catalog=catalog, tracing=tracing)
             return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment)
 
         yield start
