@@ -251,7 +251,7 @@ class Fleet:
             self._reaper.cancel()
         for model in self._models.values():
             if model.built is not None:
-                await asyncio.to_thread(_stop, model.built)
+                await asyncio.to_thread(free, model.built)
                 model.built, model.status = None, "unloaded"
 
     def counts(self) -> list[ModelCounts]:
@@ -366,7 +366,7 @@ class Fleet:
                 for d in built.deployments.all():
                     self._registry.remove(d.name)
         if built is not None:
-            await asyncio.to_thread(_stop, built)  # the engine writes its prefix cache out as it stops
+            await asyncio.to_thread(free, built)  # the engine writes its prefix cache out as it stops
         async with changed:
             model.built, model.status, model.draining, model.loaded_bytes = None, "unloaded", False, 0
             model.unloads += 1
@@ -387,7 +387,8 @@ class Fleet:
                         log.exception("unloading idle %r failed", model.name)
 
 
-def _stop(built: Built) -> None:
+def free(built: Built) -> None:
+    """A loaded model stopped, closed and its memory handed back (a Ray replica's unload uses it too)."""
     built.stop()
     built.close()
     del built

@@ -33,6 +33,7 @@ from ray import serve
 from servelm.config import DeploymentSpec
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 from servelm.errors import InvalidParameter, ServiceUnavailable
+from servelm.fleet import free
 from servelm.service.adapters import Adapters
 from servelm.service.deployments import Deployment, ModelFacts, TextDeployment, all_alive
 from servelm.tracing import RequestTrace, TraceSettings, Tracing
@@ -117,7 +118,7 @@ class ModelReplica:
         async with self._loading:
             built, self._built = self._built, None
             if built is not None:
-                await asyncio.to_thread(_close, built)
+                await asyncio.to_thread(free, built)
                 log.info("replica %s unloaded %r", self._id, self._spec.name)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[str | list[GenerationOutput], None]:
@@ -230,18 +231,13 @@ class ModelReplica:
         built = getattr(self, "_built", None)
         if built is not None:
             self._built = None
-            _close(built)
+            free(built)
         tracing = getattr(self, "_tracing", None)
         if tracing is not None:
             tracing.shutdown()  # its buffered spans go out
 
 
 _END = object()
-
-
-def _close(built: Built) -> None:
-    built.stop()
-    built.close()
 
 
 async def _pump(outputs: AsyncGenerator[GenerationOutput, None], ready: asyncio.Queue[Any]) -> None:
