@@ -53,9 +53,6 @@ def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec]
         if getattr(s, "backend", "llamacpp") != "llamacpp":
             raise ValueError(f"deployment {s.name!r}: only llama.cpp deployments run under --ray for now (the "
                              "ingress tokenizes with a tokenizer-only copy of a GGUF)")
-        if s.kind == "rerank":
-            raise ValueError(f"deployment {s.name!r}: rerankers are not served under --ray yet (an embedding "
-                             "model's scores are)")
     deployments = {s.name: model_deployment(s, verbose_llama, shutdown_timeout, tracing=tracing) for s in specs}
     deployments.update({s.name: model_deployment(s, verbose_llama, shutdown_timeout, on_demand=True, tracing=tracing)
                         for s in on_demand})

@@ -128,9 +128,9 @@ class Ingress:
         def tokenize_input(text: str) -> list[int]:  # an embedding input: the model's own special tokens, none parsed
             return runner.tokenize(text, add_special=True, parse_special=False)
 
-        embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input) if info.embedding else None
+        embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input, runner.tokenize_pair) if info.embedding else None
         deployment: Deployment
-        if spec.kind == "embedding":
+        if spec.kind in ("embedding", "rerank"):
             assert embedder is not None and info.embedding is not None  # an embedding replica always has one
             deployment = Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
                                     embedder=embedder)

@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError, Req
 from servelm.config import LoraSpec
 from servelm.engine.embedding import EmbeddingStats
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
-from servelm.errors import ApiError, InvalidParameter, QueueFull, ServerError, ServiceUnavailable
+from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
 from servelm.ray.replica import EmbeddingInfo, ReplicaStats
 from servelm.ray.served_by import end_call, note_call, note_replica
 from servelm.service.adapters import Adapter, AdapterNotFound, AdapterRegistry
@@ -198,17 +198,15 @@ class RemoteEngine:
 class RemoteEmbedder:
     """Embedder over a deployment's replicas; inputs are tokenized in the ingress (by `tokenize`)."""
 
-    def __init__(self, replicas: ReplicaSet, info: EmbeddingInfo, tokenize: Any) -> None:
+    def __init__(self, replicas: ReplicaSet, info: EmbeddingInfo, tokenize: Any, tokenize_pair: Any) -> None:
         self.replicas = replicas
         self.dim = info.dim
         self.vocab_size = info.vocab_size
         self.context_window = info.context_window
+        self.cross_encoder = info.cross_encoder
         self.tokenize = tokenize
-        self.cross_encoder = False  # rerankers are not served under --ray yet: scores come from embeddings
+        self.tokenize_pair = tokenize_pair  # a reranker's query-document input
         self._embed = replicas.handle.options(method_name="embed")
-
-    def tokenize_pair(self, query: str, document: str) -> list[int]:
-        raise InvalidParameter(f"`{self.replicas.name}` is no reranker.", "model")
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         for attempt in range(1, ATTEMPTS + 1):

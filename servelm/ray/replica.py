@@ -49,6 +49,7 @@ class EmbeddingInfo:
     dim: int
     vocab_size: int
     context_window: int
+    cross_encoder: bool = False  # a reranker's rank pooling: its inputs are query-document pairs
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ class ModelReplica:
         await self.load()
         d = self._deployment
         emb = d.embedder
-        info = EmbeddingInfo(emb.dim, emb.vocab_size, emb.context_window) if emb is not None else None
+        info = EmbeddingInfo(emb.dim, emb.vocab_size, emb.context_window, emb.cross_encoder) if emb is not None else None
         if isinstance(d, TextDeployment):
             return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices, info, d.facts)
         return ReplicaInfo(d.fingerprint, d.context_window, 0, info)

@@ -124,6 +124,26 @@ def _tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool) -> 
     return list(buf[:n])
 
 
+def _pair(model: Any, vocab: Any, query: str, document: str) -> list[int]:
+    """A query and a document as one input of a cross-encoder, as llama-server writes it: the model's rerank template
+    (`{query}`, `{document}`) when it has one, else BOS, the query, EOS (SEP where there is no EOS), SEP, the document
+    and EOS, each special token where the vocabulary adds it."""
+    template = C.llama_model_chat_template(model, b"rerank")
+    if template:
+        text = template.decode("utf-8").replace("{query}", query).replace("{document}", document)
+        return _tokenize(vocab, text, False, True)
+    eos = C.llama_vocab_eos(vocab)
+    eos = C.llama_vocab_sep(vocab) if eos == C.LLAMA_TOKEN_NULL else eos
+    add_eos = bool(C.llama_vocab_get_add_eos(vocab))
+    ids = [C.llama_vocab_bos(vocab)] if C.llama_vocab_get_add_bos(vocab) else []
+    ids += _tokenize(vocab, query, False, False)
+    ids += [eos] if add_eos else []
+    ids += [C.llama_vocab_sep(vocab)] if C.llama_vocab_get_add_sep(vocab) else []
+    ids += _tokenize(vocab, document, False, False)
+    ids += [eos] if add_eos else []
+    return [int(i) for i in ids]
+
+
 def _batch(size: int, *, outputs: bool, embd: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any]:
     """A llama_batch of `size` tokens (or, with `embd`, of `size` embeddings that wide) whose buffers are numpy
     arrays we fill with vector operations (tokens or embeddings, positions, one sequence id per token, output
@@ -343,6 +363,10 @@ class LlamaCppRunner:
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return _tokenize(self._vocab, text, add_special, parse_special)
+
+    def tokenize_pair(self, query: str, document: str) -> list[int]:
+        """A reranker's input for a query and a document (servelm/ray's ingress tokenizes it here)."""
+        return _pair(self._model, self._vocab, query, document)
 
     def control_tokens(self) -> list[tuple[str, int, bool, bool]]:
         """(text, id, lstrip, rstrip) of every token that parsing special tokens reads from text as itself and
@@ -753,8 +777,7 @@ class LlamaCppEmbedder:
         self._mem = C.llama_get_memory(self._ctx)  # None for encoder-only models such as BERT
         self.cross_encoder = C.llama_pooling_type(self._ctx) == C.LLAMA_POOLING_TYPE_RANK
         self.dim = int(C.llama_model_n_cls_out(model) if self.cross_encoder else C.llama_model_n_embd_out(model))
-        template = C.llama_model_chat_template(model, b"rerank") if self.cross_encoder else None
-        self._pair_template = template.decode("utf-8") if template else None
+        self._llama_model = model  # the model it reads (its own, or the runner's it shares)
         self._init_batch(self.max_batch_tokens)
 
     def _init_batch(self, size: int) -> None:
@@ -765,23 +788,7 @@ class LlamaCppEmbedder:
         return _tokenize(self._vocab, text, True, False)
 
     def tokenize_pair(self, query: str, document: str) -> list[int]:
-        """A query and a document as one input of a cross-encoder, as llama-server writes it: the model's rerank
-        template (`{query}`, `{document}`) when it has one, else BOS, the query, EOS (SEP where there is no EOS),
-        SEP, the document and EOS, each special token where the vocabulary adds it."""
-        if self._pair_template is not None:
-            text = self._pair_template.replace("{query}", query).replace("{document}", document)
-            return _tokenize(self._vocab, text, False, True)
-        v = self._vocab
-        eos = C.llama_vocab_eos(v)
-        eos = C.llama_vocab_sep(v) if eos == C.LLAMA_TOKEN_NULL else eos
-        add_eos = bool(C.llama_vocab_get_add_eos(v))
-        ids = [C.llama_vocab_bos(v)] if C.llama_vocab_get_add_bos(v) else []
-        ids += _tokenize(v, query, False, False)
-        ids += [eos] if add_eos else []
-        ids += [C.llama_vocab_sep(v)] if C.llama_vocab_get_add_sep(v) else []
-        ids += _tokenize(v, document, False, False)
-        ids += [eos] if add_eos else []
-        return [int(i) for i in ids]
+        return _pair(self._llama_model, self._vocab, query, document)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """One forward pass over every input, each as its own sequence; rows of pooled (unnormalized) vectors.

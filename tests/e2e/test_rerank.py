@@ -83,7 +83,7 @@ def direct_scores(path, pairs: list[tuple[str, str]]) -> list[float]:
         model.close()
 
 
-@pytest.mark.skipif(ray_mode.ENABLED, reason="rerankers are not served under --ray yet")
+@pytest.mark.skipif(ray_mode.ENABLED, reason="under --ray: tests/ray/test_runtime_models.py")
 def test_a_reranker_through_rank_pooling(reranker, tmp_path_factory):
     expected = direct_scores(reranker, [(QUERY, d) for d in DOCS])
     assert len(set(expected)) == len(DOCS), "the fixture's scores tell the documents apart"
@@ -103,7 +103,7 @@ def test_a_reranker_through_rank_pooling(reranker, tmp_path_factory):
         assert "tiny-reranker" in ids
 
 
-@pytest.mark.skipif(ray_mode.ENABLED, reason="rerankers are not served under --ray yet")
+@pytest.mark.skipif(ray_mode.ENABLED, reason="under --ray: tests/ray/test_runtime_models.py")
 def test_a_reranker_in_a_models_directory_loads_on_demand(reranker, tmp_path_factory):
     directory = tmp_path_factory.mktemp("models")
     (directory / "ranker.gguf").symlink_to(reranker)

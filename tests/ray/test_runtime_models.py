@@ -1,10 +1,12 @@
 """Models and LoRA adapters that come and go (issue 36) under Ray Serve, on a two-node local cluster: an on-demand
 deployment whose replica starts without its model, loaded when a request names it and unloaded by route; a base
 model of two replicas with an adapter from the start and one loaded and unloaded by vLLM's routes, which reach
-every replica. Driven by the official openai client."""
+every replica. Driven by the official openai client. Issue 37's parts under Ray too: one trace across the ingress
+and a replica, and a reranker (scripts/make_test_reranker.py) scored on a replica."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +48,15 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def server(loras, receiver) -> Iterator[RayServer]:
+def reranker(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf"
+    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_test_reranker.py"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(loras, receiver, reranker) -> Iterator[RayServer]:
     from servelm.config import DeploymentSpec, EngineSettings, LoraSpec
     from servelm.fleet import FleetLimits
     from servelm.tracing import TraceSettings
@@ -54,10 +64,11 @@ def server(loras, receiver) -> Iterator[RayServer]:
     base = DeploymentSpec(name=MODEL, model="smollm2", num_replicas=2, engine=EngineSettings(**ENGINE),
                           loras=[LoraSpec(name="two", path=Path(loras[0]))])
     later = DeploymentSpec(name=LATER, model="smollm2", load="on-demand", engine=EngineSettings(**ENGINE))
+    ranker = DeploymentSpec(name="ranker", model=str(reranker), kind="rerank", engine=EngineSettings(threads=1))
     # the ingress and the replicas send their spans every 0.2 s (the SDK reads it; Ray's workers inherit it)
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"
     try:
-        with ray_app([base], node_cpus=2, on_demand=[later], models=FleetLimits(idle_unload_s=-1),
+        with ray_app([base, ranker], node_cpus=2, on_demand=[later], models=FleetLimits(idle_unload_s=-1),
                      tracing=TraceSettings(receiver.start_http())) as s:
             yield s
     finally:
@@ -149,3 +160,20 @@ def test_the_ingress_and_replica_spans_join_the_callers_trace(server: RayServer,
     assert replica.parent_span_id == ingress.span_id
     assert replica.attributes["servelm.replica"] == r.headers["x-servelm-replica"]
     assert replica.attributes["gen_ai.usage.output_tokens"] == r.json()["usage"]["completion_tokens"]
+
+
+def test_a_reranker_scores_on_a_replica(server: RayServer, reranker: Path) -> None:
+    from servelm.runners.llamacpp import LlamaCppEmbedder
+
+    query, docs = "What is the capital of France?", ["Bananas are yellow.", "Paris is the capital of France."]
+    r = httpx.post(f"{server.base_url}/v1/rerank", json={"model": "ranker", "query": query, "documents": docs},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    model = LlamaCppEmbedder(reranker, window=512, threads=1)
+    try:
+        expected = [1 / (1 + math.exp(-float(model.embed([model.tokenize_pair(query, d)])[0, 0]))) for d in docs]
+    finally:
+        model.close()
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    assert [got[i] for i in range(2)] == pytest.approx(expected, rel=1e-3)
+    assert r.headers["x-servelm-deployment"] == "ranker"
