@@ -18,6 +18,8 @@ import numpy as np
 import openai
 import pytest
 
+from tests.fixture_files import write_fixture
+
 from . import ray_mode
 from .conftest import own_server
 from .helpers import MODEL, client_for
@@ -53,10 +55,7 @@ def ask(colour: str, question: str = QUESTIONS[0]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def projector(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("mmproj") / "test-projector.gguf"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_test_projector.py"), str(out)], check=True,
-                   capture_output=True)
-    return out
+    return write_fixture("make_test_projector.py", tmp_path_factory.mktemp("mmproj") / "test-projector.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,16 @@ status codes (a name twice, a missing file, another model's adapter with llama.c
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
 
 from servelm.config import GEMMA_MODEL_ID, gemma_model_path
+from tests.fixture_files import write_fixture
 
 from . import ray_mode
-from .conftest import REPO_ROOT, own_server
+from .conftest import own_server
 from .helpers import MODEL, STORY, client_for
 
 pytestmark = [pytest.mark.e2e,
@@ -25,9 +24,7 @@ pytestmark = [pytest.mark.e2e,
 
 
 def make_lora(out, seed: int, model: str | None = None) -> str:
-    args = [sys.executable, str(REPO_ROOT / "scripts" / "make_test_lora.py"), str(out), "--seed", str(seed)]
-    subprocess.run([*args, *(["--model", model] if model else [])], check=True, capture_output=True)
-    return str(out)
+    return str(write_fixture("make_test_lora.py", out, "--seed", str(seed), *(["--model", model] if model else [])))
 
 
 @pytest.fixture(scope="module")

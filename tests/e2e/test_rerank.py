@@ -6,16 +6,16 @@ models directory."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import cohere
 import httpx
 import numpy as np
 import pytest
 
+from tests.fixture_files import write_fixture
+
 from . import ray_mode
-from .conftest import REPO_ROOT, own_server
+from .conftest import own_server
 
 pytestmark = pytest.mark.e2e
 
@@ -65,10 +65,7 @@ def test_cohere_and_ovms_shapes(base_url):
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf"
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_test_reranker.py"), str(out)], check=True,
-                   capture_output=True)
-    return out
+    return write_fixture("make_test_reranker.py", tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf")
 
 
 def direct_scores(path, pairs: list[tuple[str, str]]) -> list[float]:

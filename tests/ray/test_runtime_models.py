@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.fixture_files import write_fixture
 from tests.otlp_receiver import OtlpReceiver
 
 from .conftest import ENGINE, MODEL, RayServer, ray_app
@@ -25,19 +24,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 LATER = "smollm2-later"  # the same file as MODEL, loaded on demand: its greedy answers must equal MODEL's
 QUESTION = [{"role": "user", "content": "Write a story about a cat."}]
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def make_lora(out: Path, seed: int) -> str:
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_test_lora.py"), str(out), "--seed", str(seed)],
-                   check=True, capture_output=True)
-    return str(out)
 
 
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory) -> tuple[str, str]:
     d = tmp_path_factory.mktemp("loras")
-    return make_lora(d / "two.gguf", 2), make_lora(d / "three.gguf", 3)
+    return (str(write_fixture("make_test_lora.py", d / "two.gguf", "--seed", "2")),
+            str(write_fixture("make_test_lora.py", d / "three.gguf", "--seed", "3")))
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +42,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf"
-    subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "make_test_reranker.py"), str(out)], check=True,
-                   capture_output=True)
-    return out
+    return write_fixture("make_test_reranker.py", tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf")
 
 
 @pytest.fixture(scope="module")
