@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import json
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-log = logging.getLogger("servelm.tracing")
 
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 PROVIDER = "servelm"  # gen_ai.provider.name

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from opentelemetry import context, trace
+from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.http.middleware import FILTERED_NOTE, route_template
@@ -21,8 +24,6 @@ UNTRACED = frozenset({"/health", "/metrics"})
 
 class Traced:
     def __init__(self, app: ASGIApp, tracing: Tracing) -> None:
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
         self.app = app
         self.tracing = tracing
         self.propagator = TraceContextTextMapPropagator()
@@ -31,9 +32,6 @@ class Traced:
         if scope["type"] != "http" or scope.get("path") in UNTRACED:
             await self.app(scope, receive, send)
             return
-        from opentelemetry import context, trace
-        from opentelemetry.trace import SpanKind, StatusCode
-
         carrier = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         parent = self.propagator.extract(carrier)
         method, path = scope.get("method", ""), scope.get("path", "")

@@ -70,7 +70,7 @@ class Ingress:
         for raw in plan.specs:
             spec = DeploymentSpec.model_validate(raw)
             replicas = ReplicaSet(spec.name, handles[spec.name], spec.engine.max_num_seqs)
-            info: ReplicaInfo = await replicas.handle.describe.remote()  # waits for the first replica to be up
+            info = await _describe(replicas)  # waits for the first replica to be up
             deployments.append(await asyncio.to_thread(self._deployment, spec, replicas, info, self._runners))
             self._sets.append(replicas)
         self._deployments = Deployments(deployments, aliases=plan.aliases, endpoints=plan.endpoints)

@@ -16,14 +16,13 @@ from servelm.engine.types import GenerationOutput, GenerationRequest
 class TracedEngine(EngineWrapper):
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
         trace = tracing.current()
-        if trace is None or request.request_id not in trace.requests:  # untraced, or a guard's inner request
-            async with aclosing(self.inner.generate(request)) as outputs:
-                async for out in outputs:
-                    yield out
-            return
-        request = dataclasses.replace(request, traceparent=trace.traceparent())  # a Ray replica's span joins it
+        if trace is not None and request.request_id not in trace.requests:
+            trace = None  # a guard's request, run for this one: its tokens are not this request's
+        if trace is not None:
+            request = dataclasses.replace(request, traceparent=trace.traceparent())  # a Ray replica's span joins it
         prompt_tokens = len(request.prompt_token_ids)
         async with aclosing(self.inner.generate(request)) as outputs:
             async for out in outputs:
-                trace.output(request.request_id, out, prompt_tokens)
+                if trace is not None:
+                    trace.output(request.request_id, out, prompt_tokens)
                 yield out

@@ -5,14 +5,12 @@ models directory."""
 
 from __future__ import annotations
 
-import math
-
 import cohere
 import httpx
 import numpy as np
 import pytest
 
-from tests.fixture_files import write_fixture
+from tests.fixture_files import reranker_scores, write_fixture
 
 from . import ray_mode
 from .conftest import own_server
@@ -68,21 +66,9 @@ def reranker(tmp_path_factory):
     return write_fixture("make_test_reranker.py", tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf")
 
 
-def direct_scores(path, pairs: list[tuple[str, str]]) -> list[float]:
-    """llama.cpp's rank pooling on each pair alone, in this process: the sigmoid of the head's logit."""
-    from servelm.runners.llamacpp import LlamaCppEmbedder
-
-    model = LlamaCppEmbedder(path, window=512, threads=1)
-    try:
-        assert model.cross_encoder and model.dim == 1
-        return [1 / (1 + math.exp(-float(model.embed([model.tokenize_pair(q, d)])[0, 0]))) for q, d in pairs]
-    finally:
-        model.close()
-
-
 @pytest.mark.skipif(ray_mode.ENABLED, reason="under --ray: tests/ray/test_runtime_models.py")
 def test_a_reranker_through_rank_pooling(reranker, tmp_path_factory):
-    expected = direct_scores(reranker, [(QUERY, d) for d in DOCS])
+    expected = reranker_scores(reranker, [(QUERY, d) for d in DOCS])
     assert len(set(expected)) == len(DOCS), "the fixture's scores tell the documents apart"
     with own_server(tmp_path_factory, "--rerank-model-path", str(reranker), "--no-embedding-model") as srv:
         body = post(srv.base_url, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()
@@ -107,5 +93,5 @@ def test_a_reranker_in_a_models_directory_loads_on_demand(reranker, tmp_path_fac
     with own_server(tmp_path_factory, "--models-dir", str(directory), "--no-embedding-model") as srv:
         r = post(srv.base_url, "/v2/rerank", {"model": "ranker", "query": QUERY, "documents": DOCS})
         assert r.status_code == 200, r.text
-        expected = direct_scores(reranker, [(QUERY, d) for d in DOCS])
+        expected = reranker_scores(reranker, [(QUERY, d) for d in DOCS])
         assert [x["index"] for x in r.json()["results"]] == sorted(range(len(DOCS)), key=lambda i: -expected[i])

@@ -102,12 +102,18 @@ def test_the_prefix_cache_is_kept_apart_per_adapter(fake_server_factory, tmp_pat
     assert cached("one") > 0 and cached("fake-model") > 0
 
 
-def test_max_loras_frees_the_least_recently_used_idle_adapter_and_loads_it_again(fake_server_factory, tmp_path):
+def two_adapters_one_loaded(fake_server_factory, tmp_path):
+    """A fake server with --max-loras 1 and adapters `one` and `two` loaded by route, in that order (so `two` is)."""
     server = fake_server_factory()
     assert server.deployment is not None and server.deployment.adapters is not None
     server.deployment.adapters.max_loaded = 1
     load(server.base_url, "one", adapter_file(tmp_path, "one", 1))
     load(server.base_url, "two", adapter_file(tmp_path, "two", 2))
+    return server
+
+
+def test_max_loras_frees_the_least_recently_used_idle_adapter_and_loads_it_again(fake_server_factory, tmp_path):
+    server = two_adapters_one_loaded(fake_server_factory, tmp_path)
     assert set(server.runner.adapters) == {"two"}
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
     assert answer(client, "one")[1] == "one"  # loaded again, two freed
@@ -127,11 +133,7 @@ def test_the_lora_routes_need_an_admin_key_when_keys_are_on(fake_server_factory,
 
 
 def test_a_request_naming_more_adapters_than_max_loras_is_a_400(fake_server_factory, tmp_path):
-    server = fake_server_factory()
-    assert server.deployment is not None and server.deployment.adapters is not None
-    server.deployment.adapters.max_loaded = 1
-    load(server.base_url, "one", adapter_file(tmp_path, "one", 1))
-    load(server.base_url, "two", adapter_file(tmp_path, "two", 2))
+    server = two_adapters_one_loaded(fake_server_factory, tmp_path)
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x")
     with pytest.raises(openai.BadRequestError) as too_many:
         answer(client, "fake-model", lora=[{"id": 0}, {"id": 1}])

@@ -6,7 +6,6 @@ and a replica, and a reranker (scripts/make_test_reranker.py) scored on a replic
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.fixture_files import write_fixture
+from tests.fixture_files import reranker_scores, write_fixture
 from tests.otlp_receiver import OtlpReceiver
 
 from .conftest import ENGINE, MODEL, RayServer, ray_app
@@ -153,17 +152,11 @@ def test_the_ingress_and_replica_spans_join_the_callers_trace(server: RayServer,
 
 
 def test_a_reranker_scores_on_a_replica(server: RayServer, reranker: Path) -> None:
-    from servelm.runners.llamacpp import LlamaCppEmbedder
-
     query, docs = "What is the capital of France?", ["Bananas are yellow.", "Paris is the capital of France."]
     r = httpx.post(f"{server.base_url}/v1/rerank", json={"model": "ranker", "query": query, "documents": docs},
                    timeout=60)
     assert r.status_code == 200, r.text
-    model = LlamaCppEmbedder(reranker, window=512, threads=1)
-    try:
-        expected = [1 / (1 + math.exp(-float(model.embed([model.tokenize_pair(query, d)])[0, 0]))) for d in docs]
-    finally:
-        model.close()
+    expected = reranker_scores(reranker, [(query, d) for d in docs])
     got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
     assert [got[i] for i in range(2)] == pytest.approx(expected, rel=1e-3)
     assert r.headers["x-servelm-deployment"] == "ranker"
