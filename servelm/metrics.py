@@ -8,11 +8,12 @@ layer's MeteredEngine calls without knowing about Prometheus.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.registry import Collector
@@ -23,6 +24,9 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus read
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+# how late the event loop ran a timer: under 10 ms when nothing blocks it, seconds when something does
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LOOP_TICK = 0.05  # seconds between the loop monitor's timers
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
 
@@ -229,7 +233,25 @@ class Metrics:
                                 "direction (input, output) and category", ["model", "direction", "category"], registry=r)
         self.scored = Counter("servelm_rerank_pairs", "query-document pairs scored (rerank, score), by deployment and "
                               "how (cross_encoder: a reranker; cosine: an embedding model)", ["model", "kind"], registry=r)
+        self.loop_lag = Histogram("servelm_event_loop_lag_seconds", "how late the event loop ran a timer set every "
+                                  f"{LOOP_TICK * 1000:.0f} ms: the time every request on it waited on whatever held it",
+                                  buckets=_LAG_BUCKETS, registry=r)
+        self.loop_lag_max = Gauge("servelm_event_loop_lag_max_seconds", "the longest event-loop lag since the server "
+                                  "started", registry=r)
         r.register(_EngineCollector(engine_gauges))
+
+    async def watch_loop(self) -> None:
+        """Measure the running event loop's lag until cancelled: a timer every LOOP_TICK, and how late it ran."""
+        loop = asyncio.get_running_loop()
+        longest = 0.0
+        while True:
+            start = loop.time()
+            await asyncio.sleep(LOOP_TICK)
+            lag = max(0.0, loop.time() - start - LOOP_TICK)
+            self.loop_lag.observe(lag)
+            if lag > longest:
+                longest = lag
+                self.loop_lag_max.set(lag)
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()

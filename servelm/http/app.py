@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 
@@ -32,7 +33,7 @@ from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.metered import MeteredEngine
 from servelm.service.store import MemoryStore, ResponseStore
 from servelm.service.traced import TracedEngine
-from servelm.tracing import Tracing
+from servelm.tracing import FLUSH_TIMEOUT, Tracing
 
 
 def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
@@ -48,6 +49,7 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
+        lag = asyncio.create_task(app_metrics.watch_loop())  # the event loop's lag, in /metrics
         if on_start is not None:
             on_start()
         if catalog is not None:
@@ -64,8 +66,9 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                 await catalog.stop()
             if on_stop is not None:
                 on_stop()
-            if tracing is not None:
-                tracing.shutdown()  # the spans still buffered go out
+            if tracing is not None:  # the spans still buffered go out, within what is left of the shutdown's timeout
+                await asyncio.to_thread(tracing.shutdown, drain.left(FLUSH_TIMEOUT))
+            lag.cancel()
 
     app_metrics = Metrics(lambda: engine_gauges(deployments))
     # time every generation (TTFT, inter-token and end-to-end latency, tokens), and free its place in the waiting

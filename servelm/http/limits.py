@@ -61,6 +61,11 @@ class Drain:
     def __init__(self) -> None:
         self.cutoff = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
+        self.ends_at: float | None = None  # time.monotonic() by which the whole shutdown must be over
+
+    def left(self, default: float) -> float:
+        """Seconds left of the shutdown's timeout (`default` when no timed shutdown began: a test's app, say)."""
+        return default if self.ends_at is None else max(0.0, self.ends_at - time.monotonic())
 
     def begin(self, seconds: float) -> None:
         """Shutdown began; requests in flight have `seconds` left (on the event loop's thread)."""
