@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,8 +25,11 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
 
+log = logging.getLogger("servelm.tracing")
+
 OtlpProtocol = Literal["http/protobuf", "grpc"]
 PROVIDER = "servelm"  # gen_ai.provider.name
+FLUSH_TIMEOUT = 5.0  # seconds the last spans may take at a stop with no timeout of its own
 _current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar("servelm_trace", default=None)
 
 
@@ -50,14 +55,23 @@ class Tracing:
         from servelm import __version__
 
         self.settings = settings
+        # shutdown_on_exit=False: the SDK's own exit hook would flush again, unbounded, after the server's shutdown
         self.provider: TracerProvider = TracerProvider(resource=Resource.create({"service.name": settings.service_name,
-                                                                                 "service.version": __version__}))
+                                                                                 "service.version": __version__}),
+                                                       shutdown_on_exit=False)
         self.provider.add_span_processor(BatchSpanProcessor(_exporter(settings)))
         self.tracer: Tracer = self.provider.get_tracer("servelm", __version__)
 
-    def shutdown(self) -> None:
-        """Send what is buffered, then stop (at the server's shutdown)."""
-        self.provider.shutdown()
+    def shutdown(self, timeout: float = FLUSH_TIMEOUT) -> None:
+        """Send what is buffered, then stop (at the server's shutdown), for at most `timeout` seconds: an endpoint
+        that does not answer (the exporter retries for up to a minute) never holds the process past its shutdown
+        timeout. The flush goes on in a daemon thread, which the process's exit does not wait for."""
+        flush = threading.Thread(target=self.provider.shutdown, name="servelm-otlp-flush", daemon=True)
+        flush.start()
+        flush.join(max(0.0, timeout))
+        if flush.is_alive():
+            log.warning("tracing: the OTLP endpoint %s did not take the last spans within %.1f s; they are dropped",
+                        self.settings.endpoint, timeout)
 
 
 def _exporter(settings: TraceSettings) -> Any:

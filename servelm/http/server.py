@@ -19,6 +19,7 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+import time
 from typing import Any, Literal
 
 import uvicorn
@@ -39,6 +40,7 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._drain is not None:
             grace = float(self.config.timeout_graceful_shutdown or 0)
+            self._drain.ends_at = time.monotonic() + grace
             self._drain.begin(max(0.0, grace - min(DRAIN_MARGIN, grace / 4)))
         await super().shutdown(sockets)
 

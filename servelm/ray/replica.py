@@ -167,13 +167,13 @@ class ModelReplica:
             "servelm.replica": self._id, "gen_ai.request.model": self._spec.name})
         return RequestTrace(span)
 
-    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+    async def embed(self, inputs: list[list[int]], caller: str = "") -> np.ndarray:
         if self._built is None:
             await self.load()
         embedder = self._deployment.embedder
         if embedder is None:
             raise RuntimeError(f"the deployment {self._spec.name!r} does not embed")
-        return await embedder.embed(inputs)
+        return await embedder.embed(inputs, caller)
 
     def stats(self) -> ReplicaStats:
         if self._built is None:
@@ -235,7 +235,7 @@ class ModelReplica:
             free(built)
         tracing = getattr(self, "_tracing", None)
         if tracing is not None:
-            tracing.shutdown()  # its buffered spans go out
+            tracing.shutdown()  # its buffered spans go out, or are dropped past the bound
 
 
 _END = object()
