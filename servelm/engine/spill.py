@@ -8,9 +8,13 @@ with the entry's cells restored (a Restore op) and reads only the rest. Restored
 saved, so an answer from them is the answer from computed cells (docs/exactness.md).
 
 On disk an entry is one file: a magic line, a JSON header (the model's fingerprint, the scope, the tokens, the
-length and SHA-256 of the state) and the state. A server started on a directory indexes the headers; a file made
-for another model (or cache type, or llama.cpp build), or that cannot be read, is ignored and logged, never
-loaded; a state whose SHA-256 does not match its header when it is about to be loaded is dropped and logged. At a
+length of the state and its MAC) and the state. The MAC is an HMAC-SHA256, keyed by the directory's key file (32
+random bytes, made 0600 by the first server to use the directory and shared by every server on it), over the
+fingerprint, the scope, the tokens and the state together: a state cannot be moved under other tokens, nor a file
+re-signed, by anyone who cannot read the key. A server started on a directory indexes the headers; a file made
+for another model (or cache type, or llama.cpp build), that cannot be read, or that is not a regular file, is
+ignored and logged, never loaded; a state whose MAC does not match when it is about to be loaded is dropped and
+logged. At a
 graceful stop the engine writes every entry it still holds (slots at rest, RAM) to the directory, so a restarted
 server answers a cached prompt from disk.
 
@@ -20,9 +24,12 @@ Entries are scoped as slots are: a request finds only entries of its own scope (
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Sequence as Seq
@@ -35,8 +42,10 @@ from servelm.engine.slots import common_prefix
 
 log = logging.getLogger("servelm.engine.spill")
 
-MAGIC = b"servelm prefix cache 1\n"
+MAGIC = b"servelm prefix cache 2\n"
 SUFFIX = ".kvstate"
+KEY_FILE = "servelm-prefix-cache.key"  # the MAC key of the directory's files
+KEY_BYTES = 32
 MIN_SPILL = 64  # shorter entries are cheaper to read again than to keep
 TMP_GRACE_S = 60.0  # an unfinished file younger than this may be another server's write in progress
 
@@ -49,7 +58,7 @@ class Spilled:
     path: Path | None = None  # its file, once written
     size: int = 0  # the state's bytes
     used: int = 0  # the store's clock when it was saved or last read
-    digest: str = ""  # the state's SHA-256, once written
+    digest: str = ""  # the file's MAC, once written
 
 
 class SpillStore:
@@ -64,11 +73,13 @@ class SpillStore:
         self._clock = 0
         self._lock = threading.Lock()  # the writer thread and the engine thread both touch entries
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="servelm-spill") if self.directory else None
+        self.key = b""
         self.restored = 0  # entries read back into a slot, and the tokens they held
         self.restored_tokens = 0
         self.restore_failures = 0  # entries whose state the model refused (dropped, files and all)
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self.key = directory_key(self.directory)
             self._index()
 
     # -- what the scheduler asks ------------------------------------------------------------------
@@ -116,12 +127,12 @@ class SpillStore:
         return best, best_n
 
     def load(self, entry: Spilled) -> bytes | None:
-        """The entry's state, from RAM or its file (checked against its SHA-256); None if it cannot be had (the
+        """The entry's state, from RAM or its file (checked against its MAC); None if it cannot be had (the
         entry is dropped and the reason logged)."""
         data = entry.data
         if data is None and entry.path is not None:
             try:
-                data = read_state(entry.path, self.fingerprint, entry.digest)
+                data = read_state(entry.path, self.fingerprint, self.key, entry.digest)
             except (OSError, ValueError) as exc:
                 log.warning("prefix cache file %s not loaded: %s", entry.path, exc)
                 with self._lock:
@@ -198,7 +209,7 @@ class SpillStore:
     def _write(self, entry: Spilled, data: bytes) -> None:
         assert self.directory is not None
         try:
-            path, digest = write_state(self.directory, self.fingerprint, entry.scope, entry.tokens, data)
+            path, digest = write_state(self.directory, self.fingerprint, entry.scope, entry.tokens, data, self.key)
         except OSError as exc:
             log.warning("prefix cache entry of %d tokens not written: %s", len(entry.tokens), exc)
             with self._lock:
@@ -247,7 +258,7 @@ class SpillStore:
         if stale:
             log.info("prefix cache: removed %d unfinished file(s) from %s", stale, self.directory)
         found = []
-        for path in sorted(self.directory.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime):
+        for path in sorted(self.directory.glob(f"*{SUFFIX}"), key=_mtime):
             try:
                 header = read_header(path)
             except (OSError, ValueError) as exc:
@@ -257,7 +268,7 @@ class SpillStore:
                 log.warning("prefix cache file %s ignored: made for another model or build", path)
                 continue
             found.append(Spilled(tuple(header["tokens"]), header["scope"], path=path, size=header["size"],
-                                 used=self._tick(), digest=header["sha256"]))
+                                 used=self._tick(), digest=header["mac"]))
         self.entries = found
         self._keep_budgets()
         if found:
@@ -265,12 +276,68 @@ class SpillStore:
                      self.directory)
 
 
-def write_state(directory: Path, fingerprint: str, scope: str, tokens: tuple[int, ...], data: bytes) -> tuple[Path, str]:
-    """One entry's file, written whole or not at all (a temporary file renamed); returns it and its SHA-256."""
-    digest = hashlib.sha256(data).hexdigest()
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:  # gone meanwhile (another server's eviction): read_header says so
+        return 0.0
+
+
+def directory_key(directory: Path) -> bytes:
+    """The directory's MAC key: read from its key file, or made (0600, exclusively) by the first server there. A key
+    file of the wrong size or kind is moved aside, logged, and a new one made: the files signed with the old key are
+    then ignored (never deleted), as another build's are."""
+    path = directory / KEY_FILE
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            key = _read_key(path)
+            if key is not None:
+                return key
+            continue
+        key = secrets.token_bytes(KEY_BYTES)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+        log.info("prefix cache: made the MAC key %s", path)
+        return key
+    raise OSError(f"prefix cache: no usable key file at {path}")
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key in `path`; None after moving a key file that is not one aside (or if another server just did)."""
+    try:
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode) and st.st_size == KEY_BYTES:
+            with open(path, "rb") as f:
+                key = f.read(KEY_BYTES + 1)
+            if len(key) == KEY_BYTES:
+                return key
+        if st.st_size == 0 and time.time() - st.st_mtime < 1:
+            time.sleep(0.1)  # another server is writing it
+            return None
+        aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
+        os.replace(path, aside)
+        log.warning("prefix cache: key file %s was not a %d-byte file; moved to %s, and a new key made (the files "
+                    "signed with the old one are ignored)", path, KEY_BYTES, aside)
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def _mac(key: bytes, fingerprint: str, scope: str, tokens: Seq[int], data: bytes) -> str:
+    mac = hmac.new(key, json.dumps([fingerprint, scope, list(tokens)]).encode() + b"\x00", hashlib.sha256)
+    mac.update(data)
+    return mac.hexdigest()
+
+
+def write_state(directory: Path, fingerprint: str, scope: str, tokens: tuple[int, ...], data: bytes,
+                key: bytes) -> tuple[Path, str]:
+    """One entry's file, written whole or not at all (a temporary file renamed); returns it and its MAC."""
+    digest = _mac(key, fingerprint, scope, tokens, data)
     name = hashlib.sha256(f"{fingerprint}\x00{scope}\x00{tokens}".encode()).hexdigest()[:40]
     header = json.dumps({"fingerprint": fingerprint, "scope": scope, "tokens": list(tokens), "size": len(data),
-                         "sha256": digest}).encode()
+                         "mac": digest}).encode()
     path = directory / f"{name}{SUFFIX}"
     tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")  # no other writer's
     try:
@@ -285,20 +352,31 @@ def write_state(directory: Path, fingerprint: str, scope: str, tokens: tuple[int
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        return _header(f, path.stat().st_size)
+    with _open_regular(path) as f:
+        return _header(f, os.fstat(f.fileno()).st_size)
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file (a FIFO or device under the name is never opened to block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def _header(f: BinaryIO, file_size: int) -> dict[str, Any]:
-    if f.read(len(MAGIC)) != MAGIC:
-        raise ValueError("not a servelm prefix cache file")
+    magic = f.read(len(MAGIC))
+    if magic != MAGIC:
+        raise ValueError("written by an older servelm" if magic.startswith(MAGIC[:-2]) else
+                         "not a servelm prefix cache file")
     length = int.from_bytes(f.read(8), "little")
     if not 0 < length <= file_size:
         raise ValueError("its header is cut short")
     try:
         header = json.loads(f.read(length))
         ok = (isinstance(header, dict) and isinstance(header.get("tokens"), list) and isinstance(header.get("size"), int)
-              and isinstance(header.get("scope"), str) and isinstance(header.get("sha256"), str))
+              and isinstance(header.get("scope"), str) and isinstance(header.get("mac"), str))
     except ValueError as exc:
         raise ValueError("its header is not JSON") from exc
     if not ok or len(MAGIC) + 8 + length + header["size"] != file_size:
@@ -306,12 +384,14 @@ def _header(f: BinaryIO, file_size: int) -> dict[str, Any]:
     return dict(header)
 
 
-def read_state(path: Path, fingerprint: str, digest: str) -> bytes:
-    with open(path, "rb") as f:
-        header = _header(f, path.stat().st_size)
+def read_state(path: Path, fingerprint: str, key: bytes, digest: str) -> bytes:
+    """The state of the file indexed with MAC `digest`, if its MAC over the header's tokens and the state holds."""
+    with _open_regular(path) as f:
+        header = _header(f, os.fstat(f.fileno()).st_size)
         if header["fingerprint"] != fingerprint:
             raise ValueError("made for another model or build")
         data = f.read()
-    if hashlib.sha256(data).hexdigest() != digest or digest != header["sha256"]:
-        raise ValueError("its state does not match its checksum (corrupt)")
+    mac = _mac(key, fingerprint, header["scope"], header["tokens"], data)
+    if not (hmac.compare_digest(mac, digest) and hmac.compare_digest(digest, header["mac"])):
+        raise ValueError("its MAC does not match its tokens and state (corrupt, or signed with another key)")
     return data

@@ -6,14 +6,13 @@ to --prefix-cache-dir, and one restarted on the directory answers the cached pro
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import httpx
 import openai
 import pytest
 
 from servelm.config import GEMMA_MODEL_ID
-from servelm.engine.spill import SUFFIX, read_header, write_state
+from servelm.engine.spill import SUFFIX, directory_key, read_header, write_state
 
 from . import ray_mode
 from .conftest import own_server
@@ -62,7 +61,7 @@ def test_a_restarted_server_answers_from_disk_and_another_build_ignores_the_file
 
 
 async def test_a_forged_state_the_model_refuses_hurts_nobody_and_is_gone(tmp_path_factory) -> None:
-    """Issue 32: a file with this server's valid header, fingerprint and SHA-256 around another model's state bytes
+    """Issue 32: a file with this server's valid header, fingerprint and MAC around another model's state bytes
     (Gemma 3 270M's). Its prompt sent while 4 other requests ran failed them all, then kept answering a wrong
     answer from 'cached' tokens, and the file stayed. Now the neighbours never notice, the prompt is read and
     answers as a fresh server does, the file goes, and the refusal is logged and counted."""
@@ -77,7 +76,8 @@ async def test_a_forged_state_the_model_refuses_hurts_nobody_and_is_gone(tmp_pat
     header = read_header(our_file)
     their_state = gemma_file.read_bytes()[-read_header(gemma_file)["size"]:]
     our_file.unlink()
-    forged, _ = write_state(ours, header["fingerprint"], header["scope"], tuple(header["tokens"]), their_state)
+    forged, mac = write_state(ours, header["fingerprint"], header["scope"], tuple(header["tokens"]), their_state,
+                              directory_key(ours))
 
     with own_server(tmp_path_factory, "--prefix-cache-dir", str(ours), *FAST) as srv:
         neighbours = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -106,7 +106,7 @@ async def test_a_forged_state_the_model_refuses_hurts_nobody_and_is_gone(tmp_pat
     assert answer[:2] == reference[:2] and answer[2].prompt_tokens_details.cached_tokens == 0
     assert again[:2] == reference[:2]
     assert gone, "the forged file is gone: no restart reads it again"
-    assert not forged.exists() or read_header(forged)["sha256"] != hashlib.sha256(their_state).hexdigest(), \
+    assert not forged.exists() or read_header(forged)["mac"] != mac, \
         "what the graceful stop wrote under that name is the computed state"
     assert 'servelm_prefix_cache_restore_failures_total{model="smollm2-135m-instruct"} 1.0' in metrics
     assert "refused by the model" in log and "Traceback" not in log

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from servelm.engine.local import LocalEngine
 from servelm.engine.plan import Restore, Save
-from servelm.engine.spill import MIN_SPILL, SUFFIX, SpillStore, read_header, write_state
+from servelm.engine.spill import MIN_SPILL, SUFFIX, SpillStore, directory_key, read_header, write_state
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.runners.fake import FakeRunner
 
@@ -140,7 +140,7 @@ async def test_files_of_another_model_or_corrupt_ones_are_ignored_and_logged(tmp
         assert other.entries == [] and "another model" in caplog.text
         (tmp_path / f"junk{SUFFIX}").write_bytes(b"not a state at all")
         data = bytearray(good.read_bytes())
-        data[-3] ^= 0xFF  # one flipped byte in the state: its header still reads, its checksum does not
+        data[-3] ^= 0xFF  # one flipped byte in the state: its header still reads, its MAC does not
         good.write_bytes(bytes(data))
         caplog.clear()
         eng = engine(SpillStore("fake-model", 1 << 20, tmp_path, 1 << 20))
@@ -150,15 +150,16 @@ async def test_files_of_another_model_or_corrupt_ones_are_ignored_and_logged(tmp
         finally:
             eng.stop()
     assert last.cached_tokens == 0 and not ops(eng, Restore), "the corrupt state was not loaded: the prompt was read"
-    assert "checksum" in caplog.text
+    assert "MAC does not match" in caplog.text
 
 
 async def test_a_state_the_runner_refuses_is_dropped_and_the_prompt_read_while_neighbours_go_on(tmp_path, caplog):
-    """Issue 32: a file with this server's header, fingerprint and checksum around a state the model refuses (another
+    """Issue 32: a file with this server's header, fingerprint and MAC around a state the model refuses (another
     model's). It failed every request in the step, kept reporting its cached tokens with a wrong answer, and stayed on
     disk. Now: the entry and its file go, the slot is emptied, its request reads its prompt and answers as without a
     cache, its neighbours never notice, and the failure is logged and counted."""
-    forged = write_state(tmp_path, "fake-model", "", tuple(LONG), b'["another-models-state", [1, 2, 3]]')[0]
+    forged = write_state(tmp_path, "fake-model", "", tuple(LONG), b'["another-models-state", [1, 2, 3]]',
+                         directory_key(tmp_path))[0]
     eng = LocalEngine(FakeRunner(num_slots=5, max_step_tokens=64, context_window=256),
                       spill=SpillStore("fake-model", 1 << 20, tmp_path, 1 << 20))
     eng.start()
