@@ -32,12 +32,19 @@ _LOOKALIKES = str.maketrans({
     "0": "o", "1": "l", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s",
 })
 _SPACES = re.compile(r"\s+")
+# Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt): characters that render as nothing, some of
+# them letters (the Hangul fillers) rather than format characters; and the blank Braille pattern, which renders
+# as a blank. Dropped, so that none of them splits a term.
+_INVISIBLE = re.compile("[\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u202a-\u202e"
+                        "\u2060-\u206f\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufff8\U0001bca0-\U0001bca3"
+                        "\U0001d173-\U0001d17a\U000e0000-\U000e0fff]")
 
 
 def fold(text: str) -> str:
-    """Text as regexes read it: compatibility forms folded (NFKC: full width, ligatures), accents and invisible
-    format characters dropped, case folded, runs of white space as one space."""
-    decomposed = unicodedata.normalize("NFKD", text)
+    """Text as regexes read it: compatibility forms folded (NFKC: full width, ligatures), accents, invisible
+    format characters and every character that renders as nothing dropped, case folded, runs of white space as
+    one space."""
+    decomposed = _INVISIBLE.sub("", unicodedata.normalize("NFKD", text))
     kept = "".join(c for c in decomposed if unicodedata.category(c) not in ("Mn", "Cf"))
     return _SPACES.sub(" ", unicodedata.normalize("NFKC", kept).casefold())
 
