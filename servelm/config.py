@@ -185,7 +185,8 @@ class ServerSettings(BaseSettings):
     batch_max_lines: int = Field(50_000, ge=1, description="most requests in one batch file (a 400 at upload)")
     batch_disk_mib: int = Field(10240, ge=1, description="disk every uploaded file together may take under "
                                 "--state-dir (a 400 storage_limit_exceeded beyond; output files always go)")
-    batch_priority: int = Field(10, description="the priority a batch's lines run at (lower runs first; an "
+    batch_priority: int = Field(10, ge=-(2**31), le=2**31 - 1, description="the priority a batch's lines run at "
+                                "(lower runs first; an "
                                 "interactive request's default is 0, so lines give way to it and are preempted for "
                                 "it; --priority-aging-s lets them through under constant load)")
     batch_max_in_flight: int = Field(0, ge=0, description="batch lines under way at once over all batches (0: one "
@@ -220,7 +221,8 @@ class ServerSettings(BaseSettings):
     )
     api_key_file: Path | None = Field(
         None, description="a file of API keys, one a line (`#` comments; a line may add deployments=a,b rpm=N "
-        "tpm=N, or monitor for a key that also reads /metrics; a key may be written as sha256:HEX)",
+        "tpm=N max_waiting=N min_priority=N, or monitor for a key that also reads /metrics; a key may be written as "
+        "sha256:HEX). A key asks for no priority below 0 unless its min_priority grants it (an admin key: any)",
     )
     monitor_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list, repr=False, description="a key for monitoring only (repeatable; SERVELM_MONITOR_KEY "
@@ -298,8 +300,8 @@ class DeploymentLimits(BaseModel):
         "server's --max-waiting)",
     )
     min_priority: int | None = Field(
-        None, description="the most urgent priority a request may ask for here (lower is more urgent); asking for "
-        "less is a 400 naming priority (unset: any)",
+        None, ge=-(2**31), le=2**31 - 1, description="the most urgent priority a request may ask for here (lower is "
+        "more urgent); asking for less is a 400 naming priority (unset: any; a key's own bound applies too)",
     )
 
 

@@ -4,7 +4,7 @@ Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated li
 (one a line), and from the config file's [[keys]] tables. A line of the file, or a table, may limit the key:
 
     sk-alpha                                   # any deployment, the server's rate limits
-    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000 max_waiting=16
+    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000 max_waiting=16 min_priority=-10
     sha256:6b86b273ff34fce19d6b804eff5a3f57...  deployments=smollm2   # the key's digest, not the key
 
     [[keys]]                                   # in the config file
@@ -13,6 +13,7 @@ Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated li
     rpm = 60
     tpm = 20000
     max_waiting = 16                           # places in a deployment's waiting queue (--max-waiting-per-key)
+    min_priority = -10                         # the most urgent priority it may ask for (default 0; admin: any)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # the priorities a request may carry (protocol/common.py's)
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,19 @@ class KeySpec:
     max_waiting: int | None = None  # places it may hold in a deployment's queue; None: --max-waiting-per-key
     monitor: bool = False  # it reads /metrics and /health's every counter (an operator's; --monitor-key)
     admin: bool = False  # it loads, unloads and rescans models (--admin-key)
+    min_priority: int | None = None  # the most urgent priority its requests may ask for; None: 0 (an admin key: any)
 
     @property
     def label(self) -> str:
         return self.name or f"key-{self.digest.hex()[:8]}"
+
+    @property
+    def priority_floor(self) -> int | None:
+        """The most urgent priority its requests may ask for (lower is more urgent): its own min_priority, else 0,
+        so that only keys granted it go below the default; an admin key's is none."""
+        if self.admin and self.min_priority is None:
+            return None
+        return 0 if self.min_priority is None else self.min_priority
 
 
 def hash_key(key: str) -> bytes:
@@ -46,7 +58,8 @@ def hash_key(key: str) -> bytes:
 
 def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: Iterable[str] | None = None,
              rpm: int | None = None, tpm: int | None = None, name: str = "",
-             max_waiting: int | None = None, monitor: bool = False, admin: bool = False) -> KeySpec:
+             max_waiting: int | None = None, monitor: bool = False, admin: bool = False,
+             min_priority: int | None = None) -> KeySpec:
     """A KeySpec from a key or its digest (hex); a ValueError says what is wrong."""
     if (key is None) == (sha256 is None):
         raise ValueError("a key needs exactly one of `key` and `key_sha256`")
@@ -66,15 +79,18 @@ def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: 
             raise ValueError("rpm, tpm and max_waiting must be whole numbers >= 0")
     if not isinstance(monitor, bool) or not isinstance(admin, bool):
         raise ValueError("monitor and admin must be true or false")
+    if min_priority is not None and (not isinstance(min_priority, int) or isinstance(min_priority, bool)
+                                     or not MIN_PRIORITY <= min_priority <= MAX_PRIORITY):
+        raise ValueError(f"min_priority must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY}")
     names = None if deployments is None else frozenset(deployments)
-    return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor, admin)
+    return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor, admin, min_priority)
 
 
 def key_from_table(table: Mapping[str, Any]) -> KeySpec:
-    """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, max_waiting, name,
-    monitor, admin."""
-    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "name", "monitor",
-                            "admin"}
+    """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, max_waiting,
+    min_priority, name, monitor, admin."""
+    unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "min_priority", "name",
+                            "monitor", "admin"}
     if unknown:
         raise ValueError(f"unknown field(s) in a [[keys]] table: {', '.join(sorted(unknown))}")
     deployments = table.get("deployments")
@@ -83,7 +99,7 @@ def key_from_table(table: Mapping[str, Any]) -> KeySpec:
     return key_spec(table.get("key"), sha256=table.get("key_sha256"), deployments=deployments,
                     rpm=table.get("rpm"), tpm=table.get("tpm"), name=str(table.get("name", "")),
                     max_waiting=table.get("max_waiting"), monitor=table.get("monitor", False),
-                    admin=table.get("admin", False))
+                    admin=table.get("admin", False), min_priority=table.get("min_priority"))
 
 
 def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
@@ -100,17 +116,26 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
                 if option in ("monitor", "admin"):
                     fields[option] = True
                     continue
-                if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "name"):
-                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N name=TEXT, monitor or admin, "
-                                     f"not {option!r}")
+                if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "min_priority", "name"):
+                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N min_priority=N name=TEXT, "
+                                     f"monitor or admin, not {option!r}")
                 if name == "deployments":
                     fields[name] = [d for d in value.split(",") if d]
+                elif name == "name":
+                    fields[name] = value
                 else:
-                    fields[name] = value if name == "name" else int(value)
+                    fields[name] = _whole(name, value)
             specs.append(key_from_table(fields))
         except ValueError as exc:
             raise ValueError(f"{source}, line {number}: {exc}") from None
     return specs
+
+
+def _whole(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
 
 
 class _KeySettings(Protocol):

@@ -18,14 +18,17 @@ prompt logprobs read everything (each prompt token needs its row).
 
 Waiting requests go in rank order: priority (lower first, vLLM's), less one level for every `aging_s` seconds since
 the engine received it, then arrival. As the age counts from receipt, two requests compare the same at every moment
-and a low priority still runs once it has waited long enough. When the best-ranked waiting request finds no slot at
-rest, running requests of a lower priority that also rank below it give theirs up, worst first (preemption): the slot rests with the cells the
+and a low priority still runs once it has waited long enough. Aging counts a priority within ±AGING_SPAN (one further
+out breaks ties only), so it makes up at most 2 × AGING_SPAN levels: nothing received more than that many `aging_s`
+after a request ranks above it, however urgent (a flood at -1000 no longer starves priority 0 for 17 hours).
+
+When the best-ranked waiting request finds no slot at rest, running requests of a lower priority that also rank below it give theirs up, worst first (preemption): the slot rests with the cells the
 sequence computed as a prefix-cache entry of its scope, saved to the spill store when another request takes the
 slot, and the sequence waits again with every token it drew. On resuming it reads back what a slot or the spill
 still holds and computes the rest as prompt: its answer is the same bitwise (docs/exactness.md), its sampler state
 untouched. Only a request of one sequence without beam search, prompt logprobs or images is preempted. While a
-request reads its prompt, running requests of a lower priority hold back (no row that step), so its first token
-comes about as soon as on an idle engine.
+request reads its prompt, running requests of a lower priority that also rank below it hold back (no row that step),
+so its first token comes about as soon as on an idle engine.
 
 An image in a prompt (a MediaSpan) is read as a chunk of its own, at most one image chunk a step, so that an image
 delays the other sequences' steps by one image's forward pass at most: whole when its positions attend to each
@@ -53,6 +56,7 @@ from servelm.engine.types import MediaSpan
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
 MIN_RESTORE = 32  # prompt tokens a spilled entry must hold beyond the slots' best to be read back (about 10 ms)
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
+AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further out ages as the nearer end)
 
 
 class Scheduler:
@@ -165,12 +169,15 @@ class Scheduler:
                 self._seqs.pop(s.key, None)
 
     # -- the step ----------------------------------------------------------------------------------
-    def rank(self, group: SequenceGroup) -> tuple[float, int]:
-        """Where a request stands: lower first. Its priority less its age in levels (now - received) / aging_s;
-        `now` is the same for all, so the time it was received stands for it, and two requests compare the same at
-        any moment. Then arrival."""
-        received = group.received_at / self.aging_s if self.aging_s > 0 else 0.0
-        return (group.priority + received, group.arrival)
+    def rank(self, group: SequenceGroup) -> tuple[float, int, int]:
+        """Where a request stands: lower first. Its priority (within ±AGING_SPAN) less its age in levels
+        (now - received) / aging_s; `now` is the same for all, so the time it was received stands for it, and two
+        requests compare the same at any moment. Then its priority itself, then arrival. The priority is never a
+        float: any integer compares."""
+        if self.aging_s <= 0:
+            return (0.0, group.priority, group.arrival)
+        level = min(max(group.priority, -AGING_SPAN), AGING_SPAN)
+        return (level + group.received_at / self.aging_s, group.priority, group.arrival)
 
     def _preempt(self) -> None:
         """Before a step: while the best-ranked waiting requests find no slot at rest, running ones ranked below
@@ -220,7 +227,7 @@ class Scheduler:
         budget = self.max_step_tokens
         urgent = self._urgent_reader()
         for group in self.running:
-            if urgent is not None and group.priority > urgent:
+            if self._holds_back(group, urgent):
                 continue  # it holds back while a more urgent prompt is read
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
@@ -233,7 +240,7 @@ class Scheduler:
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
             budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
-            if urgent is not None and group.priority > urgent:
+            if self._holds_back(group, urgent):
                 continue
             for seq in group.seqs:
                 if budget <= 0:
@@ -265,19 +272,22 @@ class Scheduler:
             self._copied_from.clear()
         return plan
 
-    def _urgent_reader(self) -> int | None:
-        """The most urgent priority among the requests that read a prompt now (running ones not through theirs, and
-        the best-ranked waiting one when enough slots rest for it), when lower ones run beside them: those hold back (no
-        row this step) until it is read, so a request's first token comes as soon as it would on an idle engine.
-        None: no one holds back. Holding back changes no answer (a row's logits do not depend on its step)."""
-        readers = [g.priority for g in self.running
-                   if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
+    def _urgent_reader(self) -> SequenceGroup | None:
+        """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the
+        best-ranked waiting one when enough slots rest for it), when running ones of a lower priority that rank below
+        it run beside it: those hold back (no row this step) until it is read, so a request's first token comes as
+        soon as it would on an idle engine. None: no one holds back. Holding back changes no answer (a row's logits
+        do not depend on its step). A request that has waited long enough to outrank it does not hold back."""
+        readers = [g for g in self.running if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
         if self.waiting and len(self.waiting[0].live) <= len(self.slots.idle):  # (one that cannot fit holds no one)
-            readers.append(self.waiting[0].priority)
+            readers.append(self.waiting[0])
         if not readers:
             return None
-        urgent = min(readers)
-        return urgent if any(g.priority > urgent for g in self.running) else None
+        urgent = min(readers, key=self.rank)
+        return urgent if any(self._holds_back(g, urgent) for g in self.running) else None
+
+    def _holds_back(self, group: SequenceGroup, urgent: SequenceGroup | None) -> bool:
+        return urgent is not None and group.priority > urgent.priority and self.rank(group) > self.rank(urgent)
 
     def _draft_candidates(self, plan: StepPlan) -> dict[int, Candidate]:
         """The decode chunks (by index) that may carry guesses: a plain sequence's, sampled by it alone."""

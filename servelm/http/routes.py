@@ -118,7 +118,7 @@ def request_context(scope: Scope) -> RequestContext:
     return RequestContext(owner=key.digest.hex() if key is not None else "",
                           max_batch_prompts=limits.max_batch_prompts if limits is not None else 128,
                           timings=bool(app is not None and getattr(app.state, "timings", False)),
-                          on_filtered=_filtered(scope))
+                          on_filtered=_filtered(scope), min_priority=key.priority_floor if key is not None else None)
 
 
 def _filtered(scope: Scope) -> FilterEvents:

@@ -7,7 +7,19 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, model_validator
 
 from servelm.protocol.chat import FunctionName
-from servelm.protocol.common import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, NamedEvent, Probability, ResponseModel, WireModel
+from servelm.protocol.common import (
+    MAX_MESSAGES,
+    MAX_PARTS,
+    MAX_TOOLS,
+    Count,
+    NamedEvent,
+    PositiveCount,
+    Priority,
+    Probability,
+    ResponseModel,
+    Seed,
+    WireModel,
+)
 
 
 class CacheControl(WireModel):
@@ -106,7 +118,7 @@ class ToolChoice(WireModel):
 
 class ThinkingParam(WireModel):
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: Annotated[int, Field(ge=1)] | None = None
+    budget_tokens: PositiveCount | None = None
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -137,21 +149,21 @@ class CountTokensRequest(WireModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: Annotated[int, Field(ge=1)]
+    max_tokens: PositiveCount
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: Probability | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: Count | None = None
     metadata: dict[str, Any] | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     container: str | None = None
     diagnostics: dict[str, Any] | None = None
     inference_geo: str | None = None
     # servelm's (as on the OpenAI routes)
-    seed: int | None = None
+    seed: Seed | None = None
     timings_per_request: bool | None = None
-    priority: int | None = None  # vLLM's: lower runs first (default 0)
+    priority: Priority | None = None  # vLLM's: lower runs first (default 0)
 
 
 # -- answers ------------------------------------------------------------------------------------------------

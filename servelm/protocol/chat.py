@@ -6,7 +6,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from servelm.protocol.common import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, GenerationFields, ResponseModel, Usage, WireModel
+from servelm.protocol.common import (
+    MAX_MESSAGES,
+    MAX_PARTS,
+    MAX_TOOLS,
+    Count,
+    GenerationFields,
+    PositiveCount,
+    ResponseModel,
+    Usage,
+    WireModel,
+)
 
 
 class TextPart(WireModel):
@@ -128,7 +138,7 @@ class NamedToolChoice(WireModel):
 
 class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: PositiveCount | None = None
     # structured output and tools
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -151,7 +161,7 @@ class ChatCompletionRequest(GenerationFields):
     # reasoning: the template's thinking switch (`none` turns it off) and a budget of reasoning tokens (servelm's:
     # past it the engine closes the thought itself); low, medium and high have the deployment's budgets
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    thinking_budget: Annotated[int, Field(ge=0)] | None = None
+    thinking_budget: Count | None = None
 
 
 class FunctionCallOut(ResponseModel):

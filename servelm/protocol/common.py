@@ -8,8 +8,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# Every other integer a client sends is within 32 bits, bounded where the body is parsed (a 400 naming the field):
+# none reaches the engine's arithmetic (a float of it, a product) at a size that overflows (docs/api.md)
+MIN_INT, MAX_INT = -(2**31), 2**31 - 1
+Int32 = Annotated[int, Field(ge=MIN_INT, le=MAX_INT)]  # token ids as prompts (their vocabulary is checked later)
+Priority = Int32  # vLLM's: lower runs first (default 0)
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]  # token counts and budgets, token ids, ids
+PositiveCount = Annotated[int, Field(ge=1, le=MAX_INT)]  # max_tokens and the like
 # OpenAI takes any 64-bit integer as a seed; a negative one is read as its two's complement (engine/sampling.py)
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# Ollama's keep_alive: seconds (a negative number: for ever), or a duration such as "5m"; a number within 32 bits
+KeepAlive = (Annotated[str, Field(max_length=64)] | Int32
+             | Annotated[float, Field(ge=MIN_INT, le=MAX_INT)])
 # Beam search divides a score by length ** length_penalty: beyond ±10 that overflows or divides by zero
 LENGTH_PENALTY_LIMIT = 10.0
 
@@ -27,7 +37,7 @@ class StreamOptions(WireModel):
 
 
 class LoraChoice(WireModel):
-    id: Annotated[int, Field(ge=0)]
+    id: Count
     scale: Annotated[float, Field(ge=-10.0, le=10.0)] | None = None
 
 
@@ -39,7 +49,7 @@ class SamplingExtras(WireModel):
     # sampling
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
     min_p: Probability | None = None
     seed: Seed | None = None
     frequency_penalty: Penalty | None = None
@@ -48,20 +58,20 @@ class SamplingExtras(WireModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # stopping
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Count] | None = None
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Count | None = None
     skip_special_tokens: bool | None = None
     # the chat template's switches (vLLM's), e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: lower runs first, and may take a running request's slot from a higher number (default 0)
-    priority: int | None = None
+    priority: Priority | None = None
     # llama-server's: the answer carries `timings` (prompt and generation times, and the time it waited)
     timings_per_request: bool | None = None
     # llama-server's: LoRA adapters by id (their order in /v1/models) and scale for this request
     lora: Annotated[list[LoraChoice], Field(max_length=64)] | None = None
     # Ollama's: how long a model loaded on demand stays loaded after this request ("5m", seconds, 0, -1)
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive | None = None
     # annotations: they describe the request to the platform and change nothing in the answer
     user: str | None = None
     store: bool | None = None
@@ -84,9 +94,9 @@ class GenerationFields(SamplingExtras):
     use_beam_search: bool | None = None
     length_penalty: Annotated[float, Field(ge=-LENGTH_PENALTY_LIMIT, le=LENGTH_PENALTY_LIMIT)] | None = None
     diversity_penalty: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    num_beam_groups: Annotated[int, Field(ge=1)] | None = None
+    num_beam_groups: Annotated[int, Field(ge=1, le=128)] | None = None  # divides best_of
     early_stopping: bool | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: PositiveCount | None = None
     include_stop_str_in_output: bool | None = None
     # vLLM's: the logprob of every prompt token after the first, with this many most likely alternatives
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

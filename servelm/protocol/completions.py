@@ -6,9 +6,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from servelm.protocol.common import GenerationFields, ResponseModel, Usage
+from servelm.protocol.common import GenerationFields, Int32, ResponseModel, Usage
 
-TokenIds = list[int]
+TokenIds = list[Int32]
 
 
 class CompletionRequest(GenerationFields):

@@ -7,18 +7,18 @@ from typing import Annotated
 
 from pydantic import Field, RootModel
 
-from servelm.protocol.common import Penalty, Probability, ResponseModel, Seed, WireModel
+from servelm.protocol.common import MAX_INT, Penalty, PositiveCount, Probability, ResponseModel, Seed, WireModel
 
 
 class DjlParameters(WireModel):
     """DJL LMI's generation parameters (Hugging Face's names). Greedy unless `do_sample` is true, or a
     sampling knob (temperature, top_p, top_k) is given without `do_sample`."""
 
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_new_tokens: PositiveCount | None = None
     do_sample: bool | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     frequency_penalty: Penalty | None = None

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
+from pydantic import ValidationError, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
-from servelm.protocol.common import ResponseModel, WireModel
+from servelm.protocol.common import Int32, KeepAlive, PositiveCount, ResponseModel, WireModel
 
 
 class EmbeddingRequest(WireModel):
     model: str
     # a text, texts, one input as token ids, or several inputs as token ids
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[Int32] | list[list[Int32]]
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: Annotated[int, Field(ge=1)] | None = None
-    keep_alive: str | int | float | None = None  # Ollama's: how long a model loaded on demand stays loaded
+    dimensions: PositiveCount | None = None
+    keep_alive: KeepAlive | None = None  # Ollama's: how long a model loaded on demand stays loaded
     user: str | None = None
     instruction: str | None = None  # Databricks: prepended to every text input
 
@@ -29,7 +29,7 @@ class EmbeddingRequest(WireModel):
         except ValidationError:
             raise PydanticCustomError(
                 "input_type", "expected a string, an array of strings, an array of token ids (integers), "
-                "or an array of arrays of token ids",
+                "or an array of arrays of token ids (integers within ±2^31)",
             ) from None
 
 

@@ -3,13 +3,11 @@ OpenVINO Model Server's `/v3/rerank` (Cohere's shape with `return_documents`) an
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from pydantic import Field
 
-from servelm.protocol.common import ResponseModel, WireModel
+from servelm.protocol.common import KeepAlive, PositiveCount, ResponseModel, WireModel
 
-TopN = Annotated[int, Field(ge=1)]
+TopN = PositiveCount
 
 
 class RerankDocument(WireModel):
@@ -24,7 +22,7 @@ class RerankRequest(WireModel):
     documents: list[str | RerankDocument]
     top_n: TopN | None = None
     return_documents: bool = True
-    keep_alive: str | int | float | None = None  # Ollama's: how long a model loaded on demand stays loaded
+    keep_alive: KeepAlive | None = None  # Ollama's: how long a model loaded on demand stays loaded
     user: str | None = None
 
 
@@ -35,7 +33,7 @@ class CohereRerankRequest(WireModel):
     query: str
     documents: list[str]
     top_n: TopN | None = None
-    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None
+    max_tokens_per_doc: PositiveCount | None = None
 
 
 class OvmsRerankRequest(WireModel):
@@ -54,7 +52,7 @@ class ScoreRequest(WireModel):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive | None = None
     user: str | None = None
 
 

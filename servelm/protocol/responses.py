@@ -7,7 +7,17 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag
 
 from servelm.protocol.chat import FunctionName
-from servelm.protocol.common import MAX_MESSAGES, MAX_PARTS, MAX_TOOLS, NamedEvent, ResponseModel, SamplingExtras, WireModel
+from servelm.protocol.common import (
+    MAX_MESSAGES,
+    MAX_PARTS,
+    MAX_TOOLS,
+    Count,
+    NamedEvent,
+    PositiveCount,
+    ResponseModel,
+    SamplingExtras,
+    WireModel,
+)
 
 
 # -- input items -------------------------------------------------------------------------------------------
@@ -156,15 +166,15 @@ class ResponsesStreamOptions(WireModel):
 class ResponsesRequest(SamplingExtras):
     input: str | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)] = []
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: PositiveCount | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     text: TextParam | None = None
     tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    max_tool_calls: PositiveCount | None = None
     reasoning: ReasoningParam | None = None
-    thinking_budget: Annotated[int, Field(ge=0)] | None = None  # servelm's, as on chat completions
+    thinking_budget: Count | None = None  # servelm's, as on chat completions
     previous_response_id: str | None = None
     store: bool | None = None
     stream: bool | None = None

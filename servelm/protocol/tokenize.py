@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from servelm.protocol.chat import ChatMessage, Tool
-from servelm.protocol.common import MAX_MESSAGES, ResponseModel, WireModel
+from servelm.protocol.common import MAX_MESSAGES, Count, ResponseModel, WireModel
 
 
 class TokenizeRequest(WireModel):
@@ -41,7 +41,7 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeRequest(WireModel):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Count]
 
 
 class DetokenizeResponse(ResponseModel):

@@ -107,7 +107,7 @@ class CompletionService:
             scope = cache_scope(ctx.owner, req.cache_salt)
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
                                                     cache_hint=cache_hint(scope, req.prompt_cache_key),
-                                                    priority=request_priority(req, dep),
+                                                    priority=request_priority(req, dep, ctx),
                                                     adapters=request_adapters(req, dep)), echo,
                                  len(parts.head)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

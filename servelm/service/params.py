@@ -24,6 +24,7 @@ class RequestContext:
     max_batch_prompts: int = 128  # prompts one legacy-completions request may carry
     timings: bool = False  # every answer carries llama-server's timings (the server's --timings)
     on_filtered: FilterEvents | None = None  # a content filter blocked it: for /metrics and the access log
+    min_priority: int | None = None  # the most urgent priority its key may ask for (KeySpec.priority_floor); None: any
 
 
 def cache_scope(owner: str, salt: str | None) -> str:
@@ -52,12 +53,16 @@ class EndpointParams:
     constrained: bool = False  # the output is bound by a grammar (beam search cannot follow one yet)
 
 
-def request_priority(req: SamplingExtras, dep: Deployment) -> int:
-    """The request's priority (vLLM's: lower runs first), within what the deployment lets a request ask for."""
+def request_priority(req: SamplingExtras, dep: Deployment, ctx: RequestContext) -> int:
+    """The request's priority (vLLM's: lower runs first), within what the deployment lets a request ask for and what
+    its key may ask for (without a grant of its own, nothing below 0)."""
     priority = req.priority or 0
     if dep.min_priority is not None and priority < dep.min_priority:
         raise InvalidParameter(f"priority must be at least {dep.min_priority} on this deployment (lower is more "
                                f"urgent); got {priority}.", "priority")
+    if ctx.min_priority is not None and priority < ctx.min_priority:
+        raise InvalidParameter(f"priority must be at least {ctx.min_priority} for this API key (lower is more urgent; "
+                               f"a key's min_priority grants more); got {priority}.", "priority")
     return priority
 
 
