@@ -240,8 +240,9 @@ class ServerSettings(BaseSettings):
     rate_limit_tpm: int = Field(0, ge=0, description="tokens per minute per API key: prompt plus max_tokens "
                                 "charged at admission, the unused part given back when the answer's usage is known; 0: no limit")
     max_waiting: int = Field(256, ge=0, description="requests that may wait for a deployment's engine (from "
-                             "admission to their first output); beyond it a request is answered 429 queue_full (0: "
-                             "no bound). A batch of legacy-completion prompts counts one a prompt, all or none")
+                             "admission to their first output; an embeddings, rerank or score request until it is "
+                             "answered); beyond it a request is answered 429 queue_full (0: no bound). A batch of "
+                             "legacy-completion prompts counts one a prompt, all or none")
     max_waiting_per_key: int | None = Field(None, ge=0, description="of those, how many one caller (an API key; a "
                                             "client address without keys) may hold (default: half of "
                                             "--max-waiting; 0: no bound; a key's own max_waiting wins)")

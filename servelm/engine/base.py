@@ -85,8 +85,9 @@ class Embedder(Protocol):
         """A cross-encoder's input for a query and a document (only a cross-encoder has one)."""
         ...
 
-    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        """One pooled, unnormalized vector (a row) per input; inputs share forward passes with others'."""
+    async def embed(self, inputs: list[list[int]], caller: str = "") -> np.ndarray:
+        """One pooled, unnormalized vector (a row) per input; inputs share forward passes with others', taken from
+        each caller (an API key or a client's address) in turn."""
         ...
 
     def stats(self) -> Any: ...

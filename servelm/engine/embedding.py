@@ -2,6 +2,10 @@
 passes (one sequence per input, up to a token budget and a sequence count) and hands each request its
 vectors once the last of its inputs has been computed.
 
+A pass takes one input from each caller in turn (an API key, or a client's address: the service says which), and a
+caller's own requests in arrival order, so that a small request waits a pass or two, not behind every input of
+another caller's large ones (eight 1,024-document reranks kept a 2-document one waiting 161 s).
+
 The worker lives while there is work: it ends when the queue is empty, and the next input starts another. ggml
 computes with OpenMP, whose runtime keeps a team of spinning workers for each thread that ever computed, for as
 long as that thread lives; a second team on the cores makes every pass of the chat engine's wake its workers
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,13 +71,19 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[np.ndarray]
     left: int
+    taken: int = 0  # its inputs handed to a pass so far (they are taken in order)
     done: bool = False  # answered, failed or abandoned: its queued inputs are skipped
 
 
 @dataclass(eq=False)
 class _Queue:
-    items: deque[tuple[_Job, int]] = field(default_factory=deque)
+    # each caller's requests in arrival order; the callers in the order their turn comes (one input a turn)
+    callers: OrderedDict[str, deque[_Job]] = field(default_factory=OrderedDict)
+    waiting: int = 0  # inputs not yet handed to a pass
     cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def jobs(self) -> list[_Job]:
+        return [job for jobs in self.callers.values() for job in jobs]
 
 
 class EmbeddingEngine:
@@ -95,7 +105,7 @@ class EmbeddingEngine:
     def start(self) -> None:
         with self._q.cond:
             self._started, self._stopping = True, False
-            if self._q.items:
+            if self._q.callers:
                 self._wake_worker()
 
     def _wake_worker(self) -> None:
@@ -114,8 +124,9 @@ class EmbeddingEngine:
             worker.join(timeout=30)
         self._thread = None
         with self._q.cond:
-            jobs = {job for job, _ in self._q.items}
-            self._q.items.clear()
+            jobs = self._q.jobs()
+            self._q.callers.clear()
+            self._q.waiting = 0
         for job in jobs:
             self._fail(job, EmbeddingError("the server is shutting down"))
 
@@ -125,7 +136,7 @@ class EmbeddingEngine:
         return self._started and not self._stopping
 
     def stats(self) -> EmbeddingStats:
-        return EmbeddingStats(self._running, len(self._q.items), self.passes, self.embedded)
+        return EmbeddingStats(self._running, self._q.waiting, self.passes, self.embedded)
 
     # -- the asyncio side -------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -134,9 +145,10 @@ class EmbeddingEngine:
     def tokenize_pair(self, query: str, document: str) -> list[int]:
         return self.model.tokenize_pair(query, document)
 
-    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+    async def embed(self, inputs: list[list[int]], caller: str = "") -> np.ndarray:
         """Every input's vector (rows in input order). Inputs must be non-empty, within the context window
-        and the vocabulary: the service checks each with the client's words; this only guards."""
+        and the vocabulary: the service checks each with the client's words; this only guards. `caller`: whose
+        request it is (passes take from each caller in turn)."""
         for ids in inputs:
             if not ids or len(ids) > self.context_window:
                 raise ValueError(f"an input of {len(ids)} tokens does not fit a window of {self.context_window}")
@@ -147,7 +159,8 @@ class EmbeddingEngine:
         with self._q.cond:
             if self._stopping:
                 raise EmbeddingError("the server is shutting down")
-            self._q.items.extend((job, i) for i in range(len(inputs)))
+            self._q.callers.setdefault(caller, deque()).append(job)
+            self._q.waiting += len(inputs)
             self._wake_worker()
         try:
             return await job.future
@@ -175,27 +188,36 @@ class EmbeddingEngine:
                 self._deliver(batch, vectors)
 
     def _take(self) -> list[tuple[_Job, int]] | None:
-        """Pop, in arrival order, as many inputs as fit one pass (None: none are left, or the engine stops; the
-        worker ends, and the next input starts another)."""
+        """As many inputs as fit one pass, one from each caller in turn (None: none are left, or the engine stops;
+        the worker ends, and the next input starts another)."""
         q, m = self._q, self.model
         with q.cond:
-            while q.items and q.items[0][0].done:
-                q.items.popleft()
-            if self._stopping or not q.items:
+            batch: list[tuple[_Job, int]] = []
+            tokens = 0
+            while q.callers and len(batch) < m.max_batch_seqs and not self._stopping:
+                caller, jobs = next(iter(q.callers.items()))
+                job = jobs[0]
+                if not job.done:
+                    ids = job.inputs[job.taken]
+                    if batch and tokens + len(ids) > m.max_batch_tokens:
+                        break
+                    batch.append((job, job.taken))
+                    tokens += len(ids)
+                    job.taken += 1
+                    q.waiting -= 1
+                else:  # abandoned: its inputs not yet taken are dropped
+                    q.waiting -= len(job.inputs) - job.taken
+                    job.taken = len(job.inputs)
+                if job.taken == len(job.inputs):
+                    jobs.popleft()
+                if jobs:
+                    q.callers.move_to_end(caller)  # its next input waits for the others' turns
+                else:
+                    del q.callers[caller]
+            if not batch:
                 if self._thread is threading.current_thread():
                     self._thread = None
                 return None
-            batch: list[tuple[_Job, int]] = []
-            tokens = 0
-            while q.items and len(batch) < m.max_batch_seqs:
-                job, i = q.items[0]
-                if job.done:
-                    q.items.popleft()
-                    continue
-                if batch and tokens + len(job.inputs[i]) > m.max_batch_tokens:
-                    break
-                batch.append(q.items.popleft())
-                tokens += len(job.inputs[i])
             self._running = len(batch)
             return batch
 

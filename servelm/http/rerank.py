@@ -15,7 +15,7 @@ from servelm import tracing
 from servelm.http.auth import check_access
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
-from servelm.http.routes import DEPLOYMENT_HEADER, parse_body, run_unless_disconnected
+from servelm.http.routes import DEPLOYMENT_HEADER, embedding_turn, parse_body, run_unless_disconnected
 from servelm.protocol.rerank import (
     CohereRerankRequest,
     CohereRerankResponse,
@@ -42,18 +42,19 @@ def build_rerank_router(deployments: Deployments) -> APIRouter:
 
     async def score(request: Request, model: str | None, left: list[str], right: list[str], left_param: str,
                     right_param: str, max_right_tokens: int | None = None) -> tuple[PreparedScores, list[float]] | None:
-        """The scores of a request for this caller (its access, its tokens per minute); None if it went away."""
-        if model is not None:
-            check_access(request.scope, deployments, model)
-        prepared = await asyncio.to_thread(service.prepare, model, left, right, left_param=left_param,
-                                           right_param=right_param, max_right_tokens=max_right_tokens,
-                                           max_right_param="max_tokens_per_doc")
-        if model is None:
-            check_access(request.scope, deployments, prepared.model)
-        charge_tokens(request.scope, prepared.tokens, 0)
-        tracing.annotate(gen_ai__operation__name="rerank", gen_ai__request__model=prepared.model,
-                         servelm__pairs=len(prepared.pairs), gen_ai__usage__input_tokens=prepared.tokens)
-        scores = await run_unless_disconnected(request, asyncio.ensure_future(service.run(prepared)))
+        """The scores of a request for this caller (its access, its place in the queue, its tokens per minute, its
+        turn in the passes); None if it went away."""
+        name = model or service.default_model()
+        check_access(request.scope, deployments, name)
+        dep, _ = deployments.embedder(name)
+        with embedding_turn(request.scope, dep) as caller:
+            prepared = await asyncio.to_thread(service.prepare, dep.name, left, right, left_param=left_param,
+                                               right_param=right_param, max_right_tokens=max_right_tokens,
+                                               max_right_param="max_tokens_per_doc")
+            charge_tokens(request.scope, prepared.tokens, 0)
+            tracing.annotate(gen_ai__operation__name="rerank", gen_ai__request__model=prepared.model,
+                             servelm__pairs=len(prepared.pairs), gen_ai__usage__input_tokens=prepared.tokens)
+            scores = await run_unless_disconnected(request, asyncio.ensure_future(service.run(prepared, caller)))
         if scores is None:
             return None
         metrics = getattr(request.app.state, "metrics", None)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -19,7 +21,7 @@ from servelm.http.errors import validation_error
 from servelm.http.limits import admit, bounded, limits_of, streamed
 from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
-from servelm.http.ratelimit import charge_tokens
+from servelm.http.ratelimit import caller_of, charge_tokens
 from servelm.http.streams import SSE, Framing, frames
 from servelm.http.tracing import describe_generation
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
@@ -228,12 +230,28 @@ def build_router(deployments: Deployments, chat: ChatService, catalog: ModelCata
     return router
 
 
+@contextmanager
+def embedding_turn(scope: Scope, dep: Deployment) -> Iterator[str]:
+    """An embeddings, rerank or score request's place in its deployment's waiting queue, taken before its texts are
+    read and held until it is answered: 429 queue_full when the queue (--max-waiting, the deployment's
+    max_waiting), or the caller's share of it, has no room. Yields the caller whose turn its inputs take in the
+    embedding engine's passes."""
+    admission = admit(scope, dep.queue, [f"embd-{uuid.uuid4().hex}"], 0, 0, dep.max_waiting)
+    try:
+        yield caller_of(scope)
+    finally:
+        admission.close()
+
+
 async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingService) -> Response:
-    """Run a validated embeddings request for this caller (its access, its tokens per minute)."""
+    """Run a validated embeddings request for this caller (its access, its place in the queue, its tokens per
+    minute, its turn in the passes)."""
     check_access(request.scope, embeddings.deployments, req.model)
-    prepared = await asyncio.to_thread(embeddings.prepare, req)  # tokenizing many texts takes a while
-    charge_tokens(request.scope, sum(len(i) for i in prepared.inputs), 0)  # the key's tokens per minute
-    result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared)))
+    dep, _ = embeddings.deployments.embedder(req.model)
+    with embedding_turn(request.scope, dep) as caller:
+        prepared = await asyncio.to_thread(embeddings.prepare, req, dep.name)  # tokenizing many texts takes a while
+        charge_tokens(request.scope, sum(len(i) for i in prepared.inputs), 0)  # the key's tokens per minute
+        result = await run_unless_disconnected(request, asyncio.ensure_future(embeddings.run(prepared, caller)))
     if result is None:
         return Response(status_code=499)
     body = await asyncio.to_thread(result.model_dump_json)  # thousands of floats: off the event loop

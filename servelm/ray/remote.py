@@ -208,9 +208,9 @@ class RemoteEmbedder:
         self.tokenize_pair = tokenize_pair  # a reranker's query-document input
         self._embed = replicas.handle.options(method_name="embed")
 
-    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+    async def embed(self, inputs: list[list[int]], caller: str = "") -> np.ndarray:
         for attempt in range(1, ATTEMPTS + 1):
-            call = own_request(self._embed, inputs)
+            call = own_request(self._embed, inputs, caller)
             try:
                 vectors: np.ndarray = await call
                 return vectors

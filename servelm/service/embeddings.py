@@ -32,9 +32,10 @@ class EmbeddingService:
     def __init__(self, deployments: Deployments) -> None:
         self.deployments = deployments
 
-    def prepare(self, req: EmbeddingRequest) -> PreparedEmbedding:
-        """Validate and tokenize (may take milliseconds: call it off the event loop)."""
-        dep, embedder = self.deployments.embedder(req.model)
+    def prepare(self, req: EmbeddingRequest, deployment: str | None = None) -> PreparedEmbedding:
+        """Validate and tokenize (may take milliseconds: call it off the event loop). `deployment`: the one
+        `req.model` was found to name (an endpoint's draw), else req.model's."""
+        dep, embedder = self.deployments.embedder(deployment or req.model)
         if embedder.cross_encoder:
             raise InvalidParameter(f"The model `{req.model}` is a reranker: it scores a query against documents "
                                    "(/v1/rerank, /v1/score) and makes no embeddings.", "model",
@@ -50,8 +51,8 @@ class EmbeddingService:
         inputs = [_check_tokens(ids, "input" if one else f"input[{i}]", embedder) for i, ids in enumerate(tokenized)]
         return PreparedEmbedding(embedder, inputs, dep.name, dimensions, req.encoding_format == "base64")
 
-    async def run(self, p: PreparedEmbedding) -> EmbeddingResponse:
-        vectors = await p.embedder.embed(p.inputs)
+    async def run(self, p: PreparedEmbedding, caller: str = "") -> EmbeddingResponse:
+        vectors = await p.embedder.embed(p.inputs, caller)
         return respond(p, vectors)
 
 

@@ -21,7 +21,7 @@ from servelm.engine.base import Embedder
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.service.deployments import Deployments, TextDeployment
 
-MAX_PAIRS = 1024  # query-document pairs in one request (Cohere's recommended most documents is 1,000)
+MAX_PAIRS = 1024  # query-document pairs in one request (Cohere's recommended most documents is 1,000): docs/api.md
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ class ScoreService:
                 inputs.append(_fits(embedder.tokenize(text), where, embedder))
         return PreparedScores(dep.name, embedder, inputs, [(texts[q], texts[d]) for q, d in zip(lefts, right, strict=True)])
 
-    async def run(self, p: PreparedScores) -> list[float]:
-        """One score per pair, in order."""
-        rows = await p.embedder.embed(p.inputs)
+    async def run(self, p: PreparedScores, caller: str = "") -> list[float]:
+        """One score per pair, in order; its inputs take `caller`'s turns in the embedding engine's passes."""
+        rows = await p.embedder.embed(p.inputs, caller)
         if p.embedder.cross_encoder:
             logits = np.asarray(rows[:, 0], dtype=np.float64)
             scores = 1.0 / (1.0 + np.exp(-logits)) if p.embedder.dim == 1 else logits
