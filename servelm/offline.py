@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from servelm.batch.lines import BatchLine, MalformedFile, parse_lines
+from servelm.batch.lines import BatchLine, MalformedFile, requests, validate
 from servelm.batch.runner import answer
 from servelm.config import ServerSettings
 
@@ -41,9 +41,14 @@ def pending(lines: list[BatchLine], output: Path) -> list[BatchLine]:
     return [line for line in lines if line.custom_id not in done]
 
 
-def read_lines(path: Path) -> list[BatchLine]:
+def read_lines(path: Path, max_line_bytes: int = 8 << 20) -> list[BatchLine]:
+    """A batch file's requests, checked first a line at a time (each line at most `max_line_bytes`,
+    --max-body-bytes)."""
     try:
-        return parse_lines(path.read_bytes(), None, MAX_LINES)
+        with open(path, "rb") as f:
+            validate(f, None, MAX_LINES, max_line_bytes)
+            f.seek(0)
+            return [line for _, line in requests(f, None, max_line_bytes) if isinstance(line, BatchLine)]
     except MalformedFile as exc:
         problems = "\n".join(f"  line {e['line']}: {e['message']}" if e["line"] else f"  {e['message']}"
                              for e in exc.errors)
@@ -102,7 +107,7 @@ class LocalLines:
 def run_local(settings: ServerSettings, source: Path, output: Path, verbose_llama: bool = False) -> int:
     from tqdm import tqdm
 
-    lines = read_lines(source)
+    lines = read_lines(source, settings.max_body_bytes)
     todo = pending(lines, output)
     log.info("%d of %d lines to run (%d answered in %s already)", len(todo), len(lines), len(lines) - len(todo),
              output)

@@ -11,16 +11,20 @@ server): another owner's file or batch is not found.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+log = logging.getLogger("servelm.batch")
+CHUNK = 1 << 16  # a file's bytes are copied and read this much at a time
 
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -40,6 +44,16 @@ CREATE TABLE IF NOT EXISTS lines (
 
 class StoreFull(Exception):
     """The files would take more disk than --batch-disk-mib allows."""
+
+
+class FileDamaged(Exception):
+    """A stored file's bytes are gone, or are not as many as its row records (truncated or changed outside the
+    server): it is not served or run."""
+
+    def __init__(self, file_id: str, path: Path, recorded: int, found: int | None) -> None:
+        super().__init__(f"the stored file {file_id} ({path}) holds {'no bytes at all' if found is None else found}"
+                         f"{'' if found is None else ' bytes'} where {recorded} were written")
+        self.file_id, self.path, self.recorded, self.found = file_id, path, recorded, found
 
 
 @dataclass(frozen=True)
@@ -124,23 +138,33 @@ class BatchStore:
                  *, bounded: bool = True) -> FileRecord:
         """Write the bytes, then commit the row. StoreFull when it would go over the disk bound (`bounded`: an
         upload; a batch's own output is always written)."""
-        if bounded and self.max_disk_bytes and self.disk_used() + len(data) > self.max_disk_bytes:
+        return self.add_file_from(owner, filename, purpose, [data], len(data), expires_at, bounded=bounded)
+
+    def add_file_from(self, owner: str, filename: str, purpose: str, chunks: Iterable[bytes], size: int,
+                      expires_at: int | None = None, *, bounded: bool = True) -> FileRecord:
+        """add_file for bytes that come a chunk at a time (an upload spooled to disk), `size` of them: never whole
+        in memory."""
+        if bounded and self.max_disk_bytes and self.disk_used() + size > self.max_disk_bytes:
             raise StoreFull()
-        record = FileRecord(new_id("file-"), owner, filename, purpose, len(data), int(time.time()), expires_at)
-        self._write(record.id, data)
+        file_id = new_id("file-")
+        record = FileRecord(file_id, owner, filename, purpose, self._write(file_id, chunks), int(time.time()),
+                            expires_at)
         with self._tx() as db:
             db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, filename, purpose,
                                                                        record.bytes, record.created_at, expires_at))
         return record
 
-    def _write(self, file_id: str, data: bytes) -> None:
-        """A file's bytes, whole on disk before any row names them."""
+    def _write(self, file_id: str, chunks: Iterable[bytes]) -> int:
+        """A file's bytes, whole on disk before any row names them; how many."""
         tmp = self.files_dir / f".{file_id}.tmp"
         with open(tmp, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+            size = f.tell()
         os.replace(tmp, self.path(file_id))
+        return size
 
     def file(self, owner: str, file_id: str) -> FileRecord | None:
         with self._lock:
@@ -156,7 +180,34 @@ class BatchStore:
         return [FileRecord(*row) for row in rows]
 
     def content(self, owner: str, file_id: str) -> bytes | None:
-        return self.path(file_id).read_bytes() if self.file(owner, file_id) is not None else None
+        """A file's bytes, whole (for tests and small files: the server reads them with open())."""
+        f = self.open_file(owner, file_id)
+        if f is None:
+            return None
+        with f:
+            return f.read()
+
+    def open_file(self, owner: str | None, file_id: str) -> BinaryIO | None:
+        """A stored file open for reading, found as large as its row says (FileDamaged, logged, if it is not); None
+        when the owner (None: any) has no such file."""
+        with self._lock:
+            query = "SELECT bytes FROM files WHERE id = ?" + ("" if owner is None else " AND owner = ?")
+            row = self._db.execute(query, (file_id,) if owner is None else (file_id, owner)).fetchone()
+        if row is None:
+            return None
+        path = self.path(file_id)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (the caller's to close)
+        except FileNotFoundError:
+            found = None
+        else:
+            found = os.fstat(f.fileno()).st_size
+            if found == row[0]:
+                return f
+            f.close()
+        damaged = FileDamaged(file_id, path, row[0], found)
+        log.error("%s: it is not served, and a batch reading it fails; restore it, or delete the file", damaged)
+        raise damaged
 
     def in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads this file."""
@@ -251,17 +302,17 @@ class BatchStore:
         now = int(time.time())
         written = []
         for ok, field in ((True, "output_file_id"), (False, "error_file_id")):
-            lines = self.outputs(batch_id, ok)
-            if lines:
-                data = ("\n".join(lines) + "\n").encode()
+            file_id = new_id("file-")
+            size = self._write(file_id, (line.encode() + b"\n" for line in self.outputs(batch_id, ok)))
+            if size:
                 name = f"{batch_id}_{'output' if ok else 'error'}.jsonl"
-                written.append((field, FileRecord(new_id("file-"), owner, name, "batch_output", len(data), now), data))
-        for _, record, data in written:
-            self._write(record.id, data)
+                written.append((field, FileRecord(file_id, owner, name, "batch_output", size, now)))
+            else:
+                self.path(file_id).unlink()
         with self._tx() as db:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
             body = json.loads(row[0])
-            for field, record, _ in written:
+            for field, record in written:
                 db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, record.filename,
                                                                            record.purpose, record.bytes, now, None))
                 body[field] = record.id
@@ -272,12 +323,18 @@ class BatchStore:
         with self._lock:
             return {r[0] for r in self._db.execute("SELECT line FROM lines WHERE batch_id = ?", (batch_id,))}
 
-    def outputs(self, batch_id: str, ok: bool) -> list[str]:
-        """The answered lines' output lines, in input order: the successes or the failures."""
-        with self._lock:
-            rows = self._db.execute("SELECT output FROM lines WHERE batch_id = ? AND ok = ? ORDER BY line",
-                                    (batch_id, int(ok))).fetchall()
-        return [r[0] for r in rows]
+    def outputs(self, batch_id: str, ok: bool, page: int = 256) -> Iterator[str]:
+        """The answered lines' output lines, in input order: the successes or the failures, read a page of rows at
+        a time (a batch's output file is written without holding it whole)."""
+        after = 0
+        while True:
+            with self._lock:
+                rows = self._db.execute("SELECT line, output FROM lines WHERE batch_id = ? AND ok = ? AND line > ? "
+                                        "ORDER BY line LIMIT ?", (batch_id, int(ok), after, page)).fetchall()
+            yield from (r[1] for r in rows)
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
 
     def counts_by_status(self) -> dict[str, int]:
         with self._lock:

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from servelm.batch.lines import ENDPOINTS, window_seconds
+from servelm.batch.lines import ENDPOINTS, MAX_WINDOW_S, count_requests, window_seconds
 from servelm.batch.runner import BatchRunner
-from servelm.batch.store import BatchStore, StoreFull, new_id
-from servelm.errors import ClientError, InvalidParameter, NotFound, PayloadTooLarge
+from servelm.batch.store import CHUNK, BatchStore, FileDamaged, FileRecord, StoreFull, new_id
+from servelm.errors import ClientError, InvalidParameter, NotFound, PayloadTooLarge, ServerError
 from servelm.http.asgi import ASGIApp, Message
 from servelm.http.auth import BATCH_OWNER
 from servelm.http.routes import request_context
@@ -36,13 +38,15 @@ class BatchConfig:
     max_disk_bytes: int = 10 << 30
     priority: int = 10
     max_in_flight: int = 0  # 0: every sequence slot of the generating deployments
+    max_line_bytes: int = 8 << 20  # a batch file's longest line (--max-body-bytes): a longer one fails its batch
 
     @classmethod
     def from_settings(cls, settings: Any) -> BatchConfig | None:
         if not settings.state_dir:
             return None
         return cls(str(settings.state_dir), settings.batch_max_file_mib << 20, settings.batch_max_lines,
-                   settings.batch_disk_mib << 20, settings.batch_priority, settings.batch_max_in_flight)
+                   settings.batch_disk_mib << 20, settings.batch_priority, settings.batch_max_in_flight,
+                   settings.max_body_bytes)
 
 
 class AppCaller:
@@ -134,8 +138,37 @@ def new_batch(endpoint: str, input_file_id: str, window: str, seconds: int, meta
     }
 
 
-def _count_lines(data: bytes) -> int:
-    return sum(1 for line in data.split(b"\n") if line.strip())
+def _store_upload(store: BatchStore, owner: str, filename: str, f: BinaryIO, size: int, max_lines: int) -> FileRecord:
+    """An upload spooled to disk, its requests counted (up to one past the bound), then copied to the store a chunk at
+    a time (on a thread: never on the event loop, never whole in memory)."""
+    f.seek(0)
+    if count_requests(f, max_lines) > max_lines:
+        raise InvalidParameter(f"a batch file may hold at most {max_lines} requests (--batch-max-lines); this one "
+                               "holds more.", "file")
+    f.seek(0)
+    return store.add_file_from(owner, filename, "batch", iter(lambda: f.read(CHUNK), b""), size)
+
+
+async def _chunks(f: BinaryIO) -> AsyncIterator[bytes]:
+    """A stored file's bytes, a chunk at a time, each read on a thread."""
+    try:
+        while chunk := await asyncio.to_thread(f.read, CHUNK):
+            yield chunk
+    finally:
+        f.close()
+
+
+def _open_or_404(store: BatchStore, owner: str, file_id: str) -> tuple[BinaryIO, int]:
+    """A stored file open for reading, and its size (a 404 if it is not the owner's; a 500 saying so if its bytes on disk are not
+    the ones written: the log says what was found)."""
+    try:
+        f = store.open_file(owner, file_id)
+    except FileDamaged as exc:
+        raise ServerError(f"File {file_id} is damaged on the server: {exc.found or 0} of its {exc.recorded} bytes are "
+                          "there. It cannot be served; the server's log names it.", code="file_damaged") from None
+    if f is None:
+        raise NotFound(f"No such File object: {file_id}", param="file_id", code="not_found")
+    return f, os.fstat(f.fileno()).st_size
 
 
 def batch_runner(app: ASGIApp, deployments: Deployments, config: BatchConfig) -> BatchRunner:
@@ -145,7 +178,7 @@ def batch_runner(app: ASGIApp, deployments: Deployments, config: BatchConfig) ->
 
     store = BatchStore(Path(config.state_dir), config.max_disk_bytes)
     return BatchRunner(store, AppCaller(app), priority=config.priority, max_lines=config.max_lines,
-                       in_flight=in_flight)
+                       in_flight=in_flight, max_line_bytes=config.max_line_bytes)
 
 
 def build_no_batch_router() -> APIRouter:
@@ -182,20 +215,15 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
                                        "purpose")
             if upload is None or isinstance(upload, str):
                 raise InvalidParameter("file must be an uploaded file (multipart/form-data).", "file")
-            data = await upload.read()
-            filename = upload.filename or "upload.jsonl"
-        if len(data) > config.max_file_bytes:
-            raise PayloadTooLarge(config.max_file_bytes)
-        count = _count_lines(data)
-        if count > config.max_lines:
-            raise InvalidParameter(f"a batch file may hold at most {config.max_lines} requests (--batch-max-lines); "
-                                   f"this one holds {count}.", "file")
-        try:
-            record = await asyncio.to_thread(store.add_file, owner(request), filename, "batch", data)
-        except StoreFull:
-            raise ClientError(f"The server's files would take more than {config.max_disk_bytes >> 20} MiB "
-                              "(--batch-disk-mib): delete files you no longer need.", param="file",
-                              code="storage_limit_exceeded") from None
+            if upload.size is None or upload.size > config.max_file_bytes:
+                raise PayloadTooLarge(config.max_file_bytes)
+            try:  # (the form's files are closed as it ends)
+                record = await asyncio.to_thread(_store_upload, store, owner(request), upload.filename or "upload.jsonl",
+                                                 upload.file, upload.size, config.max_lines)
+            except StoreFull:
+                raise ClientError(f"The server's files would take more than {config.max_disk_bytes >> 20} MiB "
+                                  "(--batch-disk-mib): delete files you no longer need.", param="file",
+                                  code="storage_limit_exceeded") from None
         return JSONResponse(record.wire())
 
     # the store's reads and writes wait on its lock and on the disk: the routes that only read or write it are plain
@@ -210,10 +238,10 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
     def get_file(request: Request, file_id: str) -> JSONResponse:
         return JSONResponse(_file_or_404(store, owner(request), file_id).wire())
 
-    def file_content(request: Request, file_id: str) -> Response:
-        _file_or_404(store, owner(request), file_id)
-        data = store.content(owner(request), file_id) or b""
-        return Response(data, media_type="application/octet-stream")
+    async def file_content(request: Request, file_id: str) -> Response:
+        f, size = await asyncio.to_thread(_open_or_404, store, owner(request), file_id)
+        return StreamingResponse(_chunks(f), media_type="application/octet-stream",
+                                 headers={"content-length": str(size)})
 
     def delete_file(request: Request, file_id: str) -> JSONResponse:
         _file_or_404(store, owner(request), file_id)
@@ -239,8 +267,10 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
             raise InvalidParameter(f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}.", "endpoint")
         seconds = window_seconds(window) if isinstance(window, str) else None
         if seconds is None or not isinstance(window, str):
-            raise InvalidParameter(f"completion_window must be '24h' (or any '<n>s', '<n>m', '<n>h', '<n>d'); got "
-                                   f"{window!r}.", "completion_window")
+            shown = repr(window)[:40] + ("..." if len(repr(window)) > 40 else "")
+            raise InvalidParameter(f"completion_window must be '24h' (or any '<n>s', '<n>m', '<n>h', '<n>d', <n> in "
+                                   f"ASCII digits, up to {MAX_WINDOW_S // 86400} days); got {shown}.",
+                                   "completion_window")
         metadata = body.get("metadata")
         if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or any(
                 not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
