@@ -126,10 +126,15 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
         raise SystemExit(f"servelm: {exc}") from None
     limits = StoreLimits.from_settings(settings)
-    app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
-                     security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
-                     playground=settings.playground, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
-                     batches=BatchConfig.from_settings(settings), catalog=catalog, tracing=_tracing(settings))
+    try:
+        app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
+                         security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
+                         playground=settings.playground,
+                         store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
+                         batches=BatchConfig.from_settings(settings), catalog=catalog, tracing=_tracing(settings))
+    except (ApiError, OSError) as exc:  # the --state-dir database damaged or foreign (batch/store.py), or unwritable
+        built.close()
+        raise SystemExit(f"servelm: {exc}") from None
     names = ", ".join(repr(d.name) for d in built.deployments.all())
     if catalog is not None:
         names += (", " if names else "") + ", ".join(f"{n!r} (on demand)" for n in catalog.statuses())

@@ -1,7 +1,11 @@
 """The Files and Batches API's state: an SQLite database and a directory of files under --state-dir.
 
 A file's bytes are written (to a temporary name, synced, renamed) before its row is committed, so a row always
-names a whole file; a file without a row (a crash in between) is removed at the next start. A batch is one row
+names a whole file. At start, what the database does not know is never deleted: a file without a row (a crash in
+between, or a database lost or replaced) and anything else in files/ is moved aside into orphans/<UTC time>/, and
+the log and /health say how many and where (only a temporary name of ours, a write cut short, is removed, and
+logged). A database that is damaged or not servelm's stops the start (StoreDamaged: the file and what to do), and
+damage met later is a 503 `store_damaged`, logged once and told by /health. A batch is one row
 holding its object as OpenAI's spec has it; each answered line is a row of its own, committed in the same
 transaction as the batch's counts, so a restart knows exactly which lines were answered: none is answered twice
 in the output and none is dropped. Every read and write names the owner (an API key's digest, "" on an open
@@ -13,8 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
+import shutil
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -22,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from servelm.errors import ServiceUnavailable
 
 log = logging.getLogger("servelm.batch")
 CHUNK = 1 << 16  # a file's bytes are copied and read this much at a time
@@ -40,6 +49,50 @@ CREATE TABLE IF NOT EXISTS lines (
     input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, line));
 """
+
+
+_TABLES = {"files": ("id", "owner", "filename", "purpose", "bytes", "created_at", "expires_at"),
+           "batches": ("id", "owner", "created_at", "status", "body"),
+           "lines": ("batch_id", "line", "ok", "output", "input_tokens", "cached_tokens", "output_tokens")}
+_PART_WRITTEN = re.compile(r"\.file-[0-9a-f]{24}\.tmp")  # _write's temporary name: a write cut short by a stop
+_DAMAGE = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})  # (an I/O error or a full disk is not damage)
+_FIX = ("Nothing was changed. Restore it from a backup, or stop the server and move it aside ({db} with its -wal "
+        "and -shm files) to start with an empty store: the stored files are then kept under orphans/ "
+        "(`sqlite3 FILE .recover` may save its rows).")
+
+
+class StoreDamaged(ServiceUnavailable):
+    """The database cannot be used: damaged, not a database, or another program's. str() is the operator's line
+    (the file, what was found, what to do); a client gets a 503 `store_damaged` that names no path."""
+
+    def __init__(self, db: Path, found: str) -> None:
+        super().__init__("The server's file and batch store is damaged; its operator must repair it (GET /health "
+                         "says so). Try again later.", code="store_damaged")
+        self.detail = f"the Files and Batches API's database {db} cannot be used: {found}. {_FIX.format(db=db)}"
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def _is_damage(exc: BaseException | None) -> bool:
+    return isinstance(exc, sqlite3.DatabaseError) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _DAMAGE
+
+
+class _Guard:
+    """The store's lock (one thread at a time on its connection); a damaged database met under it comes out as
+    StoreDamaged, logged the first time."""
+
+    def __init__(self, store: BatchStore) -> None:
+        self._lock = threading.Lock()
+        self._store = store
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._lock.release()
+        if _is_damage(exc):
+            raise self._store.damaged(str(exc)) from exc
 
 
 class StoreFull(Exception):
@@ -98,12 +151,57 @@ class BatchStore:
         self.files_dir = self.directory / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.max_disk_bytes = max_disk_bytes  # 0: no bound
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.directory / "servelm.db", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        self._remove_orphans()
+        self.db_path = self.directory / "servelm.db"
+        self._lock = _Guard(self)
+        self._damage: str | None = None  # what was found, once damage was met while serving
+        self._orphans: dict[str, Any] | None = None  # what start-up moved aside
+        self._db = self._open()
+        self._move_orphans()
+
+    def _open(self) -> sqlite3.Connection:
+        """The database, checked whole before anything is served from it or done to the files (StoreDamaged)."""
+        db: sqlite3.Connection | None = None
+        try:
+            if self.db_path.exists() and not self.db_path.is_file():
+                raise StoreDamaged(self.db_path, "it is not a regular file")
+            db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            problems = [str(row[0]) for row in db.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                raise StoreDamaged(self.db_path, "PRAGMA quick_check finds " + "; ".join(problems))
+            names = [str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND "
+                                                       "name NOT LIKE 'sqlite%'")]
+            foreign = [n for n in names if _TABLES.get(n) != tuple(
+                str(row[0]) for row in db.execute("SELECT name FROM pragma_table_info(?)", (n,)))]
+            if foreign:
+                raise StoreDamaged(self.db_path, f"it is not servelm's (its table(s) {', '.join(foreign)} are not "
+                                   "the Batch API's)")
+            db.executescript(_SCHEMA)
+        except BaseException as exc:
+            if db is not None:
+                db.close()
+            if isinstance(exc, sqlite3.Error):  # not a database, damaged, or not to be opened at all
+                raise StoreDamaged(self.db_path, str(exc)) from None
+            raise
+        return db
+
+    def damaged(self, found: str) -> StoreDamaged:
+        """Damage met while serving: logged the first time, told by /health, a 503 to each request that meets it."""
+        error = StoreDamaged(self.db_path, found)
+        if self._damage is None:
+            log.error("%s", error)
+        self._damage = str(error)
+        return error
+
+    def health(self) -> dict[str, Any]:
+        """/health's report (no I/O): ok or damaged, and what start-up moved aside."""
+        report: dict[str, Any] = {"status": "ok" if self._damage is None else "damaged", "database": str(self.db_path)}
+        if self._damage is not None:
+            report["error"] = self._damage
+        if self._orphans is not None:
+            report["orphans"] = self._orphans
+        return report
 
     def close(self) -> None:
         with self._lock:
@@ -116,15 +214,36 @@ class BatchStore:
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
-    def _remove_orphans(self) -> None:
-        known = {row[0] for row in self._db.execute("SELECT id FROM files")}
+    def _move_orphans(self) -> None:
+        """Whatever files/ holds that no row names goes to orphans/<UTC time>/, never deleted (a missing or empty
+        database makes every stored file such a one); only our own temporary names, writes cut short, are removed."""
+        known = {f"{row[0]}.jsonl" for row in self._db.execute("SELECT id FROM files")}
+        unknown = []
         for path in self.files_dir.iterdir():
-            if path.name.split(".")[0] not in known:  # (a temporary name begins with a dot: never known)
+            if path.name in known:
+                continue
+            if _PART_WRITTEN.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+                log.warning("removing %s: a file write cut short by a stop (no row names it)", path)
                 path.unlink(missing_ok=True)
+            else:
+                unknown.append(path)
+        if not unknown:
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        (self.directory / "orphans").mkdir(exist_ok=True)
+        aside = Path(tempfile.mkdtemp(prefix=stamp + "-", dir=self.directory / "orphans"))
+        for path in unknown:
+            shutil.move(path, aside / path.name)
+        self._orphans = {"count": len(unknown), "moved_to": str(aside)}
+        log.warning("%d file(s) in %s are unknown to the database %s (a database lost, emptied or replaced, or a "
+                    "crash between a write and its row): moved aside to %s, not deleted; delete them, or restore "
+                    "the database they belong to and move them back", len(unknown), self.files_dir, self.db_path,
+                    aside)
 
     # -- files ------------------------------------------------------------------------------------
     def path(self, file_id: str) -> Path:
@@ -193,8 +312,11 @@ class BatchStore:
         with self._lock:
             query = "SELECT bytes FROM files WHERE id = ?" + ("" if owner is None else " AND owner = ?")
             row = self._db.execute(query, (file_id,) if owner is None else (file_id, owner)).fetchone()
-        if row is None:
-            return None
+        return None if row is None else self.open_stored(file_id, row[0])
+
+    def open_stored(self, file_id: str, size: int) -> BinaryIO:
+        """A stored file open for reading, found `size` bytes long (its row's; FileDamaged, logged, if not): for a
+        reader that looked its row up once (a batch reads its input file a line at a time)."""
         path = self.path(file_id)
         try:
             f = open(path, "rb")  # noqa: SIM115 (the caller's to close)
@@ -202,10 +324,10 @@ class BatchStore:
             found = None
         else:
             found = os.fstat(f.fileno()).st_size
-            if found == row[0]:
+            if found == size:
                 return f
             f.close()
-        damaged = FileDamaged(file_id, path, row[0], found)
+        damaged = FileDamaged(file_id, path, size, found)
         log.error("%s: it is not served, and a batch reading it fails; restore it, or delete the file", damaged)
         raise damaged
 
@@ -346,3 +468,11 @@ class BatchStore:
         with self._lock:
             ok, failed = self._db.execute("SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0) FROM lines").fetchone()
         return int(ok), int(failed)
+
+    def totals(self) -> tuple[dict[str, int], int, int]:
+        """/metrics' counts: batches by status, lines succeeded, lines failed (none while the database is damaged:
+        /health says so, and a scrape does not fail)."""
+        try:
+            return (self.counts_by_status(), *self.line_totals())
+        except StoreDamaged:
+            return {}, 0, 0

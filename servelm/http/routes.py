@@ -225,6 +225,8 @@ def build_router(deployments: Deployments, chat: ChatService, catalog: ModelCata
             parts = {d.name: d.memory for d in deployments.all() if d.memory}
             body["memory"] = {"budget_bytes": RUNTIME_BYTES + sum(sum(p.values()) for p in parts.values()),
                               "runtime_bytes": RUNTIME_BYTES, "deployments": parts}
+            for name, report in getattr(request.app.state, "health_reports", {}).items():  # e.g. the batch store's
+                body[name] = report()
         return JSONResponse(body, status_code=200 if ok else 503)
 
     return router
