@@ -34,6 +34,37 @@ class LineCaller(Protocol):
         ...
 
 
+class Turn(Protocol):
+    """A line's turn at its owner's rate limits: the line's call runs inside it; end() lets the owner's next line
+    wait for its budget (once this line's tokens are charged, or it goes no further)."""
+
+    def __enter__(self) -> None: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def end(self) -> None: ...
+
+
+class Pacer(Protocol):
+    async def turn(self, owner: str) -> Turn:
+        """Wait until `owner`'s rate limits let one more line go (http/ratelimit.py BatchPacer)."""
+        ...
+
+
+class _Free:
+    """The turn of a line that nothing paces (a runner without a pacer: `servelm batch`, tests)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def end(self) -> None:
+        return None
+
+
+_FREE = _Free()
+
+
 async def answer(caller: LineCaller, line: BatchLine, endpoint: str, owner: str, priority: int) -> LineResult:
     """One line's answer as its output line (a streamed request is the line's own 400: a batch answers whole). A
     "not now" (429 queue full, 503 busy or shutting down) is no answer: the line goes again after RETRY_S (a
@@ -90,6 +121,7 @@ class BatchRunner:
         self.max_lines = max_lines
         self.max_line_bytes = max_line_bytes  # a longer line fails its batch (--max-body-bytes)
         self._in_flight = in_flight  # asked once the engines are up
+        self.pacer: Pacer | None = None  # each owner's rate limits (set by http/app.py once they exist)
         self.width = 1  # lines under way at once, over every batch
         self._slots: asyncio.Semaphore | None = None
         self._validating = asyncio.Semaphore(VALIDATING)
@@ -168,18 +200,23 @@ class BatchRunner:
             store.finish(batch_id, "cancelled")
 
     def _opener(self, owner: str, file_id: str) -> Callable[[], BinaryIO]:
-        """How a batch opens its input file: MalformedFile when it is gone or damaged."""
+        """How a batch opens its input file, once for each line it reads: its row looked up the first time, then the
+        file checked against the size recorded there at each open; MalformedFile when it is gone or damaged."""
+        size: list[int] = []
+
         def open_input() -> BinaryIO:
+            if not size:
+                record = self.store.file(owner, file_id)
+                if record is None:
+                    raise MalformedFile([batch_error("file_not_found", f"the input file {file_id} is gone.",
+                                                     param="input_file_id")])
+                size.append(record.bytes)
             try:
-                f = self.store.open_file(owner, file_id)
+                return self.store.open_stored(file_id, size[0])
             except FileDamaged as exc:
                 raise MalformedFile([batch_error("file_damaged", f"The input file {file_id} is damaged on the "
                                                  f"server ({exc.found or 0} of its {exc.recorded} bytes are there).",
                                                  param="input_file_id")]) from None
-            if f is None:
-                raise MalformedFile([batch_error("file_not_found", f"the input file {file_id} is gone.",
-                                                 param="input_file_id")])
-            return f
         return open_input
 
     async def run(self, batch_id: str) -> None:
@@ -227,16 +264,21 @@ class BatchRunner:
         under_way: set[asyncio.Task[None]] = set()
         try:
             while True:
-                await slots.acquire()
+                turn = await self.pacer.turn(owner) if self.pacer else _FREE  # its key's rate limits, before a
+                item: BatchLine | LineResult | None = None  # place: a batch waiting for its key's budget holds none
                 try:
-                    item = await source.next()
-                except BaseException:
-                    slots.release()
-                    raise
+                    await slots.acquire()
+                    try:
+                        item = await source.next()
+                    finally:
+                        if item is None:
+                            slots.release()
+                finally:
+                    if item is None:
+                        turn.end()
                 if item is None:
-                    slots.release()
                     break
-                task = asyncio.create_task(self._line(batch, owner, item))
+                task = asyncio.create_task(self._line(batch, owner, item, turn))
                 under_way.add(task)
                 task.add_done_callback(under_way.discard)
                 task.add_done_callback(lambda _: slots.release())
@@ -246,9 +288,10 @@ class BatchRunner:
             for task in under_way:
                 task.cancel()
 
-    async def _line(self, batch: dict[str, Any], owner: str, item: BatchLine | LineResult) -> None:
-        result = item if isinstance(item, LineResult) else await answer(self.caller, item, batch["endpoint"], owner,
-                                                                        self.priority)
+    async def _line(self, batch: dict[str, Any], owner: str, item: BatchLine | LineResult, turn: Turn) -> None:
+        with turn:  # (ended once the line's tokens are charged, at the latest when it is answered)
+            result = item if isinstance(item, LineResult) else await answer(self.caller, item, batch["endpoint"],
+                                                                            owner, self.priority)
         await asyncio.to_thread(self.store.record, batch["id"], result)
 
     async def _until_stopped(self, batch: dict[str, Any], stop: asyncio.Event) -> None:

@@ -22,6 +22,7 @@ from servelm.http.metrics_route import build_metrics_router, engine_gauges
 from servelm.http.middleware import RequestLog
 from servelm.http.models import LoadOnDemand, build_lora_router, build_models_router
 from servelm.http.playground import build_playground_router
+from servelm.http.ratelimit import BatchPacer
 from servelm.http.rerank import build_rerank_router
 from servelm.http.routes import build_router
 from servelm.http.tracing import Traced
@@ -97,7 +98,8 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
     if batches is not None:
         runner = batch_runner(app, deployments, batches)
         app.include_router(build_batch_router(runner.store, runner, batches))
-        metrics.watch_batches(lambda: (runner.store.counts_by_status(), *runner.store.line_totals()))
+        metrics.watch_batches(runner.store.totals)
+        app.state.health_reports = {"batch_store": runner.store.health}  # what start-up found, damage (no I/O)
     else:
         app.include_router(build_no_batch_router())
     if playground:
@@ -108,7 +110,9 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
         metrics.watch_models(catalog.counts)
         app.add_middleware(LoadOnDemand, catalog=catalog)
     app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
-    limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body size 413, deadline
+    limiter = limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body 413, deadline
+    if runner is not None:  # a batch's lines wait for their key's rate limits, before they take a place in flight
+        runner.pacer = BatchPacer(limiter, (security or SecurityConfig()).keys)
     app.add_middleware(RequestLog, metrics=metrics)  # it sees every answer, 401/429 included
     if tracing is not None:  # around the access log, which writes the span's trace id
         app.add_middleware(Traced, tracing=tracing)

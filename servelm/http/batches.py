@@ -1,8 +1,10 @@
 """OpenAI's Files and Batches API (servelm/batch/ keeps the state and runs the lines), and the in-process caller
 through which a batch's lines reach this same app as their owner: every route, check, error and metric is the one a
 client's request gets, without the HTTP round trip. A line's call carries its owner in the scope
-(BATCH_OWNER, which no client can set): auth trusts it as that key, and the rate limits and the request deadline do
-not apply to it (a batch is bounded by its own in-flight cap and its completion window)."""
+(BATCH_OWNER, which no client can set): auth trusts it as that key, and its tokens are charged to that key's
+tokens per minute. The runner waits for the key's budget before it sends a line (http/ratelimit.py BatchPacer), so
+a key's rate limits pace its batch rather than refuse it; the request deadline does not apply (a batch is bounded
+by its completion window)."""
 
 from __future__ import annotations
 

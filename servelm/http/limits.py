@@ -96,11 +96,14 @@ class RequestLimits:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
 
-def install(app: Any, config: SecurityConfig, drain: Drain | None = None) -> None:
-    """Add the pieces as middleware, the last added outermost (Starlette's order): auth runs first."""
+def install(app: Any, config: SecurityConfig, drain: Drain | None = None) -> RateLimiter:
+    """Add the pieces as middleware, the last added outermost (Starlette's order): auth runs first. The rate
+    limiter's buckets are returned (a batch's lines wait on them: http/ratelimit.py BatchPacer)."""
+    limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
     app.add_middleware(LimitsMiddleware, config=config, drain=drain)
-    app.add_middleware(RateLimitMiddleware, limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm))
+    app.add_middleware(RateLimitMiddleware, limiter=limiter)
     app.add_middleware(AuthMiddleware, keys=config.keys)
+    return limiter
 
 
 def install_cors(app: Any, config: SecurityConfig) -> None:

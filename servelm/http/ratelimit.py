@@ -7,20 +7,31 @@ max_tokens for every sequence run. The charge is admitted while the key's bucket
 it below zero (a large request is not refused forever; the next ones wait for the debt to refill). When
 the answer's usage is known (a whole answer, or a stream with include_usage), the unused part of the
 max_tokens reservation is given back. Without API keys the buckets are per client address.
+
+A batch's lines (http/batches.py, batch/runner.py) count against the key that created the batch, paced rather
+than refused: BatchPacer makes a line wait, before it takes a place among the lines in flight, until the key has a
+request to spend and its token bucket is out of debt; its tokens are then charged as any request's. An owner's
+lines take their turns one at a time up to that charge, so they go in as the bucket refills, as interactive
+requests would (without keys, every batch shares one budget: the caller "addr:batch").
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 from servelm.errors import RateLimited
 from servelm.http.asgi import ASGIApp, Receive, Scope, Send, send_error
 from servelm.http.auth import BATCH_OWNER, OPEN_PATHS, current_key
+from servelm.keys import KeySpec
 
 SCOPE_TOKENS = "servelm.tpm"  # the key's token bucket, when it has a tokens-per-minute limit
+# a batch line's turn (BatchPacer), ended once its tokens are charged: its owner's next line may then wait for them
+_TURN: ContextVar[_Turn | None] = ContextVar("servelm_batch_turn", default=None)
 MAX_CALLERS = 10_000  # buckets kept before the full (idle) ones are dropped
 
 
@@ -49,11 +60,15 @@ class TokenBucket:
 
     def take_on_credit(self, cost: float) -> float:
         """Take `cost` if the bucket is not in debt, even into debt: 0.0; else the seconds until it is not."""
-        self._refill()
-        if self.level > 0:
+        wait = self.in_debt()
+        if not wait:
             self.level -= cost
-            return 0.0
-        return max(-self.level / self.rate, 1.0 / self.rate)
+        return wait
+
+    def in_debt(self) -> float:
+        """0.0 when the bucket holds something; else the seconds until it will."""
+        self._refill()
+        return 0.0 if self.level > 0 else max(-self.level / self.rate, 1.0 / self.rate)
 
     def give(self, amount: float) -> None:
         self._refill()
@@ -73,6 +88,12 @@ class RateLimiter:
         self.tpm = tpm
         self._clock = clock
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
+
+    def limits(self, key: KeySpec | None) -> tuple[int, int]:
+        """A caller's requests and tokens per minute: its key's own, else the server's (0: none)."""
+        if key is None:
+            return self.rpm, self.tpm
+        return self.rpm if key.rpm is None else key.rpm, self.tpm if key.tpm is None else key.tpm
 
     def bucket(self, caller: str, kind: str, per_minute: int) -> TokenBucket | None:
         if per_minute <= 0:
@@ -94,16 +115,12 @@ class RateLimitMiddleware:
         self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or BATCH_OWNER in scope:  # a batch has its own bounds
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        key = current_key(scope)
-        caller, rpm, tpm = caller_of(scope), self.limiter.rpm, self.limiter.tpm
-        if key is not None:
-            rpm = rpm if key.rpm is None else key.rpm
-            tpm = tpm if key.tpm is None else key.tpm
+        caller, (rpm, tpm) = caller_of(scope), self.limiter.limits(current_key(scope))
         requests = self.limiter.bucket(caller, "requests", rpm)
-        if requests is not None:
+        if requests is not None and BATCH_OWNER not in scope:  # (a batch line took its request in BatchPacer.turn)
             wait = requests.take(1)
             if wait:
                 await send_error(send, RateLimited(
@@ -143,9 +160,79 @@ def charge_tokens(scope: Scope, prompt_tokens: int, reserved: int) -> Charge | N
     bucket: TokenBucket | None = scope.get(SCOPE_TOKENS)
     if bucket is None:
         return None
-    wait = bucket.take_on_credit(prompt_tokens + reserved)
+    try:
+        wait = bucket.take_on_credit(prompt_tokens + reserved)
+    finally:
+        turn = _TURN.get()
+        if turn is not None:  # a batch line: its owner's next line may wait for its budget now
+            turn.let_next()
     if wait:
         raise RateLimited(
             f"Rate limit reached on tokens per min (TPM): Limit {int(bucket.capacity)}. Please try again in "
             f"{math.ceil(wait)}s.", wait, kind="tokens")
     return Charge(bucket, reserved)
+
+
+class BatchPacer:
+    """Batch lines wait here for their owner's rate limits (see the module's description): `turn` returns once the
+    owner may send one more line, and the line runs inside the context it returns."""
+
+    def __init__(self, limiter: RateLimiter, keys: Sequence[KeySpec]) -> None:
+        self.limiter = limiter
+        self._keys = {k.digest.hex(): k for k in keys}
+        self._turns: dict[str, asyncio.Lock] = {}  # an owner's line waiting, or charging: at most one per key
+
+    async def turn(self, owner: str) -> _Turn:
+        if self._keys and owner not in self._keys:
+            return _Turn(None)  # a key no longer accepted: its line is a 401, nothing to pace
+        key = self._keys.get(owner)
+        caller = "key:" + owner if key is not None else "addr:batch"  # (caller_of of the line's scope)
+        rpm, tpm = self.limiter.limits(key)
+        lock = self._turns.setdefault(owner, asyncio.Lock())
+        await lock.acquire()
+        turn = _Turn(lock)
+        try:
+            requests = self.limiter.bucket(caller, "requests", rpm)
+            while requests is not None and (wait := requests.take(1)):
+                await asyncio.sleep(wait)
+            turn.requests = requests
+            tokens = self.limiter.bucket(caller, "tokens", tpm)
+            while tokens is not None and (wait := tokens.in_debt()):
+                await asyncio.sleep(wait)
+            if tokens is None:
+                turn.let_next()  # nothing to charge: the owner's next line need not wait for this one
+        except BaseException:
+            turn.end()
+            raise
+        return turn
+
+
+class _Turn:
+    """A batch line's turn: entered around the line's call (charge_tokens ends it there), ended at the latest when
+    the line is answered; ending it twice is nothing. Ended without being entered (no line came: the batch's file
+    ended, or it stopped), its request is given back."""
+
+    def __init__(self, lock: asyncio.Lock | None) -> None:
+        self._lock = lock
+        self._reset: Token[_Turn | None] | None = None
+        self.requests: TokenBucket | None = None  # the request it took
+
+    def end(self) -> None:
+        if self._reset is None and self.requests is not None:
+            self.requests.give(1)
+        self.requests = None
+        self.let_next()
+
+    def let_next(self) -> None:
+        """The owner's next line may wait for its budget."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def __enter__(self) -> None:
+        self._reset = _TURN.set(self)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._reset is not None:
+            _TURN.reset(self._reset)
+        self.end()
