@@ -18,7 +18,7 @@ from collections.abc import Callable, Container
 from typing import Any, BinaryIO, Protocol
 
 from servelm.batch.lines import BatchLine, MalformedFile, answered, batch_error, request_body, requests, unanswered, validate
-from servelm.batch.store import BatchStore, FileDamaged, LineResult
+from servelm.batch.store import BatchStore, FileDamaged, LineResult, StoreDamaged
 
 log = logging.getLogger("servelm.batch")
 POLL_S = 1.0  # how often the runner looks at the clock for expiry while nothing wakes it
@@ -157,7 +157,11 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
-            for batch_id in await asyncio.to_thread(self.store.unfinished):
+            try:
+                unfinished = await asyncio.to_thread(self.store.unfinished)
+            except StoreDamaged:  # (logged by the store, told by /health): nothing runs until it is repaired
+                unfinished = []
+            for batch_id in unfinished:
                 if batch_id not in self._batches and batch_id not in self._stuck:
                     self._stop[batch_id] = asyncio.Event()
                     self._batches[batch_id] = asyncio.create_task(self._guarded(batch_id))

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sqlite3
@@ -112,12 +113,13 @@ def _garbage(db: Path) -> None:
     db.write_bytes(b"not a database, " * 512)
 
 
-def _garbage_page(db: Path) -> None:
-    """The files table's root page (page 2) overwritten: the header is fine, the database opens."""
+def _garbage_page(db: Path, every: bool = False) -> None:
+    """The files table's root page (page 2; `every`: all pages but the first) overwritten: the header is fine, the
+    database opens."""
     with open(db, "r+b") as f:
         page = int.from_bytes(_header(db)[16:18], "big")
         f.seek(page)
-        f.write(b"\xde\xad\xbe\xef" * (page // 4))
+        f.write(b"\xde\xad\xbe\xef" * (page // 4) * (db.stat().st_size // page - 1 if every else 1))
 
 
 def _header(db: Path) -> bytes:
@@ -163,6 +165,16 @@ def test_servelm_serve_refuses_a_damaged_store_in_one_line(tmp_path):
     assert last.startswith("servelm: ") and str(tmp_path / "state" / "servelm.db") in last and "move it aside" in last
 
 
+def _damaged_later(directory: Path) -> BatchStore:
+    """A store that passed its start-up check, whose disk then fails: a garbage page under its connection."""
+    stored(directory, 2)
+    store = BatchStore(directory)
+    store._db.close()
+    _garbage_page(store.db_path, every=True)
+    store._db = sqlite3.connect(store.db_path, check_same_thread=False, isolation_level=None)
+    return store
+
+
 def test_damage_met_while_serving_is_a_503_in_the_envelope_and_health_says_so(tmp_path, caplog):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
@@ -170,12 +182,8 @@ def test_damage_met_while_serving_is_a_503_in_the_envelope_and_health_says_so(tm
     from servelm.http import errors
     from servelm.http.batches import build_batch_router
 
-    stored(tmp_path, 2)
-    store = BatchStore(tmp_path)  # it passed its start-up check; the disk fails later
-    db = tmp_path / "servelm.db"
-    store._db.close()
-    _garbage_page(db)
-    store._db = sqlite3.connect(db, check_same_thread=False, isolation_level=None)
+    store = _damaged_later(tmp_path)
+    db = store.db_path
     app = FastAPI()
     errors.install(app)
     app.include_router(build_batch_router(store, None, BatchConfig(str(tmp_path))))  # type: ignore[arg-type]
@@ -287,3 +295,24 @@ def test_a_paced_batch_holds_no_place_another_keys_batch_needs(fake_server_facto
     while _batch(base, "sk-slow", slow)["status"] != "cancelled":
         assert time.monotonic() < deadline, "a line waiting for its key's budget held up the cancel"
         time.sleep(0.1)
+
+
+async def test_the_batch_runner_outlives_a_damaged_store(tmp_path, monkeypatch, caplog):
+    from servelm.batch import runner as runner_module
+    from servelm.batch.runner import BatchRunner
+
+    monkeypatch.setattr(runner_module, "POLL_S", 0.01)
+    store = _damaged_later(tmp_path)
+
+    async def caller(endpoint, body, owner):
+        raise AssertionError("no line runs from a damaged store")
+
+    runner = BatchRunner(store, caller, priority=10, max_lines=10, in_flight=lambda: 1)
+    with caplog.at_level("ERROR", logger="servelm.batch"):
+        runner.start()
+        await asyncio.sleep(0.3)  # many polls
+        assert runner._loop_task is not None and not runner._loop_task.done(), "the runner's loop died"
+        await runner.stop()
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    assert store.health()["status"] == "damaged"
+    store._db.close()
