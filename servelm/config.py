@@ -338,7 +338,8 @@ class LoraSpec(BaseModel):
 
     name: str = Field(min_length=1)
     path: Path
-    scale: float = Field(1.0, description="how much of it applies (llama.cpp's scale)")
+    scale: float = Field(1.0, ge=-10.0, le=10.0,
+                         description="how much of it applies (llama.cpp's scale), from -10 to 10")
 
     @classmethod
     def parse(cls, text: str) -> LoraSpec:

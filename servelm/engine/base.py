@@ -43,8 +43,13 @@ class AdapterHost(Protocol):
         ...
 
     def free_adapter(self, name: str) -> None:
-        """Free it; no request may still run with it."""
+        """Free it, between two steps; AdapterInUse while scheduled work (running, or waiting in the engine) still
+        names it."""
         ...
+
+
+class AdapterInUse(RuntimeError):
+    """A LoRA adapter that scheduled work still names: it stays loaded."""
 
 
 class EngineWrapper:

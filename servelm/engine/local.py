@@ -12,12 +12,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from servelm.constrain.grammars import Grammars
+from servelm.engine.base import AdapterInUse
 from servelm.engine.choice import RequestState
 from servelm.engine.clock import PhaseClock
 from servelm.engine.output import Delivery, OutputProcessor, Outputs, StepResult
@@ -42,6 +45,20 @@ class _Client:
     queue: asyncio.Queue[Delivery]
 
 
+@dataclass(eq=False)
+class _Call:
+    """Work for the engine thread between two steps (after the inbox's earlier requests and aborts)."""
+    fn: Callable[[], Any]
+    done: Future[Any] = field(default_factory=Future)
+
+    def run(self) -> None:
+        if self.done.set_running_or_notify_cancel():  # not run by its caller already (the thread had stopped)
+            try:
+                self.done.set_result(self.fn())
+            except Exception as exc:  # noqa: BLE001 - the caller's to raise
+                self.done.set_exception(exc)
+
+
 class LocalEngine:
     def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None,
                  speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None,
@@ -57,7 +74,8 @@ class LocalEngine:
         self.output = OutputProcessor(runner, grammars, self.clock)
         self.sampler = StepSampler(runner.vocab_size, runner.eog_ids, self.output.choices, grammars is not None,
                                    self.clock)
-        self._inbox: deque[RequestState | str] = deque()  # a request to add, or the id of a request to abort
+        self._inbox: deque[RequestState | str | _Call] = deque()  # a request to add, an abort's id, a call
+        self._adapters: set[str] = set()  # the LoRA adapters loaded in the runner
         self._wake = threading.Event()
         self._clients: dict[str, _Client] = {}
         self._thread: threading.Thread | None = None
@@ -105,9 +123,32 @@ class LocalEngine:
     def load_adapter(self, name: str, path: str) -> None:
         """A LoRA adapter loaded into the runner (between two steps: the runner's own lock)."""
         self.runner.load_adapter(name, path)
+        self._adapters.add(name)
 
     def free_adapter(self, name: str) -> None:
-        self.runner.free_adapter(name)
+        """The adapter freed on the engine thread between two steps, once the aborts posted before are done;
+        AdapterInUse while a request running or waiting here names it (it stays loaded)."""
+
+        def free() -> None:
+            if self.scheduler.names_adapter(name):
+                raise AdapterInUse(f"the LoRA adapter {name!r} is named by scheduled work")
+            self._adapters.discard(name)
+            self.runner.free_adapter(name)
+
+        self._between_steps(free)
+
+    def _between_steps(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the engine thread between two steps (at once, here, when the thread does not run)."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        call = _Call(fn)
+        self._post(call)
+        while True:
+            try:
+                return call.done.result(timeout=1.0)
+            except TimeoutError:
+                if not self.alive and call.done.cancel():  # the thread stopped before it took the call
+                    return fn()
 
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
@@ -159,7 +200,7 @@ class LocalEngine:
             preemptions=s.preemptions, resumed_tokens=s.resumed_tokens,
         )
 
-    def _post(self, item: RequestState | str) -> None:
+    def _post(self, item: RequestState | str | _Call) -> None:
         self._inbox.append(item)
         self._wake.set()
 
@@ -180,7 +221,13 @@ class LocalEngine:
     def _drain_inbox(self) -> None:
         while self._inbox:
             item = self._inbox.popleft()
-            if isinstance(item, RequestState):
+            if isinstance(item, _Call):
+                item.run()
+            elif isinstance(item, RequestState):
+                missing = [n for n, _ in item.group.adapters if n not in self._adapters]
+                if missing:  # never scheduled: a step with it would fail every request in it
+                    self._send({item.group.request_id: EngineError(f"the LoRA adapters {missing} are not loaded")})
+                    continue
                 self.output.attach(item)
                 self.scheduler.add(item.group)
             else:

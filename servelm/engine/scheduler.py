@@ -124,6 +124,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._ops)
 
+    def names_adapter(self, name: str) -> bool:
+        """Whether scheduled work (running, or waiting here) runs with this LoRA adapter: it may not be freed."""
+        return any(n == name for group in (*self.running, *self.waiting) for n, _ in group.adapters)
+
     def add(self, group: SequenceGroup) -> None:
         if len(group.seqs) > self.num_slots:
             raise ValueError(f"a request of {len(group.seqs)} choices exceeds the {self.num_slots} sequence slots")

@@ -176,6 +176,19 @@ def _free(owner: LlamaCppRunner | LlamaCppEmbedder) -> None:
         owner._model = None
 
 
+def _gguf_tensor_count(path: str | Path) -> int | None:
+    """The tensor count a GGUF file's header gives (GGUF v2 and later: magic, u32 version, u64 count), or None
+    for what is not such a file (llama.cpp's loader says why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    if len(head) < 16 or head[:4] != b"GGUF" or int.from_bytes(head[4:8], "little") < 2:
+        return None
+    return int.from_bytes(head[8:16], "little")
+
+
 class LlamaCppRunner:
     def __init__(
         self,
@@ -440,6 +453,8 @@ class LlamaCppRunner:
         with self._lock:
             if name in self._adapters:
                 raise ValueError(f"the adapter {name!r} is loaded already")
+            if _gguf_tensor_count(path) == 0:  # llama.cpp loads it, and it changes nothing
+                raise ValueError("the file holds no tensors (an adapter with nothing to apply)")
             _log_capture = []
             try:
                 adapter = C.llama_adapter_lora_init(self._model, str(path).encode())
