@@ -16,7 +16,7 @@ from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import KEYS_ON, allowed, current_key
 from servelm.http.limits import is_json
-from servelm.service.adapters import AdapterNotFound, AdapterRegistry
+from servelm.service.adapters import AdapterNotFound, AdapterRegistry, check_scale
 from servelm.service.catalog import ModelCatalog, parse_keep_alive
 from servelm.service.deployments import Deployments, TextDeployment
 
@@ -137,9 +137,8 @@ def build_lora_router(deployments: Deployments) -> APIRouter:
                                    code="lora_already_loaded")
         if name in {n for n, _ in deployments.model_ids()}:
             raise InvalidParameter(f"`{name}` names a model already.", "lora_name", code="lora_already_loaded")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise InvalidParameter("`scale` must be a number.", "scale")
-        await _adapters_of(deployments, model if isinstance(model, str) else None).add(name, path, float(scale))
+        scale = check_scale(scale)  # finite, within ±SCALE_BOUND: JSON's NaN, Infinity and 1e999 are 400s
+        await _adapters_of(deployments, model if isinstance(model, str) else None).add(name, path, scale)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")
