@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import gc
 import logging
+import re
 import time
 import tomllib
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +33,7 @@ from pydantic import ValidationError
 from servelm.compose import Built, build
 from servelm.config import DeploymentSpec, EngineSettings
 from servelm.errors import InvalidParameter, ModelNotFound, ServiceUnavailable
+from servelm.gguf_header import NotGGUF, open_regular, read_metadata
 from servelm.metrics import ModelCounts
 from servelm.service.catalog import ModelStatus, Status
 from servelm.service.deployments import Deployments
@@ -41,6 +44,10 @@ MiB = 1 << 20
 ENCODERS = frozenset({"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "modern-bert", "neo-bert"})
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK, in a GGUF's ARCH.pooling_type
 RETRY_AFTER_S = 5  # a load refused for want of room: about when a running request may have ended
+MAX_NAME_BYTES = 200  # a models directory's model name (a file's stem, a folder): with mmproj- or .gguf, a file name
+MAX_SETTINGS_BYTES = 1 << 20  # a NAME.toml
+NOT_MODELS_KEPT = 4096  # names found not to be models, remembered with what was on disk under them
+_SHARD = re.compile(r"-(\d{5})-of-\d{5}$")
 
 
 @dataclass(eq=False)
@@ -79,46 +86,108 @@ class FleetLimits:
     idle_unload_s: float = 300.0  # negative: never
 
 
+def model_name_ok(name: str) -> bool:
+    """Whether `name` may name a model of a models directory, before any look at the disk: one path component of
+    at most MAX_NAME_BYTES of UTF-8, neither a projector (mmproj*) nor a shard after a model's first."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    shard = _SHARD.search(name)
+    return 0 < size <= MAX_NAME_BYTES and name not in (".", "..") and "/" not in name and "\0" not in name \
+        and not name.startswith("mmproj") and (shard is None or shard.group(1) == "00001")
+
+
 def scan_models_dir(directory: Path, engine: EngineSettings) -> tuple[list[DeploymentSpec], dict[str, str]]:
     """Every model of a models directory as an on-demand spec, and the names whose settings could not be read
-    with the reason. A file X.gguf is the model X, with mmproj-X.gguf its projector and X.toml its settings (a
-    [[deployments]] table without name and model); a subdirectory X holding one model GGUF (and an mmproj*.gguf)
-    is the model X, with X/X.toml or X.toml its settings."""
+    with the reason. A regular file X.gguf is the model X, with mmproj-X.gguf its projector and X.toml its settings
+    (a [[deployments]] table without name and model); a subdirectory X holding one model GGUF (and an mmproj*.gguf)
+    is the model X, with X/X.toml or X.toml its settings. Anything else (a FIFO, a name past MAX_NAME_BYTES) is
+    passed over."""
     specs: list[DeploymentSpec] = []
     failed: dict[str, str] = {}
     for path in sorted(directory.iterdir()):
-        if path.is_dir():
-            ggufs = sorted(path.glob("*.gguf"))
-            models = [p for p in ggufs if not p.name.startswith("mmproj")]
-            shards = [p for p in models if "-00001-of-" in p.name]
-            if len(models) != 1 and len(shards) != 1:
-                if models:
-                    log.warning("%s: %d model files and no first shard; serving none of them", path, len(models))
-                continue
-            name, model = path.name, (shards or models)[0]
-            projector = next((p for p in ggufs if p.name.startswith("mmproj")), None)
-            settings = next((p for p in (path / f"{name}.toml", directory / f"{name}.toml") if p.is_file()), None)
-        elif path.suffix.lower() == ".gguf" and not path.name.startswith("mmproj") \
-                and not path.stem.split("-00")[-1].startswith(("002", "003", "004", "005", "006", "007", "008", "009")):
-            name, model = path.stem, path
-            found = directory / f"mmproj-{name}.gguf"
-            projector = found if found.is_file() else None
-            settings = directory / f"{name}.toml"
-            settings = settings if settings.is_file() else None
-        else:
-            continue
-        try:
-            specs.append(_spec(name, model, projector, settings, engine))
-        except (OSError, ValueError) as exc:
-            failed[name] = str(exc)
+        _take(_found_at(directory, path), engine, specs, failed)
     return specs, failed
 
 
-def _spec(name: str, model: Path, projector: Path | None, settings: Path | None, engine: EngineSettings) -> DeploymentSpec:
+def look_for(directory: Path, name: str, engine: EngineSettings,
+             seen: tuple[object, ...] | None) -> tuple[tuple[object, ...] | None, list[DeploymentSpec], dict[str, str]]:
+    """The one model `name` would be in the directory (X.gguf, else the folder X), without scanning the rest:
+    what is on disk under the name (its signature), and the spec or the failure found there. Nothing is read
+    when the signature is `seen` (what an earlier look found not to be a model)."""
+    specs: list[DeploymentSpec] = []
+    failed: dict[str, str] = {}
+    marks = _signature(directory, name)
+    if marks is not None and marks != seen:
+        found = _found_at(directory, directory / f"{name}.gguf") or _found_at(directory, directory / name)
+        _take(found if found is not None and found.name == name else None, engine, specs, failed)
+    return marks, specs, failed
+
+
+@dataclass(frozen=True)
+class _Found:
+    name: str
+    model: Path
+    projector: Path | None
+    settings: Path | None
+
+
+def _found_at(directory: Path, path: Path) -> _Found | None:
+    """The model a directory's entry is, if it is one."""
+    if path.is_dir():
+        if not model_name_ok(path.name):
+            return None
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        models = [p for p in ggufs if not p.name.startswith("mmproj")]
+        shards = [p for p in models if "-00001-of-" in p.name]
+        if len(models) != 1 and len(shards) != 1:
+            if models:
+                log.warning("%s: %d model files and no first shard; serving none of them", path, len(models))
+            return None
+        name = path.name
+        projector = next((p for p in ggufs if p.name.startswith("mmproj")), None)
+        settings = next((p for p in (path / f"{name}.toml", directory / f"{name}.toml") if p.is_file()), None)
+        return _Found(name, (shards or models)[0], projector, settings)
+    if path.suffix.lower() != ".gguf" or not model_name_ok(path.stem):
+        return None
+    if not path.is_file():
+        if path.exists():
+            log.warning("%s is not a regular file; it is not served", path)
+        return None
+    projector, settings = directory / f"mmproj-{path.stem}.gguf", directory / f"{path.stem}.toml"
+    return _Found(path.stem, path, projector if projector.is_file() else None, settings if settings.is_file() else None)
+
+
+def _take(found: _Found | None, engine: EngineSettings, specs: list[DeploymentSpec], failed: dict[str, str]) -> None:
+    if found is None:
+        return
+    try:
+        specs.append(_spec(found, engine))
+    except (OSError, ValueError) as exc:
+        failed[found.name] = str(exc)
+
+
+def _signature(directory: Path, name: str) -> tuple[object, ...] | None:
+    """What a look for `name` reads first: X.gguf's and the folder X's type, inode, size and time (a folder's time
+    changes as its entries come and go); None when neither is there."""
+    marks: list[object] = []
+    for path in (directory / f"{name}.gguf", directory / name):
+        try:
+            st = path.stat()
+        except (OSError, ValueError):
+            marks.append(None)
+            continue
+        marks.append((st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(marks) if any(marks) else None
+
+
+def _spec(found: _Found, engine: EngineSettings) -> DeploymentSpec:
+    name, model, settings = found.name, found.model, found.settings
     table: dict[str, Any] = {}
     if settings is not None:
         try:
-            table = tomllib.loads(settings.read_text(encoding="utf-8"))
+            table = tomllib.loads(_read_settings(settings))
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{settings}: not valid TOML: {exc}") from None
         for key in ("name", "model", "load"):
@@ -131,29 +200,47 @@ def _spec(name: str, model: Path, projector: Path | None, settings: Path | None,
     if engine.prefix_cache_dir and "prefix_cache_dir" not in own_engine:  # each model's entries in its own folder
         fields["prefix_cache_dir"] = str(Path(engine.prefix_cache_dir) / name)
     table.setdefault("kind", _kind(model))
-    if projector is not None:
-        table.setdefault("mmproj", projector)
+    if found.projector is not None:
+        table.setdefault("mmproj", found.projector)
     try:
         return DeploymentSpec(name=name, model=str(model), load="on-demand", engine=EngineSettings(**fields), **table)
     except ValidationError as exc:
         raise ValueError(f"{settings or model}: {exc}") from None
 
 
+def _read_settings(path: Path) -> str:
+    with open_regular(path) as f:
+        text = f.read(MAX_SETTINGS_BYTES + 1)
+    if len(text) > MAX_SETTINGS_BYTES:
+        raise ValueError(f"{path}: over {MAX_SETTINGS_BYTES >> 10} KiB, more than any settings file needs")
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 ({exc})") from None
+
+
 def _kind(path: Path) -> str:
     """What a GGUF serves: "rerank" for rank pooling (a cross-encoder), "embedding" for an encoder architecture,
-    else "chat" (also when the file cannot be read: the load will say why)."""
+    else "chat" (also when the file's metadata cannot be read: the load will say why). Remembered for each
+    version of each file (its inode, size and time)."""
     try:
-        from gguf import GGUFReader
-
-        fields = GGUFReader(path).fields
-        fld = fields["general.architecture"]
-        arch = bytes(fld.parts[fld.data[0]]).decode()
-        pooling = fields.get(f"{arch}.pooling_type")
-        if pooling is not None and int(pooling.parts[pooling.data[0]][0]) == RANK_POOLING:
-            return "rerank"
-        return "embedding" if arch in ENCODERS else "chat"
-    except Exception:
+        st = path.stat()
+    except (OSError, ValueError):
         return "chat"
+    return _kind_of(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kind_of(path: str, *version: int) -> str:
+    try:
+        meta = read_metadata(path, lambda key: key == "general.architecture" or key.endswith(".pooling_type"))
+    except (OSError, NotGGUF) as exc:
+        log.warning("%s: its metadata cannot be read (%s); it is listed as a chat model", path, exc)
+        return "chat"
+    arch = meta.get("general.architecture")
+    if meta.get(f"{arch}.pooling_type") == RANK_POOLING:
+        return "rerank"
+    return "embedding" if arch in ENCODERS else "chat"
 
 
 class Fleet:
@@ -173,20 +260,31 @@ class Fleet:
         self._registry: Deployments | None = None
         self._changed: asyncio.Condition | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._scans = asyncio.Lock()  # one look at the directory at a time: who waits finds what it found
+        self._scans_begun = 0
+        self._not_models: dict[str, tuple[object, ...]] = {}  # a name's signature when it was found not a model
         for spec in specs:
             self._add(spec)
-        if models_dir is not None:
-            self.refresh()
+        if models_dir is not None:  # before the server starts: no loop to block yet
+            self._scanned(self._scan())
 
     # -- the catalog (service/catalog.ModelCatalog) --
 
     def statuses(self) -> dict[str, ModelStatus]:
         return {m.name: ModelStatus(m.status, m.reason) for m in self._models.values()}
 
-    def resolve(self, model: str) -> str | None:
+    async def resolve(self, model: str) -> str | None:
         name = self._aliases.get(model, model)
-        if name not in self._models and self.models_dir is not None and _may_be_file(self.models_dir, name):
-            self.refresh()  # a file added since the last scan
+        if name not in self._models and self.models_dir is not None and model_name_ok(name):
+            async with self._scans:  # a file added since the last scan, looked for off the loop
+                if name not in self._models:
+                    marks, specs, failed = await asyncio.to_thread(look_for, self.models_dir, name, self._engine,
+                                                                   self._not_models.get(name))
+                    self._know(specs, failed)
+                    if marks is not None and not specs and not failed:
+                        if len(self._not_models) >= NOT_MODELS_KEPT:
+                            self._not_models.clear()
+                        self._not_models[name] = marks
         return name if name in self._models else None
 
     @asynccontextmanager
@@ -216,24 +314,13 @@ class Fleet:
             await changed.wait_for(lambda: model.leases == 0)
         await self._unload(model, "route")
 
-    def refresh(self) -> None:
-        if self.models_dir is None:
-            return
-        if not self.models_dir.is_dir():
-            log.warning("--models-dir %s is not a directory", self.models_dir)
-            return
-        specs, failed = scan_models_dir(self.models_dir, self._engine)
-        for spec in specs:
-            known = self._models.get(spec.name)
-            if known is None or known.spec is None:
-                self._add(spec)
-            elif known.status in ("unloaded", "failed"):
-                known.spec, known.status, known.reason = spec, "unloaded", None  # its settings may have changed
-        for name, reason in failed.items():
-            known = self._models.get(name)
-            if known is None or known.status in ("unloaded", "failed"):
-                self._models[name] = _Model(name, None, "failed", reason)
-        log.info("models directory %s: %d models", self.models_dir, len(specs) + len(failed))
+    async def refresh(self) -> None:
+        asked = self._scans_begun
+        async with self._scans:
+            if self._scans_begun > asked:  # a scan that began after this call has ended: it saw what this one would
+                return
+            self._scans_begun += 1
+            self._scanned(await asyncio.to_thread(self._scan))
 
     # -- the app's lifetime --
 
@@ -259,6 +346,31 @@ class Fleet:
                             m.unloads, m.load_seconds) for m in self._models.values()]
 
     # -- inside --
+
+    def _scan(self) -> tuple[list[DeploymentSpec], dict[str, str]] | None:
+        if self.models_dir is None:
+            return None
+        if not self.models_dir.is_dir():
+            log.warning("--models-dir %s is not a directory", self.models_dir)
+            return None
+        return scan_models_dir(self.models_dir, self._engine)
+
+    def _scanned(self, found: tuple[list[DeploymentSpec], dict[str, str]] | None) -> None:
+        if found is not None:
+            self._know(*found)
+            log.info("models directory %s: %d models", self.models_dir, len(found[0]) + len(found[1]))
+
+    def _know(self, specs: list[DeploymentSpec], failed: dict[str, str]) -> None:
+        for spec in specs:
+            known = self._models.get(spec.name)
+            if known is None or known.spec is None:
+                self._add(spec)
+            elif known.status in ("unloaded", "failed"):
+                known.spec, known.status, known.reason = spec, "unloaded", None  # its settings may have changed
+        for name, reason in failed.items():
+            known = self._models.get(name)
+            if known is None or known.status in ("unloaded", "failed"):
+                self._models[name] = _Model(name, None, "failed", reason)
 
     def _add(self, spec: DeploymentSpec) -> None:
         self._models[spec.name] = _Model(spec.name, spec)
@@ -410,8 +522,3 @@ def _no_room(message: str) -> ServiceUnavailable:
     error.headers = {"Retry-After": str(RETRY_AFTER_S)}
     return error
 
-
-def _may_be_file(directory: Path, name: str) -> bool:
-    """Whether `name` could be a model added to the directory since (a cheap check before a rescan)."""
-    return "/" not in name and name not in (".", "..") and (
-        (directory / f"{name}.gguf").is_file() or (directory / name).is_dir())

@@ -22,13 +22,14 @@ and a low priority still runs once it has waited long enough. Aging counts a pri
 out breaks ties only), so it makes up at most 2 × AGING_SPAN levels: nothing received more than that many `aging_s`
 after a request ranks above it, however urgent (a flood at -1000 no longer starves priority 0 for 17 hours).
 
-When the best-ranked waiting request finds no slot at rest, running requests of a lower priority that also rank below it give theirs up, worst first (preemption): the slot rests with the cells the
-sequence computed as a prefix-cache entry of its scope, saved to the spill store when another request takes the
-slot, and the sequence waits again with every token it drew. On resuming it reads back what a slot or the spill
-still holds and computes the rest as prompt: its answer is the same bitwise (docs/exactness.md), its sampler state
-untouched. Only a request of one sequence without beam search, prompt logprobs or images is preempted. While a
-request reads its prompt, running requests of a lower priority that also rank below it hold back (no row that step),
-so its first token comes about as soon as on an idle engine.
+When the best-ranked waiting request finds no slot at rest, running requests of a lower priority that also rank
+below it give theirs up, worst first (preemption): the slot rests with the cells the sequence computed as a prefix-
+cache entry of its scope, saved to the spill store when another request takes the slot, and the sequence waits again
+with every token it drew. On resuming it reads back what a slot or the spill still holds and computes the rest as
+prompt: its answer is the same bitwise (docs/exactness.md), its sampler state untouched. Only a request of one
+sequence without beam search, prompt logprobs or images is preempted. While a request reads its prompt, running
+requests of a lower priority that also rank below it hold back (no row that step), so its first token comes about as
+soon as on an idle engine.
 
 An image in a prompt (a MediaSpan) is read as a chunk of its own, at most one image chunk a step, so that an image
 delays the other sequences' steps by one image's forward pass at most: whole when its positions attend to each

@@ -47,7 +47,7 @@ class LoadOnDemand:
                     if message["type"] != "http.request" or not message.get("more_body", False):
                         break
             model, keep_alive = _named(scope, body)
-            name = self.catalog.resolve(model) if model and allowed(scope, model) else None
+            name = await self.catalog.resolve(model) if model and allowed(scope, model) else None
         except ApiError as exc:
             await send_error(send, exc, scope)
             return
@@ -163,7 +163,7 @@ def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
             raise InvalidParameter("This server loads no model on demand (start it with --models-dir, or give a "
                                    "deployment `load = \"on-demand\"`).", "model", code="model_not_supported")
         model = (await _body(request, "model"))["model"]
-        name = catalog.resolve(model)
+        name = await catalog.resolve(model)
         if name is None:
             raise ModelNotFound(model)
         return name
@@ -189,7 +189,7 @@ def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
         """Rescans --models-dir: new files become models, changed settings apply at the next load."""
         _admin(request, "Rescanning the models directory")
         if catalog is not None:
-            catalog.refresh()
+            await catalog.refresh()
         statuses = catalog.statuses() if catalog is not None else {}
         return JSONResponse({"success": True, "models": {n: s.wire() for n, s in statuses.items()}})
 

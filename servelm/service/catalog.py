@@ -40,9 +40,11 @@ class ModelCatalog(Protocol):
         """Every model of the catalog by name, loaded or not."""
         ...
 
-    def resolve(self, model: str) -> str | None:
-        """The catalog's model a request's `model` names (by name or alias), rescanning the models directory for
-        a name it does not know yet; None: not one of the catalog's."""
+    async def resolve(self, model: str) -> str | None:
+        """The catalog's model a request's `model` names (by name or alias), looking in the models directory (off
+        the event loop) for a name it does not know yet; None: not one of the catalog's. A name that cannot be a
+        model's (too long, a projector's, a later shard's) is None without a look, and one found not to be a model
+        is not looked for again until what is on disk under it changes."""
         ...
 
     def use(self, name: str, keep_alive: float | None) -> AbstractAsyncContextManager[None]:
@@ -57,8 +59,8 @@ class ModelCatalog(Protocol):
         """Unloads it once the requests on it end (new ones wait, then load it again)."""
         ...
 
-    def refresh(self) -> None:
-        """Rescans the models directory."""
+    async def refresh(self) -> None:
+        """Rescans the models directory, off the event loop; calls while a scan runs share the next one."""
         ...
 
     def attach(self, registry: Deployments) -> None:
