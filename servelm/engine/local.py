@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -48,15 +47,17 @@ class _Client:
 @dataclass(eq=False)
 class _Call:
     """Work for the engine thread between two steps (after the inbox's earlier requests and aborts)."""
-    fn: Callable[[], Any]
-    done: Future[Any] = field(default_factory=Future)
+    fn: Callable[[], None]
+    done: Future[None] = field(default_factory=Future)
 
     def run(self) -> None:
         if self.done.set_running_or_notify_cancel():  # not run by its caller already (the thread had stopped)
             try:
-                self.done.set_result(self.fn())
+                self.fn()
             except Exception as exc:  # noqa: BLE001 - the caller's to raise
                 self.done.set_exception(exc)
+            else:
+                self.done.set_result(None)
 
 
 class LocalEngine:
@@ -137,18 +138,21 @@ class LocalEngine:
 
         self._between_steps(free)
 
-    def _between_steps(self, fn: Callable[[], Any]) -> Any:
+    def _between_steps(self, fn: Callable[[], None]) -> None:
         """fn() on the engine thread between two steps (at once, here, when the thread does not run)."""
         if self._thread is None or threading.current_thread() is self._thread:
-            return fn()
+            fn()
+            return
         call = _Call(fn)
         self._post(call)
         while True:
             try:
-                return call.done.result(timeout=1.0)
+                call.done.result(timeout=1.0)
+                return
             except TimeoutError:
                 if not self.alive and call.done.cancel():  # the thread stopped before it took the call
-                    return fn()
+                    fn()
+                    return
 
     # -- the asyncio side -------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:

@@ -237,3 +237,30 @@ async def test_on_the_real_model_more_adapters_than_max_loras_fail_no_one(tmp_pa
                                                stream(client, MODEL, OTHER))
                 assert results[-2:] == [(200, "[DONE]")] * 2, "another key's base-model streams were failed"
                 assert [status for status, _ in results[:len(names)]] == [200] * len(names), results
+
+
+@pytest.mark.e2e
+def test_an_adapter_file_of_zero_tensors_is_refused(tmp_path):
+    """llama.cpp loads a LoRA GGUF with no tensors (an adapter that changes nothing); the runner refuses it, which
+    the load route answers as its 400 invalid_lora."""
+    import gguf
+
+    from servelm.config import embedded_model_path
+    from servelm.runners.llamacpp import LlamaCppRunner
+
+    path = tmp_path / "empty.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", 8.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    runner = LlamaCppRunner(embedded_model_path(), num_slots=1, context_window=256)
+    try:
+        with pytest.raises(ValueError, match="no tensors"):
+            runner.load_adapter("empty", str(path))
+        assert "empty" not in runner._adapters
+    finally:
+        runner.close()
