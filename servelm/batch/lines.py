@@ -48,6 +48,12 @@ class MalformedFile(Exception):
         self.errors = errors
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """A value quoted in an error, cut to `limit` characters (a line's own strings may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 def batch_error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict[str, Any]:
     return {"code": code, "message": message, "param": param, "line": line}
 
@@ -106,16 +112,16 @@ def parse_line(raw: bytes | None, number: int, endpoint: str | None,
     if obj.get("method") != "POST":
         errors.append(batch_error("invalid_request", f"line {number}: method must be POST.", number, "method"))
     if endpoint is not None and url != endpoint:
-        errors.append(batch_error("invalid_url", f"line {number}: url {url!r} is not the batch's endpoint {endpoint!r}.",
+        errors.append(batch_error("invalid_url", f"line {number}: url {shown(url)} is not the batch's endpoint {endpoint!r}.",
                              number, "url"))
     elif url not in ENDPOINTS:
-        errors.append(batch_error("invalid_url", f"line {number}: url {url!r} is none of {', '.join(ENDPOINTS)}.",
+        errors.append(batch_error("invalid_url", f"line {number}: url {shown(url)} is none of {', '.join(ENDPOINTS)}.",
                              number, "url"))
     if not isinstance(body, dict):
         errors.append(batch_error("invalid_request", f"line {number}: body must be a JSON object.", number, "body"))
     extra = set(obj) - {"custom_id", "method", "url", "body"}
     if extra:
-        errors.append(batch_error("invalid_request", f"line {number} has unknown fields: {', '.join(sorted(extra))}.",
+        errors.append(batch_error("invalid_request", f"line {number} has unknown fields: {shown(sorted(extra))}.",
                              number))
     if isinstance(custom_id, str) and custom_id and isinstance(body, dict) and isinstance(url, str):
         return BatchLine(number, custom_id, body, url), errors
@@ -135,7 +141,7 @@ def validate(f: BinaryIO, endpoint: str | None, max_lines: int, max_bytes: int) 
         if line is not None:
             digest = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
             if digest in seen:
-                errors.append(batch_error("duplicate_custom_id", f"line {number} repeats custom_id {line.custom_id!r}; "
+                errors.append(batch_error("duplicate_custom_id", f"line {number} repeats custom_id {shown(line.custom_id)}; "
                                      "each request of a batch needs its own.", number, "custom_id"))
             seen.add(digest)
         count += 1

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from servelm.batch.lines import ENDPOINTS, MAX_WINDOW_S, count_requests, window_seconds
+from servelm.batch.lines import ENDPOINTS, MAX_WINDOW_S, count_requests, shown, window_seconds
 from servelm.batch.runner import BatchRunner
 from servelm.batch.store import CHUNK, BatchStore, FileDamaged, FileRecord, StoreFull, new_id
 from servelm.errors import ClientError, InvalidParameter, NotFound, PayloadTooLarge, ServerError
@@ -213,7 +213,7 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
         async with request.form(max_files=1, max_fields=8, max_part_size=config.max_file_bytes) as form:
             purpose, upload = form.get("purpose"), form.get("file")
             if purpose != "batch":
-                raise InvalidParameter(f"purpose must be 'batch' here (the Batch API's files); got {purpose!r}.",
+                raise InvalidParameter(f"purpose must be 'batch' here (the Batch API's files); got {shown(purpose)}.",
                                        "purpose")
             if upload is None or isinstance(upload, str):
                 raise InvalidParameter("file must be an uploaded file (multipart/form-data).", "file")
@@ -233,7 +233,7 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
     def list_files(request: Request, purpose: str | None = None, limit: int = 10_000, after: str | None = None,
                          order: str = "desc") -> JSONResponse:
         if order not in ("asc", "desc"):
-            raise InvalidParameter(f"order must be asc or desc; got {order!r}.", "order")
+            raise InvalidParameter(f"order must be asc or desc; got {shown(order)}.", "order")
         files = [f.wire() for f in store.files(owner(request), purpose)]
         return JSONResponse(_page(files if order == "desc" else files[::-1], after, limit))
 
@@ -266,12 +266,11 @@ def build_batch_router(store: BatchStore, runner: BatchRunner, config: BatchConf
                                    sorted(unknown)[0], "unknown_parameter")
         endpoint, window, file_id = body.get("endpoint"), body.get("completion_window"), body.get("input_file_id")
         if endpoint not in ENDPOINTS:
-            raise InvalidParameter(f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}.", "endpoint")
+            raise InvalidParameter(f"endpoint must be one of {', '.join(ENDPOINTS)}; got {shown(endpoint)}.", "endpoint")
         seconds = window_seconds(window) if isinstance(window, str) else None
         if seconds is None or not isinstance(window, str):
-            shown = repr(window)[:40] + ("..." if len(repr(window)) > 40 else "")
             raise InvalidParameter(f"completion_window must be '24h' (or any '<n>s', '<n>m', '<n>h', '<n>d', <n> in "
-                                   f"ASCII digits, up to {MAX_WINDOW_S // 86400} days); got {shown}.",
+                                   f"ASCII digits, up to {MAX_WINDOW_S // 86400} days); got {shown(window)}.",
                                    "completion_window")
         metadata = body.get("metadata")
         if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or any(

@@ -154,6 +154,21 @@ def test_a_line_longer_than_the_body_bound_fails_its_batch(fake_server_factory, 
     assert [(e["code"], e["line"]) for e in done["errors"]["data"]] == [("line_too_long", 2)]
 
 
+def test_a_malformed_file_s_errors_do_not_repeat_what_the_lines_hold(server):
+    """100 lines each naming a 64 KiB url, custom_id or field: the batch's errors quoted each one whole (6 MiB in
+    one batch object, read back on every GET)."""
+    big = "u" * (64 << 10)
+    ok = {"method": "POST", "url": "/v1/chat/completions", "body": {}}
+    lines = [{**ok, "custom_id": big}, {**ok, "custom_id": big}, {**ok, "custom_id": "a", "url": big},
+             {**ok, "custom_id": "b", big: 1}]
+    data = b"".join(json.dumps(x).encode() + b"\n" for x in lines * 30)
+    f = upload(server.base_url, data).json()
+    done = wait_ended(server.base_url, create(server.base_url, f["id"]).json()["id"])
+    assert done["status"] == "failed" and len(done["errors"]["data"]) == 100
+    assert {e["code"] for e in done["errors"]["data"]} == {"invalid_url", "duplicate_custom_id", "invalid_request"}
+    assert len(json.dumps(done)) < 64 << 10, "a malformed file's errors quote its lines whole"
+
+
 # -- finding: poison batches never end ---------------------------------------------------------------------------
 
 def test_a_line_nested_too_deeply_fails_its_batch_and_frees_its_file(server):
