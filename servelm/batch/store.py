@@ -14,6 +14,7 @@ server): another owner's file or batch is not found.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -76,6 +77,28 @@ class StoreDamaged(ServiceUnavailable):
 
 def _is_damage(exc: BaseException | None) -> bool:
     return isinstance(exc, sqlite3.DatabaseError) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _DAMAGE
+
+
+def _folder(path: Path) -> Path:
+    """A folder of the state directory, made when missing (NotADirectoryError, naming it, when a file is there)."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} must be a folder of the state directory (--state-dir), and something else "
+                                 "is there: move it away")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _hold(path: Path) -> BinaryIO:
+    """The state directory's lock, held while its store is open: a second server starting on the same directory
+    would take the first one's files being written for orphans (an OSError naming it)."""
+    f = open(path, "a+b")  # noqa: SIM115 (held open: closed by BatchStore.close)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise OSError(f"another servelm process uses the state directory {path.parent} (it holds {path}): stop it "
+                      "first, or give this server a --state-dir of its own") from None
+    return f
 
 
 class _Guard:
@@ -148,15 +171,19 @@ def new_id(prefix: str) -> str:
 class BatchStore:
     def __init__(self, directory: Path, max_disk_bytes: int = 0) -> None:
         self.directory = Path(directory)
-        self.files_dir = self.directory / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.files_dir = _folder(self.directory / "files")
         self.max_disk_bytes = max_disk_bytes  # 0: no bound
         self.db_path = self.directory / "servelm.db"
         self._lock = _Guard(self)
         self._damage: str | None = None  # what was found, once damage was met while serving
         self._orphans: dict[str, Any] | None = None  # what start-up moved aside
-        self._db = self._open()
-        self._move_orphans()
+        self._held = _hold(self.directory / ".lock")
+        try:
+            self._db = self._open()
+            self._move_orphans()
+        except BaseException:
+            self._held.close()
+            raise
 
     def _open(self) -> sqlite3.Connection:
         """The database, checked whole before anything is served from it or done to the files (StoreDamaged)."""
@@ -206,6 +233,7 @@ class BatchStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._held.close()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -235,8 +263,7 @@ class BatchStore:
         if not unknown:
             return
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        (self.directory / "orphans").mkdir(exist_ok=True)
-        aside = Path(tempfile.mkdtemp(prefix=stamp + "-", dir=self.directory / "orphans"))
+        aside = Path(tempfile.mkdtemp(prefix=stamp + "-", dir=_folder(self.directory / "orphans")))
         for path in unknown:
             shutil.move(path, aside / path.name)
         self._orphans = {"count": len(unknown), "moved_to": str(aside)}

@@ -97,6 +97,20 @@ def test_anything_unknown_in_the_files_folder_is_moved_aside_and_known_files_sta
         again.close()
 
 
+def test_something_else_where_a_folder_of_the_state_goes_is_named(tmp_path):
+    (tmp_path / "files").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match=str(tmp_path / "files")):
+        BatchStore(tmp_path)
+
+
+def test_a_second_store_on_the_same_directory_is_refused_not_let_sweep_the_first(tmp_path):
+    first = BatchStore(tmp_path)
+    with pytest.raises(OSError, match="another servelm process uses the state directory"):
+        BatchStore(tmp_path)  # it would have taken the first one's file being written for an orphan
+    first.close()
+    BatchStore(tmp_path).close()
+
+
 def test_health_says_what_was_moved_aside(fake_server_factory, tmp_path):
     state = tmp_path / "state"
     (state / "files").mkdir(parents=True)
