@@ -130,6 +130,34 @@ async def test_a_request_past_max_loras_gets_its_turn_while_the_loaded_adapter_s
     assert set(flooded) == {200}
 
 
+async def test_requests_naming_two_adapters_each_never_wait_for_each_other(fake_server_factory, tmp_path):
+    """--max-loras 2, four adapters, requests naming two each by llama-server's `lora` list, overlapping pairs: no
+    two waiting requests hold what the other needs, so all finish; an adapter unloaded meanwhile is a 404 to those
+    still waiting for it (a 400 to those that name its id after), never a hang."""
+    server = fake_server_factory(step_delay=0.002, num_slots=8)
+    server.deployment.adapters.max_loaded = 2
+    for name, path in adapter_files(tmp_path, 4):
+        assert load(server.base_url, name, path).status_code == 200
+    pairs = [(0, 1), (2, 3), (1, 2), (3, 0), (0, 2), (1, 3)] * 2
+
+    async def pair(client: httpx.AsyncClient, ids: tuple[int, int]) -> int:
+        r = await client.post("/v1/chat/completions", json={
+            "model": "fake-model", "messages": PROMPT, "max_tokens": 12, "ignore_eos": True,
+            "lora": [{"id": i, "scale": 1.0} for i in ids]})
+        return r.status_code
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+        statuses = await asyncio.wait_for(asyncio.gather(*(pair(client, p) for p in pairs)), 30)
+        assert statuses == [200] * len(pairs)
+        waiting = [asyncio.create_task(pair(client, p)) for p in pairs]
+        await asyncio.sleep(0.01)
+        assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})).status_code == 200
+        statuses = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        # prepared after the unload: a 400 naming `lora` (an id this model has not); waiting for it: a 404
+        assert set(statuses) <= {200, 400, 404} and 200 in statuses, statuses
+    assert "a3" not in server.runner.adapters
+
+
 async def test_an_unload_waits_for_the_requests_under_way_and_fails_none(fake_server_factory, tmp_path):
     server = fake_server_factory(step_delay=0.002)
     (name, path), = adapter_files(tmp_path, 1)
