@@ -29,6 +29,7 @@ from servelm.errors import InvalidParameter, NotFound, ServiceUnavailable
 
 RETRY_AFTER_S = 2
 SCALE_BOUND = 10.0  # an adapter's scale, by route or per request (protocol/common.py's LoraChoice): at most this, ±
+MAX_NAME_BYTES = 200  # an adapter's name, as a models directory's model name (servelm/fleet.py)
 WAIT_POLL_S = 0.5  # a request waiting for a --max-loras place looks again at least this often
 
 log = logging.getLogger("servelm.adapters")
@@ -69,6 +70,12 @@ class AdapterRegistry(abc.ABC):
         return list(self._by_name.values())
 
     def _register(self, name: str, path: str, scale: float) -> Adapter:
+        try:
+            size = len(name.encode())
+        except UnicodeEncodeError:  # a lone surrogate
+            size = MAX_NAME_BYTES + 1
+        if size > MAX_NAME_BYTES:
+            raise InvalidParameter(f"`lora_name` must be at most {MAX_NAME_BYTES} bytes of UTF-8.", "lora_name")
         if name in self._by_name:
             raise InvalidParameter(f"The lora adapter '{name}' has already been loaded.", "lora_name",
                                    code="lora_already_loaded")

@@ -292,3 +292,13 @@ def test_an_adapter_file_of_zero_tensors_is_refused(tmp_path):
         assert "empty" not in runner._adapters
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("name", ["n" * 201, "é" * 101, "\ud800"])
+def test_a_lora_name_past_200_bytes_of_utf8_is_a_400(fake_server, tmp_path, name):
+    (_, path), = adapter_files(tmp_path, 1)
+    r = httpx.post(f"{fake_server.base_url}/v1/load_lora_adapter", content=json.dumps(
+        {"lora_name": name, "lora_path": path}), headers={"content-type": "application/json"})  # \ud800 escaped
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "lora_name"
+    assert not fake_server.runner.adapters
