@@ -28,7 +28,7 @@ import pytest
 
 import servelm.fleet
 from servelm.config import EngineSettings
-from servelm.fleet import MAX_NAME_BYTES, Fleet
+from servelm.fleet import MAX_NAME_BYTES, Fleet, scan_models_dir
 from servelm.gguf_header import NotGGUF, read_metadata
 from tests.adversarial.loop import loop_responsive
 from tests.http.test_models_fake import FakeBuilder
@@ -114,6 +114,10 @@ def test_hostile_headers_are_refused_before_anything_is_allocated(tmp_path):
     (tmp_path / "real.gguf").write_bytes(vocabulary(20_000))
     assert read_metadata(tmp_path / "real.gguf", lambda key: not key.startswith("tokenizer")) == {
         "general.architecture": "llama", "llama.pooling_type": 4}
+    started = time.monotonic()
+    specs, failed = scan_models_dir(tmp_path, EngineSettings())
+    assert time.monotonic() - started < 5 and not failed
+    assert {s.name: s.kind for s in specs} == {"real": "rerank", **{name: "chat" for name in HOSTILE}}
 
 
 def _free_port() -> int:
