@@ -100,7 +100,7 @@ def test_a_batch_file_is_read_a_line_at_a_time_off_the_loop(server):
     data = b"".join(empties(i, 10_000) for i in range(280))
     assert len(data) > 8 * MiB
     f = upload(server.base_url, data).json()
-    with peak_rss_growth() as growth, loop_responsive(server.base_url, bound_s=0.25):
+    with peak_rss_growth() as growth, loop_responsive(server.base_url, bound_s=0.5):
         done = wait_ended(server.base_url, create(server.base_url, f["id"]).json()["id"], timeout=60)
     assert done["status"] == "completed" and done["request_counts"]["failed"] == 280
     assert growth["mib"] < 40, f"the server grew by {growth['mib']:.0f} MiB running an 8 MiB batch"
@@ -123,7 +123,7 @@ def test_an_upload_of_too_many_lines_is_refused_without_stalling_the_loop(fake_s
     line objects) before being refused."""
     srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "s"), max_lines=50))
     data = b"{}\n" * (16 * MiB // 3)
-    with peak_rss_growth() as growth, loop_responsive(srv.base_url, bound_s=0.25):
+    with peak_rss_growth() as growth, loop_responsive(srv.base_url, bound_s=0.5):
         r = upload(srv.base_url, data)
     assert r.status_code == 400 and r.json()["error"]["param"] == "file"
     assert "at most 50" in r.json()["error"]["message"]
@@ -136,7 +136,7 @@ def test_slow_downloads_hold_a_chunk_each_not_the_file(server):
     data = b"".join(line(i, x="y" * (64 << 10)) for i in range(64))
     f = upload(server.base_url, data).json()
     assert f["bytes"] == len(data) > 4 * MiB
-    with peak_rss_growth() as growth, ExitStack() as stack, loop_responsive(server.base_url, bound_s=0.25):
+    with peak_rss_growth() as growth, ExitStack() as stack, loop_responsive(server.base_url, bound_s=0.5):
         for _ in range(16):
             client = stack.enter_context(httpx.Client(timeout=30))
             r = stack.enter_context(client.stream("GET", f"{server.base_url}/v1/files/{f['id']}/content"))
