@@ -275,10 +275,17 @@ class Fleet:
 
     async def resolve(self, model: str) -> str | None:
         name = self._aliases.get(model, model)
-        if name not in self._models and self.models_dir is not None and model_name_ok(name):
-            async with self._scans:  # a file added since the last scan, looked for off the loop
+        directory = self.models_dir
+        if name in self._models or directory is None or not model_name_ok(name) or \
+                self._registry is not None and self._registry.targets(model):  # the app's own deployments
+            return name if name in self._models else None
+        # a file added since the last scan, looked for off the loop: first what is on disk under the name (in
+        # parallel), then, for something new there, a look at it (one at a time; who waited finds what it found)
+        marks = await asyncio.to_thread(_signature, directory, name)
+        if marks is not None and marks != self._not_models.get(name):
+            async with self._scans:
                 if name not in self._models:
-                    marks, specs, failed = await asyncio.to_thread(look_for, self.models_dir, name, self._engine,
+                    marks, specs, failed = await asyncio.to_thread(look_for, directory, name, self._engine,
                                                                    self._not_models.get(name))
                     self._know(specs, failed)
                     if marks is not None and not specs and not failed:
