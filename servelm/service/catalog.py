@@ -80,20 +80,30 @@ _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, 
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 
 
+KEEP_ALIVE_MAX_S = 2**31 - 1  # seconds (68 years): past it, a 400
+
+
 def parse_keep_alive(value: object) -> float | None:
     """Ollama's `keep_alive`: seconds as a number, or a Go duration string ("5m", "1h30m", "0", "-1m"); a negative
-    one keeps the model loaded. A 400 naming the field for anything else."""
+    one keeps the model loaded. At most KEEP_ALIVE_MAX_S either way, written in ASCII. A 400 naming the field for
+    anything else (NaN, Infinity, "1e999", other scripts' digits)."""
     if value is None:
         return None
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise _bad_keep_alive(value)
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise _bad_keep_alive(value)
-        return float(value)
-    if not isinstance(value, str):
+    if isinstance(value, str):
+        seconds = _duration(value)
+    else:
+        seconds = float(value) if abs(value) <= KEEP_ALIVE_MAX_S else math.inf
+    if not math.isfinite(seconds) or abs(seconds) > KEEP_ALIVE_MAX_S:
         raise _bad_keep_alive(value)
+    return seconds
+
+
+def _duration(value: str) -> float:
     text = value.strip()
+    if not text.isascii():
+        raise _bad_keep_alive(value)
     sign = -1.0 if text.startswith("-") else 1.0
     body = text.lstrip("+-")
     try:

@@ -108,3 +108,21 @@ def test_a_huge_priority_never_fails_the_requests_in_flight(base_url):
                    for p, b in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)]
         assert [a.result().status_code for a in attacks] == [400] * 4
         assert [o.result().status_code for o in others] == [200] * 6
+
+
+@pytest.mark.parametrize("value", ["1e999", "-1e999", "inf", "nan", "٣", "٣s", "9999999999h", 2.0**31, -(2.0**31),
+                                   10**400, float("inf"), True])
+def test_keep_alive_is_finite_ascii_and_within_its_bound(value):
+    from servelm.errors import InvalidParameter
+    from servelm.service.catalog import parse_keep_alive
+
+    with pytest.raises(InvalidParameter) as refused:
+        parse_keep_alive(value)
+    assert refused.value.param == "keep_alive"
+
+
+def test_keep_alive_within_its_bound_reads_as_ollama_reads_it():
+    from servelm.service.catalog import KEEP_ALIVE_MAX_S, parse_keep_alive
+
+    assert [parse_keep_alive(v) for v in ("5m", "1h30m", "-1", 0, KEEP_ALIVE_MAX_S, "90")] == \
+        [300.0, 5400.0, -1.0, 0.0, float(KEEP_ALIVE_MAX_S), 90.0]
