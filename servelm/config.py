@@ -185,10 +185,11 @@ class ServerSettings(BaseSettings):
     batch_max_lines: int = Field(50_000, ge=1, description="most requests in one batch file (a 400 at upload)")
     batch_disk_mib: int = Field(10240, ge=1, description="disk every uploaded file together may take under "
                                 "--state-dir (a 400 storage_limit_exceeded beyond; output files always go)")
-    batch_priority: int = Field(10, ge=-(2**31), le=2**31 - 1, description="the priority a batch's lines run at "
-                                "(lower runs first; an "
-                                "interactive request's default is 0, so lines give way to it and are preempted for "
-                                "it; --priority-aging-s lets them through under constant load)")
+    batch_priority: int = Field(10, ge=0, le=2**31 - 1, description="the priority a batch's lines run at "
+                                "(lower runs first; an interactive request's default is 0, so lines give way to it and "
+                                "are preempted for it; --priority-aging-s lets them through under constant load). At "
+                                "least 0: a key may not go below 0 unless granted it, and its batch lines are its "
+                                "requests")
     batch_max_in_flight: int = Field(0, ge=0, description="batch lines under way at once over all batches (0: one "
                                      "for every sequence slot of the generating deployments)")
     # -- models loaded on demand and unloaded when idle (servelm/fleet.py) --

@@ -126,3 +126,15 @@ def test_keep_alive_within_its_bound_reads_as_ollama_reads_it():
 
     assert [parse_keep_alive(v) for v in ("5m", "1h30m", "-1", 0, KEEP_ALIVE_MAX_S, "90")] == \
         [300.0, 5400.0, -1.0, 0.0, float(KEEP_ALIVE_MAX_S), 90.0]
+
+
+def test_the_batch_priority_is_never_below_what_a_key_may_ask_for():
+    """A negative --batch-priority made every batch line of a key without min_priority a 400 (lines are the key's
+    requests, and a key goes below 0 only where granted it): the flag is 0 or more."""
+    from pydantic import ValidationError
+
+    from servelm.config import ServerSettings
+
+    with pytest.raises(ValidationError, match="batch_priority"):
+        ServerSettings(batch_priority=-1)
+    assert ServerSettings(batch_priority=0).batch_priority == 0
