@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from servelm.engine.slots import common_prefix
+from servelm.gguf_header import open_regular
 
 log = logging.getLogger("servelm.engine.spill")
 
@@ -352,17 +353,8 @@ def write_state(directory: Path, fingerprint: str, scope: str, tokens: tuple[int
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    with _open_regular(path) as f:
+    with open_regular(path) as f:
         return _header(f, os.fstat(f.fileno()).st_size)
-
-
-def _open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading if it is a regular file (a FIFO or device under the name is never opened to block)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError("not a regular file")
-    return os.fdopen(fd, "rb")
 
 
 def _header(f: BinaryIO, file_size: int) -> dict[str, Any]:
@@ -386,7 +378,7 @@ def _header(f: BinaryIO, file_size: int) -> dict[str, Any]:
 
 def read_state(path: Path, fingerprint: str, key: bytes, digest: str) -> bytes:
     """The state of the file indexed with MAC `digest`, if its MAC over the header's tokens and the state holds."""
-    with _open_regular(path) as f:
+    with open_regular(path) as f:
         header = _header(f, os.fstat(f.fileno()).st_size)
         if header["fingerprint"] != fingerprint:
             raise ValueError("made for another model or build")

@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
 from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
+from servelm.gguf_header import open_regular
 from servelm.runners.media import Projector
 from servelm.runners.selfcheck import check_exactness
 
@@ -180,7 +181,7 @@ def _gguf_tensor_count(path: str | Path) -> int | None:
     """The tensor count a GGUF file's header gives (GGUF v2 and later: magic, u32 version, u64 count), or None
     for what is not such a file (llama.cpp's loader says why)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO given as --lora never blocks the start
             head = f.read(16)
     except OSError:
         return None
