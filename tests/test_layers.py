@@ -110,7 +110,7 @@ def test_the_spill_tiers_know_only_the_slots_prefix_matching():
     """engine/spill.py keeps bytes and files; the scheduler decides what goes there, the runner fills the bytes. It
     opens its files as untrusted ones (gguf_header's open_regular, a leaf)."""
     path = ROOT / "engine" / "spill.py"
-    assert [i for i in imports_of(path) if starts(i, "servelm")] == ["servelm.engine.slots", "servelm.gguf_header"]
+    assert {i for i in imports_of(path) if starts(i, "servelm")} == {"servelm.engine.slots", "servelm.gguf_header"}
 
 
 def test_constrain_imports_nothing_of_the_engine():
