@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from servelm.errors import ServiceUnavailable
+from servelm.gguf_header import open_regular
 
 log = logging.getLogger("servelm.batch")
 CHUNK = 1 << 16  # a file's bytes are copied and read this much at a time
@@ -127,8 +128,8 @@ class FileDamaged(Exception):
     server): it is not served or run."""
 
     def __init__(self, file_id: str, path: Path, recorded: int, found: int | None) -> None:
-        super().__init__(f"the stored file {file_id} ({path}) holds {'no bytes at all' if found is None else found}"
-                         f"{'' if found is None else ' bytes'} where {recorded} were written")
+        held = "is missing, or is not a regular file," if found is None else f"holds {found} bytes"
+        super().__init__(f"the stored file {file_id} ({path}) {held} where {recorded} bytes were written")
         self.file_id, self.path, self.recorded, self.found = file_id, path, recorded, found
 
 
@@ -346,8 +347,8 @@ class BatchStore:
         reader that looked its row up once (a batch reads its input file a line at a time)."""
         path = self.path(file_id)
         try:
-            f = open(path, "rb")  # noqa: SIM115 (the caller's to close)
-        except FileNotFoundError:
+            f = open_regular(path)  # a FIFO put in its place would hold the reading thread, and the exit, for ever
+        except OSError:
             found = None
         else:
             found = os.fstat(f.fileno()).st_size

@@ -239,9 +239,24 @@ def test_a_truncated_stored_file_is_not_served_short(server, tmp_path, caplog):
     assert f"{len(data) // 2} of its {len(data)} bytes" in r.json()["error"]["message"]
     assert str(path) not in r.text, "the client is not told the server's paths"
     logged = [r.getMessage() for r in caplog.records if f["id"] in r.getMessage()]
-    assert logged and str(path) in logged[0] and f"holds {len(data) // 2} bytes where {len(data)}" in logged[0]
+    assert logged and str(path) in logged[0] and f"holds {len(data) // 2} bytes where {len(data)} bytes" in logged[0]
     done = wait_ended(server.base_url, create(server.base_url, f["id"]).json()["id"])
     assert done["status"] == "failed" and done["errors"]["data"][0]["code"] == "file_damaged"
     path.unlink()
     r = httpx.get(f"{server.base_url}/v1/files/{f['id']}/content")
     assert r.status_code == 500 and r.json()["error"]["code"] == "file_damaged"
+
+
+def test_a_fifo_in_place_of_a_stored_file_is_damaged_not_a_hang(server, tmp_path):
+    """A FIFO put where a stored file was: its download never answered, and the reading thread it held kept the
+    process from exiting after SIGTERM. Only regular files are opened (non-blocking, checked on the descriptor)."""
+    data = b"".join(chat(i) for i in range(3))
+    f = upload(server.base_url, data).json()
+    path = Path(tmp_path / "state" / "files" / f"{f['id']}.jsonl")
+    path.unlink()
+    os.mkfifo(path)
+    with loop_responsive(server.base_url):
+        r = httpx.get(f"{server.base_url}/v1/files/{f['id']}/content", timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "file_damaged", r.text
+        done = wait_ended(server.base_url, create(server.base_url, f["id"]).json()["id"])
+    assert done["status"] == "failed" and done["errors"]["data"][0]["code"] == "file_damaged"
