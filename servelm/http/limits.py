@@ -53,6 +53,9 @@ class SecurityConfig:
                    max_file_bytes=settings.batch_max_file_mib << 20)
 
 
+EXIT_RESERVE_S = 2.0  # seconds of a shutdown's timeout kept for what follows the app's stop: freeing models, the exit
+
+
 class Drain:
     """The server's shutdown, as requests in flight see it: once the graceful period is nearly over, `cutoff` is set
     and every stream still running ends with a `server_shutting_down` error event and `data: [DONE]` (a whole
@@ -64,8 +67,9 @@ class Drain:
         self.ends_at: float | None = None  # time.monotonic() by which the whole shutdown must be over
 
     def left(self, default: float) -> float:
-        """Seconds left of the shutdown's timeout (`default` when no timed shutdown began: a test's app, say)."""
-        return default if self.ends_at is None else max(0.0, self.ends_at - time.monotonic())
+        """Seconds the app's own stop may still take: what is left of the shutdown's timeout less EXIT_RESERVE_S
+        (`default` when no timed shutdown began: a test's app, say)."""
+        return default if self.ends_at is None else max(0.0, self.ends_at - EXIT_RESERVE_S - time.monotonic())
 
     def begin(self, seconds: float) -> None:
         """Shutdown began; requests in flight have `seconds` left (on the event loop's thread)."""

@@ -2,7 +2,9 @@
 
 An endpoint that accepts connections and then says nothing (a black-holed collector) held the exit for about 30 s,
 past --shutdown-timeout (10 s) and past a typical orchestrator's grace period: the exporter's flush, and the
-OpenTelemetry SDK's own exit hook flushing again, each waited on it.
+OpenTelemetry SDK's own exit hook flushing again, each waited on it. Then the flush was given what was left of the
+timeout, and the models' freeing and the exit came on top (6.8 s with --shutdown-timeout 5): now the flush ends 2 s
+before the timeout does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tests.e2e.conftest import start_server
 from tests.e2e.helpers import MODEL
 
 pytestmark = pytest.mark.e2e
-TIMEOUT = 3.0
+TIMEOUT = 4.0
 
 
 def test_a_silent_otlp_endpoint_never_holds_the_exit_past_the_shutdown_timeout(tmp_path_factory):
@@ -40,5 +42,5 @@ def test_a_silent_otlp_endpoint_never_holds_the_exit_past_the_shutdown_timeout(t
     finally:
         silent.close()
     assert code == 0
-    assert took < TIMEOUT + 2.0, f"exit took {took:.1f} s with --shutdown-timeout {TIMEOUT}"
+    assert took < TIMEOUT + 0.5, f"exit took {took:.1f} s with --shutdown-timeout {TIMEOUT}"
     assert "did not take the last spans" in srv.log_tail(20000)
