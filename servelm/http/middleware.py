@@ -4,6 +4,7 @@ request on the "servelm.access" logger, and counts the request by route template
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -71,9 +72,10 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_with_id)
         except BaseException as exc:
-            if not done:  # the outer error middleware answers 500; a cancelled stream keeps the status it sent
-                done = True
-                self._record(scope, status or 500, start, rid, f" ({type(exc).__name__})")
+            if not done:  # the outer error middleware answers 500; a cancelled stream keeps the status it sent, and a
+                done = True  # request cancelled before its answer began (a batch's line at cancel) had no one to answer
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                self._record(scope, status or (499 if cancelled else 500), start, rid, f" ({type(exc).__name__})")
             raise
         if not done:  # the app returned without finishing its body (a client that went away)
             self._record(scope, status or 499, start, rid, " (incomplete)")

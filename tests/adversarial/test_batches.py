@@ -260,3 +260,21 @@ def test_a_fifo_in_place_of_a_stored_file_is_damaged_not_a_hang(server, tmp_path
         assert r.status_code == 500 and r.json()["error"]["code"] == "file_damaged", r.text
         done = wait_ended(server.base_url, create(server.base_url, f["id"]).json()["id"])
     assert done["status"] == "failed" and done["errors"]["data"][0]["code"] == "file_damaged"
+
+
+def test_cancelling_a_batch_counts_its_lines_under_way_as_499_not_500(fake_server_factory, tmp_path):
+    """Cancel stops a batch's lines under way; each was logged and counted as a 500 (CancelledError), so cancelling
+    batches fired error alerts though nothing failed. Nobody waits for a cancelled request: 499, as a client that
+    went away."""
+    srv = fake_server_factory(batches=BatchConfig(str(tmp_path / "state"), max_lines=1000), step_delay=0.05)
+    f = upload(srv.base_url, b"".join(line(i, model="fake-model", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=100, ignore_eos=True) for i in range(6))).json()
+    batch = create(srv.base_url, f["id"]).json()
+    deadline = time.monotonic() + 20
+    while srv.engine.stats().running == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert httpx.post(f"{srv.base_url}/v1/batches/{batch['id']}/cancel").status_code == 200
+    assert wait_ended(srv.base_url, batch["id"])["status"] == "cancelled"
+    metrics = httpx.get(f"{srv.base_url}/metrics").text
+    assert 'status="500"' not in metrics, [m for m in metrics.splitlines() if 'status="500"' in m]
+    assert 'route="/v1/chat/completions",status="499"' in metrics
