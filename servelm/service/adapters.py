@@ -74,8 +74,9 @@ class AdapterRegistry(abc.ABC):
             size = len(name.encode())
         except UnicodeEncodeError:  # a lone surrogate
             size = MAX_NAME_BYTES + 1
-        if size > MAX_NAME_BYTES:
-            raise InvalidParameter(f"`lora_name` must be at most {MAX_NAME_BYTES} bytes of UTF-8.", "lora_name")
+        if size > MAX_NAME_BYTES or not name.isprintable() or name != name.strip():
+            raise InvalidParameter(f"`lora_name` must be at most {MAX_NAME_BYTES} bytes of UTF-8, of printable "
+                                   "characters (no control characters), without spaces at either end.", "lora_name")
         if name in self._by_name:
             raise InvalidParameter(f"The lora adapter '{name}' has already been loaded.", "lora_name",
                                    code="lora_already_loaded")

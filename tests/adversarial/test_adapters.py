@@ -294,8 +294,9 @@ def test_an_adapter_file_of_zero_tensors_is_refused(tmp_path):
         runner.close()
 
 
-@pytest.mark.parametrize("name", ["n" * 201, "é" * 101, "\ud800"])
+@pytest.mark.parametrize("name", ["n" * 201, "é" * 101, "\ud800", "x\x00y", "a\nb", "\x1b[31m", " a", "a\u200bb"])
 def test_a_lora_name_past_200_bytes_of_utf8_is_a_400(fake_server, tmp_path, name):
+    """Also control and invisible characters (found by the black-box attack: a NUL went into /metrics' label)."""
     (_, path), = adapter_files(tmp_path, 1)
     r = httpx.post(f"{fake_server.base_url}/v1/load_lora_adapter", content=json.dumps(
         {"lora_name": name, "lora_path": path}), headers={"content-type": "application/json"})  # \ud800 escaped
