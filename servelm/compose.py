@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,17 +57,19 @@ def build_deployment(
     reasoning_markers: str = "auto",
     image_sources: ImageSources = ImageSources(),
     max_loras: int = 8,
+    grammars: Grammars | None = None,
 ) -> tuple[TextDeployment, Engine]:
     """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
     `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary). A LocalEngine's
-    deployment takes LoRA adapters (at most `max_loras` loaded)."""
+    deployment takes LoRA adapters (at most `max_loras` loaded). `grammars` given: the runner's vocabulary's, built
+    before (GrammarPool's)."""
     from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import CHATML_END
     from servelm.chat.tools import detect_style
     from servelm.engine.local import LocalEngine
 
-    grammars = Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
-                        limits=grammar_limits or GrammarLimits())
+    grammars = grammars or Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
+                                    limits=grammar_limits or GrammarLimits())
     local = engine is None
     engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
                                    spill=spill, pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None,
@@ -126,6 +131,84 @@ def template_of(name: str, runner: ModelRunner, file_template: str | None) -> Ch
                 "architecture; using ChatML, whose end marker <|im_end|> also stops answers. Give --chat-template "
                 "with the model's own template", name)
     return ChatTemplate(None, bos_token=runner.bos_token, eos_token=runner.eos_token)
+
+
+class _Tokenize:
+    """A pooled Grammars' tokenize function: the runner it serves now; none while the Grammars waits in the pool
+    (its runner closed)."""
+
+    def __init__(self) -> None:
+        self.runner: Callable[[bytes], list[int]] | None = None
+
+    def __call__(self, data: bytes) -> list[int]:
+        if self.runner is None:
+            raise RuntimeError("the model of these grammars is unloaded")
+        return self.runner(data)
+
+
+class GrammarPool:
+    """The Grammars of unloaded models, kept for their next load. llguidance builds a vocabulary's tokenizer (its
+    token trie and slices) in one call that holds the GIL: about 0.15 s for SmolLM2's 49,152 tokens on an idle
+    core, a second on a busy machine, and every thread of the server, the event loop's first, waits that long. A
+    model loaded again (an unload and a load, a wake after keep_alive) takes its vocabulary's Grammars from here
+    instead. At most KEPT are kept (about 18 MiB each for a 49k vocabulary), each with at most KEPT_CACHE_BYTES of
+    compiled grammars; a Grammars serves one deployment at a time."""
+
+    KEPT = 4
+    KEPT_CACHE_BYTES = 64 << 20
+
+    def __init__(self) -> None:
+        self._idle: OrderedDict[tuple[str, GrammarLimits], tuple[Grammars, _Tokenize]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, runner: ModelRunner, limits: GrammarLimits) -> tuple[Grammars, _PoolReturn]:
+        """The runner's vocabulary's Grammars (one kept, else a new one), and the closer that gives it back."""
+        table = runner.token_table()
+        digest = hashlib.sha256()
+        for token in table:
+            digest.update(len(token).to_bytes(4, "little"))
+            digest.update(token)
+        for t in runner.eog_ids:
+            digest.update(int(t).to_bytes(8, "little", signed=True))
+        key = (digest.hexdigest(), limits)
+        with self._lock:
+            kept = self._idle.pop(key, None)
+        grammars, tokenize = kept or (None, _Tokenize())
+        tokenize.runner = runner.tokenize_text
+        if grammars is None:
+            grammars = Grammars(table, runner.eog_ids, tokenize, limits=limits)
+        return grammars, _PoolReturn(self, key, grammars, tokenize)
+
+    def give_back(self, key: tuple[str, GrammarLimits], grammars: Grammars, tokenize: _Tokenize) -> None:
+        tokenize.runner = None
+        if grammars.cached_bytes() > self.KEPT_CACHE_BYTES:
+            return
+        with self._lock:
+            self._idle[key] = (grammars, tokenize)
+            while len(self._idle) > self.KEPT:
+                self._idle.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+
+
+@dataclass(eq=False)
+class _PoolReturn:
+    """A Built's closer (before its runner's): the deployment's Grammars back to the pool, once."""
+
+    pool: GrammarPool
+    key: tuple[str, GrammarLimits]
+    grammars: Grammars | None
+    tokenize: _Tokenize
+
+    def close(self) -> None:
+        grammars, self.grammars = self.grammars, None
+        if grammars is not None:
+            self.pool.give_back(self.key, grammars, self.tokenize)
+
+
+GRAMMARS = GrammarPool()
 
 
 def build_embedding_deployment(name: str, model: Any, fingerprint_source: str = "") -> tuple[Deployment, Embedder]:
@@ -334,14 +417,15 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
         context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
         kv_cache_type=e.kv_cache_type,
     )
-    runners.append(runner)
+    grammars, give_back = GRAMMARS.take(runner, grammar_limits(e))
+    runners.extend((give_back, runner))  # closed in this order: the grammars detached before the runner goes
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
         spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
         speculative=e.speculative == "ngram", spill=spill_store(e, runner.state_fingerprint),
         itl_target_s=e.itl_target_ms / 1000, priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e),
         special_tokens_in_content=spec.special_tokens_in_content,
-        reasoning_markers=spec.reasoning_markers, image_sources=images, max_loras=e.max_loras,
+        reasoning_markers=spec.reasoning_markers, image_sources=images, max_loras=e.max_loras, grammars=grammars,
     )
     assert isinstance(deployment.adapters, Adapters)
     for lora in spec.loras:
