@@ -217,7 +217,7 @@ def test_names_that_are_not_models_are_answered_without_rescans_or_stalls(fake_s
     monkeypatch.setattr(servelm.fleet, "_found_at", lambda d, path: looks.append(path.name) or found_at(d, path))
     server = fake_server_factory(catalog=fleet)
     assert {"model-0", "vision"} <= set(fleet.statuses()) and "not-one" not in fleet.statuses()
-    with loop_responsive(server.base_url, bound_s=0.25):
+    with loop_responsive(server.base_url, bound_s=0.5):  # the rescans stalled it ~10 s; clients share its process
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(lambda name: _chat(server.base_url, name), NON_MODELS * 6))
@@ -292,13 +292,13 @@ def _serve(directory: Path, log: Path, *flags: str) -> tuple[subprocess.Popen[by
 @pytest.mark.e2e
 def test_unloading_and_loading_a_real_model_leaves_the_event_loop_free(tmp_path):
     """A real model of the directory (SmolLM2 in a folder of its own) unloaded and loaded again, by route and by a
-    request naming it, with the event loop never held 0.1 s. Everything of a load and an unload ran on worker
+    request naming it, with the event loop never held 0.25 s. Everything of a load and an unload ran on worker
     threads already, but two native calls there hold the GIL, and so the loop, for as long as they run: llguidance
     building the vocabulary's tokenizer (0.15 s on an idle core, 0.93 s with three busy processes beside it; the
     attack measured 1.24 s on a busy machine) and the unload's full collection of the whole heap (0.12 s). Now a
     reloaded model takes its vocabulary's Grammars from compose.GRAMMARS, and the heap the server started with is
-    frozen out of collections (fleet.Fleet.start). The bound is tight because the machine running the tests is idle
-    enough that the stalls stay under 0.5 s."""
+    frozen out of collections (fleet.Fleet.start). The tokenizer's build took 0.9 s of the loop on a busy machine,
+    0.15-0.21 s on an idle one: 0.25 s catches the first and leaves room for the scheduler on 2 busy cores."""
     from servelm.config import embedded_model_path
 
     directory = tmp_path / "models"
@@ -308,7 +308,7 @@ def test_unloading_and_loading_a_real_model_leaves_the_event_loop_free(tmp_path)
                         "--idle-unload-s", "-1", "--prefix-cache-dir", str(tmp_path / "cache"))
     try:
         assert _chat(base, "sub", 300).status_code == 200  # loaded once before the measure: imports are not the point
-        with loop_responsive(base, bound_s=0.1):
+        with loop_responsive(base, bound_s=0.25):
             for route in ("/models/unload", "/models/load", "/models/unload"):
                 r = httpx.post(f"{base}{route}", json={"model": "sub"}, timeout=180)
                 assert r.status_code == 200, r.text
