@@ -56,6 +56,7 @@ class _Model:
     spec: DeploymentSpec | None  # None: its settings file could not be read (`reason` says why)
     status: Status = "unloaded"
     reason: str | None = None
+    from_dir: bool = False  # found in --models-dir (not a config's on-demand deployment): gone when its file is
     built: Built | None = None
     leases: int = 0  # requests holding it loaded
     draining: bool = False  # an unload waits for its requests to end; new ones wait for the unload
@@ -371,22 +372,34 @@ class Fleet:
     def _scanned(self, found: tuple[list[DeploymentSpec], dict[str, str]] | None) -> None:
         if found is not None:
             self._know(*found)
+            self._forget_gone({spec.name for spec in found[0]} | set(found[1]))
             log.info("models directory %s: %d models", self.models_dir, len(found[0]) + len(found[1]))
 
     def _know(self, specs: list[DeploymentSpec], failed: dict[str, str]) -> None:
         for spec in specs:
             known = self._models.get(spec.name)
             if known is None or known.spec is None:
-                self._add(spec)
+                self._add(spec, from_dir=True)
             elif known.status in ("unloaded", "failed"):
                 known.spec, known.status, known.reason = spec, "unloaded", None  # its settings may have changed
         for name, reason in failed.items():
             known = self._models.get(name)
             if known is None or known.status in ("unloaded", "failed"):
-                self._models[name] = _Model(name, None, "failed", reason)
+                self._models[name] = _Model(name, None, "failed", reason, from_dir=True)
 
-    def _add(self, spec: DeploymentSpec) -> None:
-        self._models[spec.name] = _Model(spec.name, spec)
+    def _forget_gone(self, found: set[str]) -> None:
+        """The directory's models a full scan no longer found, unless loaded or in use (those go at their unload's
+        next scan): no longer listed, nor loadable."""
+        gone = [m for m in self._models.values() if m.from_dir and m.name not in found and m.built is None
+                and m.status in ("unloaded", "failed") and not m.leases and not m.draining]
+        for model in gone:
+            del self._models[model.name]
+            self._aliases = {a: n for a, n in self._aliases.items() if n != model.name}
+        if gone:
+            log.info("models directory %s: %s gone from it", self.models_dir, ", ".join(m.name for m in gone))
+
+    def _add(self, spec: DeploymentSpec, from_dir: bool = False) -> None:
+        self._models[spec.name] = _Model(spec.name, spec, from_dir=from_dir)
         self._aliases.update({a: spec.name for a in spec.aliases})
 
     def _model(self, name: str) -> _Model:

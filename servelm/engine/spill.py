@@ -286,8 +286,8 @@ def _mtime(path: Path) -> float:
 
 def directory_key(directory: Path) -> bytes:
     """The directory's MAC key: read from its key file, or made (0600, exclusively) by the first server there. A key
-    file of the wrong size or kind is moved aside, logged, and a new one made: the files signed with the old key are
-    then ignored (never deleted), as another build's are."""
+    file of the wrong size or kind is moved aside, logged, and a new one made: the files signed with the old key no
+    longer verify, and each is dropped (logged) when a prompt first reaches it, as a corrupt one is."""
     path = directory / KEY_FILE
     for _ in range(3):
         try:

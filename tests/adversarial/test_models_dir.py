@@ -268,6 +268,19 @@ async def test_concurrent_refreshes_share_scans(crowded, monkeypatch):
     assert "later" in fleet.statuses()
 
 
+async def test_a_model_whose_file_is_gone_is_no_longer_listed_after_a_refresh(crowded):
+    """Found by the black-box attack: a model file deleted from the directory stayed listed (and in /v1/models) after
+    /models/refresh, its requests a 400 `model_load_failed`. A full scan forgets the directory's models it no longer
+    finds, unless loaded or in use; a config's on-demand deployment is never forgotten."""
+    (crowded / "later.gguf").write_bytes(b"GGUF")
+    fleet = Fleet([], models_dir=crowded, builder=FakeBuilder())
+    assert "later" in fleet.statuses()
+    (crowded / "later.gguf").unlink()
+    await fleet.refresh()
+    assert "later" not in fleet.statuses()
+    assert await fleet.resolve("later") is None
+
+
 def _serve(directory: Path, log: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
     """A real server over `directory`, ready (its /health answered)."""
     port = _free_port()

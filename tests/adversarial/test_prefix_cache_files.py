@@ -114,6 +114,6 @@ async def test_a_fifo_or_a_broken_key_file_neither_hangs_nor_crashes_start_up(tm
     with caplog.at_level(logging.WARNING, logger="servelm.engine.spill"):
         store = SpillStore("fake-model", 1 << 20, tmp_path, 1 << 20)
     assert "moved to" in caplog.text and len((tmp_path / KEY_FILE).read_bytes()) == 32
-    assert all(p.exists() for p in files.values()), "files signed with the old key are kept on disk, not deleted"
+    assert all(p.exists() for p in files.values()), "a new key deletes nothing at start"
     _, last, _ = await answers_from(tmp_path, FIRST)
     assert last.cached_tokens == 0, "and never loaded under the new key"
