@@ -22,7 +22,7 @@ async def send_error(send: Send, exc: ApiError, scope: Scope | None = None) -> N
     """The error envelope with the error's status and headers (WWW-Authenticate, Retry-After); on Azure ML's
     paths, in Azure ML's shape (status and code at the top)."""
     status, data, extra = error_parts(exc, scope.get("path") if scope is not None else None)
-    body = json.dumps(data).encode()
+    body = json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()  # as the routes' own errors write it
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})
