@@ -541,18 +541,9 @@ NON_MODELS = ["mmproj-vision", "split-00002-of-00002", "two", "empty", "piped", 
 def hostile_models_dir(root: Path) -> Path:
     """tests/adversarial/test_models_dir.py's hostile headers, FIFOs, projector, shards and folders, beside twelve
     plausible models (30,000-token vocabularies) and a vision model's folder."""
-    from tests.adversarial.test_models_dir import hostile_dir, vocabulary
+    from tests.adversarial.test_models_dir import crowd, hostile_dir
 
-    directory = hostile_dir(root / "models")
-    raw = vocabulary(30_000)
-    for i in range(12):
-        (directory / f"model-{i}.gguf").write_bytes(raw)
-    (directory / "vision").mkdir()
-    for name in ("m-00001-of-00002.gguf", "m-00002-of-00002.gguf", "mmproj-m.gguf"):
-        (directory / "vision" / name).write_bytes(raw)
-    (directory / "mmproj-model-0.gguf").write_bytes(raw)
-    (directory / "not-one").mkdir()
-    return directory
+    return crowd(hostile_dir(root / "models"))
 
 
 def models_dir(target: Target, directory: Path, rounds: int) -> dict[str, Any]:

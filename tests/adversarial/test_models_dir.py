@@ -176,19 +176,19 @@ def test_a_hostile_models_dir_neither_hangs_nor_bloats_the_server(tmp_path):
         assert grown < 64, f"the server grew by {grown:.0f} MiB"
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 @pytest.fixture
 def crowded(tmp_path):
-    """A directory of twelve plausible models (30,000-token vocabularies) and a vision model's folder."""
     directory = tmp_path / "models"
     directory.mkdir()
+    return crowd(directory)
+
+
+def crowd(directory: Path) -> Path:
+    """Twelve plausible models (30,000-token vocabularies) and a vision model's folder added to `directory`, with a
+    projector beside them and a folder without a model (harness/abuse.py's models-dir run uses it too)."""
     raw = vocabulary(30_000)
     for i in range(12):
         (directory / f"model-{i}.gguf").write_bytes(raw)
@@ -281,6 +281,15 @@ async def test_a_model_whose_file_is_gone_is_no_longer_listed_after_a_refresh(cr
     assert await fleet.resolve("later") is None
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _serve(directory: Path, log: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str]:
     """A real server over `directory`, ready (its /health answered)."""
     port = _free_port()
@@ -329,9 +338,4 @@ def test_unloading_and_loading_a_real_model_leaves_the_event_loop_free(tmp_path)
             assert r.status_code == 200, r.text
         assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["status"] == {"value": "loaded"}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
