@@ -4,10 +4,17 @@ any OpenAI-compatible server (servelm/bench/cli.py)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
+
+# llama.cpp's libraries are loaded before servelm's other imports bring theirs: on a GPU machine (a CUDA build,
+# Python 3.12) `serve` crashed inside llama.cpp's first model load when they came after, while the same load in a
+# process that imported llama.cpp first ran (harness/load_variants.py; docs/exactness.md, "On a GPU")
+if sys.argv[1:2] in (["serve"], ["batch"]):
+    import servelm.runners.llamacpp  # noqa: F401,I001
 
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
@@ -219,6 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  description="Benchmark one or more OpenAI-compatible servers: TTFT, TPOT, ITL and "
                                  "E2EL, throughput and goodput, as vllm bench serve defines and names them."))
     args = parser.parse_args(argv)
+    # a crash inside llama.cpp (or any native code) prints every thread's Python stack on stderr before the process
+    # ends, so the log says where it happened
+    faulthandler.enable()
     if args.command == "bench":
         from servelm.bench.cli import main as bench
 

@@ -83,7 +83,8 @@ def build_deployment(
         template=template,
         template_stops=(CHATML_END,) if template.origin == "fallback" else (),
         facts=ModelFacts(quantization=runner.quantization, trained_context=runner.trained_context,
-                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
+                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe(),
+                         placement=getattr(runner, "placement", "")),
         vocab=RunnerVocabulary(runner, grammars),
         context_window=runner.context_window,
         max_choices=runner.num_slots,
@@ -415,7 +416,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     runner = load_exact(
         path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
         context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
-        kv_cache_type=e.kv_cache_type,
+        kv_cache_type=e.kv_cache_type, gpu_layers=e.n_gpu_layers, main_gpu=e.main_gpu,
     )
     grammars, give_back = GRAMMARS.take(runner, grammar_limits(e))
     runners.extend((give_back, runner))  # closed in this order: the grammars detached before the runner goes
@@ -482,7 +483,8 @@ def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any]
     path = resolve_model_source(spec.model, "embedding")
     log.info("loading %s for %r", path, spec.name)
     model = LlamaCppEmbedder(path, window=EMBEDDING_WINDOW, max_seqs=EMBEDDING_SEQS, threads=spec.engine.threads,
-                             verbose=verbose, pooling="rank" if spec.kind == "rerank" else None)
+                             verbose=verbose, pooling="rank" if spec.kind == "rerank" else None,
+                             gpu_layers=spec.engine.n_gpu_layers, main_gpu=spec.engine.main_gpu)
     embedders.append(model)
     deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
     deployment.memory = {"weights": path.stat().st_size, "embedding_context": EMBEDDING_CONTEXT_BYTES}

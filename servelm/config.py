@@ -92,6 +92,13 @@ class EngineSettings(BaseSettings):
     grammar_compile_ms: int = Field(5000, ge=1, description="time one grammar may take to compile; a slower one is "
                                     "a 400 grammar_too_slow")
     threads: int | None = Field(None, ge=1, description="CPU threads for llama.cpp (default: all cores)")
+    n_gpu_layers: int = Field(
+        -1, ge=-1, le=4096, description="layers of the model on the GPU, where llama.cpp was built for one (make "
+        "install does so where nvidia-smi lists a GPU) and finds one: -1 all (the default), 0 none; llama.cpp counts "
+        "the output layer as one. /v1/models and /health say where each model runs (placement)")
+    main_gpu: int | None = Field(
+        None, ge=0, le=255, description="the one GPU a model goes on, by llama.cpp's device order (default: its "
+        "layers split across every GPU llama.cpp finds)")
     speculative: Literal["ngram", "off"] = Field(
         "ngram", description="draft-free speculative decoding: a decoding sequence also reads the tokens that "
         "followed its latest n-gram earlier in its prompt and output, and keeps those the model would have made "

@@ -155,7 +155,7 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
         quantization=f.quantization, trained_context_length=f.trained_context, chat_template=d.template.origin,
         tool_call_format=style.format.name + ("" if style.native else " (prompted)"),
         reasoning_markers=[d.reasoning.open, d.reasoning.close] if d.reasoning is not None else None,
-        exact=f.exact, exactness=f.exactness or None,
+        exact=f.exact, exactness=f.exactness or None, placement=f.placement or None,
     )
 
 
@@ -277,6 +277,7 @@ def _deployment_stats(d: Deployment, cache: bool = True) -> dict[str, Any]:
         for name in _CACHE_COUNTERS:
             stats.pop(name, None)
     stats["exact"], stats["exactness"] = d.facts.exact, d.facts.exactness or None
+    stats["placement"] = d.facts.placement or None
     if embedder is not None:
         stats["embeddings"] = embedder
     return stats

@@ -150,6 +150,7 @@ class ModelCard(ResponseModel):
     reasoning_markers: list[str] | None = None  # the thought's opening and closing markers, when it has them
     exact: bool | None = None  # answers bitwise the same under any load: the start-up self-check's finding
     exactness: str | None = None  # its words: the fences it took, or why it is not exact
+    placement: str | None = None  # where its layers run: "CPU", or the GPU and how many of its layers
     # llama-server's router field: {"value": "loaded" | "loading" | "unloaded" | "failed", "reason"?: why it failed}
     status: dict[str, Any] | None = None
     parent: str | None = None  # vLLM's: a LoRA adapter's base model (root: the adapter's file)

@@ -35,6 +35,8 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +169,91 @@ def _batch(size: int, *, outputs: bool, embd: int = 0) -> tuple[np.ndarray, np.n
     return tok, pos, seq, out, batch
 
 
+@dataclass(frozen=True)
+class Device:
+    """A device llama.cpp's ggml can compute on (its backend registry): the CPU, and a GPU where llama.cpp was
+    built with a GPU backend (CUDA) and finds one."""
+
+    name: str  # ggml's: CPU, CUDA0, …
+    description: str  # the hardware's own name
+    kind: str  # cpu, gpu, igpu (an integrated GPU), accel, meta
+    free_bytes: int
+    total_bytes: int
+
+
+_DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")  # ggml_backend_dev_type's values, in order
+
+
+@cache
+def _ggml() -> ctypes.CDLL:
+    """ggml's library as llama.cpp loaded it (beside libllama: the same copy), for its device registry, which
+    llama-cpp-python does not bind."""
+    here = Path(C.llama_cpp._lib._name).parent
+    path = next((here / n for n in ("libggml.so.0", "libggml.so", "libggml.dylib", "ggml.dll") if (here / n).exists()),
+                here / "libggml.so")
+    lib = ctypes.CDLL(str(path))
+    dev = ctypes.c_void_p
+    for fn, args, res in (("ggml_backend_dev_count", [], ctypes.c_size_t), ("ggml_backend_dev_get", [ctypes.c_size_t], dev),
+                          ("ggml_backend_dev_name", [dev], ctypes.c_char_p),
+                          ("ggml_backend_dev_description", [dev], ctypes.c_char_p),
+                          ("ggml_backend_dev_type", [dev], ctypes.c_int),
+                          ("ggml_backend_dev_memory", [dev, ctypes.POINTER(ctypes.c_size_t),
+                                                       ctypes.POINTER(ctypes.c_size_t)], None)):
+        getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, res
+    return lib
+
+
+def devices() -> list[Device]:
+    """The devices llama.cpp sees now, in its order (a GPU's free memory as of this call)."""
+    C.llama_backend_init()
+    lib, out = _ggml(), []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = int(lib.ggml_backend_dev_type(dev))
+        out.append(Device(lib.ggml_backend_dev_name(dev).decode(errors="replace"),
+                          lib.ggml_backend_dev_description(dev).decode(errors="replace"),
+                          _DEVICE_KINDS[kind] if 0 <= kind < len(_DEVICE_KINDS) else str(kind), free.value, total.value))
+    return out
+
+
+def gpus() -> list[Device]:
+    """The GPUs llama.cpp may offload layers to (none on a CPU-only build, or where its GPU backend finds none)."""
+    return [d for d in devices() if d.kind in ("gpu", "igpu")]
+
+
+def _model_params(*, vocab_only: bool = False, repack: bool = True, gpu_layers: int | None = None,
+                  main_gpu: int | None = None) -> Any:
+    """llama.cpp's model parameters: every layer on the GPU unless `gpu_layers` says how many (-1: all, 0: none);
+    `main_gpu` puts the whole model on that GPU alone (llama.cpp's split mode none) rather than across them all."""
+    mparams = C.llama_model_default_params()
+    mparams.vocab_only = vocab_only
+    mparams.use_extra_bufts = repack
+    mparams.n_gpu_layers = -1 if gpu_layers is None else gpu_layers
+    if main_gpu is not None:
+        found = len(gpus())
+        if main_gpu >= found:
+            raise ValueError(f"--main-gpu {main_gpu}: llama.cpp finds {found} GPU{'s' * (found != 1)} here"
+                             + (" (a CPU-only build, or no GPU)" if not found else ""))
+        mparams.split_mode = C.LLAMA_SPLIT_MODE_NONE
+        mparams.main_gpu = main_gpu
+    return mparams
+
+
+def placement(model: Any, gpu_layers: int | None, main_gpu: int | None) -> str:
+    """Where a loaded model's layers are, in words: "CPU", or the GPU and how many of its layers (llama.cpp counts
+    the output layer as one) are there."""
+    found = gpus()
+    layers = int(C.llama_model_n_layer(model)) + 1
+    on_gpu = 0 if not found else layers if gpu_layers is None or gpu_layers < 0 else min(gpu_layers, layers)
+    if not on_gpu:
+        return "CPU"
+    where = [found[main_gpu]] if main_gpu is not None else found
+    names = ", ".join(f"{d.name} ({d.description})" for d in where)
+    return f"{names}: {on_gpu} of {layers} layers" + ("" if on_gpu == layers else ", the rest on the CPU")
+
+
 def _free(owner: LlamaCppRunner | LlamaCppEmbedder) -> None:
     """Free an owner's llama.cpp context, then its model if it owns one; a second call does nothing."""
     if owner._ctx:
@@ -206,12 +293,13 @@ class LlamaCppRunner:
         kv_cache_type: str = "f16",  # f16, q8_0 or q4_0 (_KV_TYPES)
         repack: bool = True,  # llama.cpp's repacked weight buffers (faster; Q4_K's rounds by rows: load_exact)
         pair_rows: bool = False,  # every call at least two rows and two logits rows (see the module's docstring)
+        gpu_layers: int | None = None,  # layers on the GPU (None or -1: all, where llama.cpp finds a GPU)
+        main_gpu: int | None = None,  # the one GPU the model goes on (None: across every GPU llama.cpp finds)
     ) -> None:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
-        mparams = C.llama_model_default_params()
-        mparams.vocab_only = vocab_only
-        mparams.use_extra_bufts = repack
+        mparams = _model_params(vocab_only=vocab_only, repack=repack, gpu_layers=0 if vocab_only else gpu_layers,
+                                main_gpu=None if vocab_only else main_gpu)
         self.repack, self.pair_rows = repack, pair_rows
         self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
         self._model: Any = C.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -224,6 +312,7 @@ class LlamaCppRunner:
         self.kv_cache_type = kv_cache_type
         self.kv_cell_bytes = 0 if vocab_only else self._cell_bytes()  # a vocabulary-only model has no layers
         self.weights_bytes = int(C.llama_model_size(self._model))
+        self.placement = "" if vocab_only else placement(self._model, gpu_layers, main_gpu)
         if context_window is None and vocab_only:
             context_window = train_ctx or 2048
         elif context_window is None:
@@ -694,6 +783,7 @@ def load_exact(model_path: str | Path, **kwargs: Any) -> LlamaCppRunner:
     runner = LlamaCppRunner(model_path, **kwargs)
     if runner._ctx is None:
         return runner
+    log.info("%s runs on %s", Path(model_path).name, runner.placement)
     first = ""
     for repack, pair_rows in ((True, False), (True, True), (False, False), (False, True)):
         if repack != runner.repack:
@@ -746,6 +836,8 @@ class LlamaCppEmbedder:
         max_seqs: int = 64,
         threads: int | None = None,
         verbose: bool = False,
+        gpu_layers: int | None = None,  # as LlamaCppRunner's, for a model of its own
+        main_gpu: int | None = None,
     ) -> None:
         if (model_path is None) == (share is None):
             raise ValueError("give either a model path or a runner to share the model of")
@@ -759,7 +851,8 @@ class LlamaCppEmbedder:
         else:
             _silence_llama_logs(verbose)
             C.llama_backend_init()
-            model = C.llama_model_load_from_file(str(model_path).encode(), C.llama_model_default_params())
+            model = C.llama_model_load_from_file(str(model_path).encode(),
+                                                 _model_params(gpu_layers=gpu_layers, main_gpu=main_gpu))
             if not model:
                 raise RuntimeError(f"llama.cpp could not load the model file {model_path}")
             self._model = model

@@ -59,6 +59,7 @@ class ModelFacts:
     trained_context: int | None = None
     exact: bool | None = None  # None: not checked (an engine other than ours: vLLM)
     exactness: str = ""  # the self-check's words: "exact (fences: …)", or why not
+    placement: str = ""  # where its layers are: "CPU", or the GPU and how many of its layers ("": not known)
 
 
 @dataclass(eq=False, kw_only=True)

@@ -37,12 +37,13 @@ def test_its_card_says_what_it_is_and_how_it_is_served(gemma):
     assert card["chat_template"] == "builtin:gemma" and card["quantization"] == "Q4_K_M"
     assert card["tool_call_format"] == "hermes (prompted)" and card["reasoning_markers"] is None
     assert card["exact"] is True and card["exactness"].startswith("exact")
+    assert card["placement"] == "CPU"  # where its layers run (this machine has no GPU)
     # the trained context is 32,768; the default 768 MiB budget holds 16 streams of 2,560 full-size cells
     assert card["trained_context_length"] == 32768
     assert card["max_model_len"] == 2560 and 16 * card["max_model_len"] * CELL_BYTES <= 768 << 20
     health = httpx.get(f"{gemma}/health", timeout=10).json()["deployments"][GEMMA]
     assert health["kv_cell_bytes"] == CELL_BYTES and health["kv_cells_total"] == 16 * 2560
-    assert health["exact"] is True
+    assert health["exact"] is True and health["placement"] == "CPU"
 
 
 def test_the_prompt_is_gemmas_own_turns_after_its_bos(gemma):
