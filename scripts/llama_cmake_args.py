@@ -4,12 +4,21 @@ One source for both llama-cpp-python's wheel (make install) and the llama-server
 builds, so the two are compared on the same kernels. AMX is always off: these Intel machines report
 AMX, but ggml's AMX matmul crashes on them (SIGILL/SIGSEGV). AVX-512 is used where the CPU has it,
 otherwise AVX2.
+
+CUDA is on where a GPU is there to use it: `nvidia-smi` lists one (the build is for its compute capability), or
+SERVELM_CUDA=1 asks for it (for SERVELM_CUDA_ARCHITECTURES, default 80;86;89;90, when no GPU is listed).
+SERVELM_CUDA=0 keeps the build CPU-only. A CUDA compiler alone decides nothing: many machines have nvcc and no GPU.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+
+DEFAULT_CUDA_ARCHITECTURES = "80;86;89;90"
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -27,10 +36,35 @@ def cmake_args(flags: set[str]) -> list[str]:
     return args
 
 
+def listed_gpus() -> str:
+    """nvidia-smi's compute capabilities, a line per GPU ("9.0"); "" where it is missing, fails or lists none."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def cuda_args(env: Mapping[str, str], gpus: str) -> list[str]:
+    """The CUDA part of the arguments: none unless a GPU is listed (`gpus`: nvidia-smi's compute capabilities)
+    or SERVELM_CUDA=1 asks; SERVELM_CUDA=0 turns it off whatever is listed."""
+    want = env.get("SERVELM_CUDA", "").strip()
+    if want == "0":
+        return []
+    caps = sorted({line.strip().replace(".", "") for line in gpus.splitlines()
+                   if line.strip().replace(".", "").isdigit()})
+    if not caps and want != "1":
+        return []
+    archs = env.get("SERVELM_CUDA_ARCHITECTURES", "").strip() or ";".join(caps) or DEFAULT_CUDA_ARCHITECTURES
+    return ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
+
+
 def main() -> int:
     path = Path("/proc/cpuinfo")
     flags = cpu_flags(path.read_text()) if path.exists() else set()
-    print(" ".join(cmake_args(flags)))
+    gpus = listed_gpus() if os.environ.get("SERVELM_CUDA", "").strip() != "0" else ""
+    print(" ".join(cmake_args(flags) + cuda_args(os.environ, gpus)))
     return 0
 
 

@@ -1,7 +1,7 @@
 """VllmEngine on a real GPU: a small model through the engine, and through the HTTP server with the openai client.
 
 Skipped, and so reported as not run, where vLLM or a CUDA GPU is absent (`pip install 'servelm[vllm]'`;
-scripts/gpu_check.sh installs it, runs these and measures throughput). The model is SERVELM_VLLM_TEST_MODEL: a
+scripts/vllm_check.sh installs it, runs these and measures throughput). The model is SERVELM_VLLM_TEST_MODEL: a
 Hugging Face repo id (needs the network or the HF cache) or a local directory; default Qwen/Qwen2.5-0.5B-Instruct.
 """
 
