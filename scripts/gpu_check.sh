@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # servelm on llama.cpp's CUDA backend, checked on a GPU machine that may have no network, in three steps:
 #
-#   scripts/gpu_check.sh bundle    # here, with a network, after `make install`: makes .gpu/ (git-ignored, ~20 MB)
+#   scripts/gpu_check.sh bundle    # here, with a network, after `make install` and a commit: makes .gpu/ (git-ignored,
+#                                  #   ~20 MB; GPU_BUILD_DIR=DIR carries DIR/bin, a CUDA build, instead of the source)
 #   scripts/gpu_check.sh build     # there, with .gpu/ and the checkout: llama.cpp with CUDA, wheels, models (~6 min
 #                                  #   on 16 cores; ~1 min when .gpu/cuda-build.tar.xz brings a build)
 #   scripts/gpu_check.sh measure   # there, right after: the checks below (~5 min)
@@ -50,11 +51,23 @@ bundle() {
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 $plats -d "$G/whl" $pins
   "$py" -m harness.random_model vocab "$G/vocab.gguf"
+  git -C "$ROOT" archive --format=tar.gz -o "$G/servelm-src.tar.gz" HEAD servelm harness scripts pyproject.toml
+  if [ -n "${GPU_BUILD_DIR:-}" ]; then  # a CUDA build made elsewhere (its bin/): carried instead of the source
+    (cd "$GPU_BUILD_DIR" && tar cf - bin/*.so* bin/llama-server bin/llama-batched-bench bin/llama-quantize) \
+      | xz -T0 -9 > "$G/cuda-build.tar.xz"
+    rm -f "$G/llama-src.tar.gz"
+  fi
   du -sh "$G"
 }
 
 env_there() {
-  export PYTHONPATH="$ROOT:$W/site" LLAMA_CPP_LIB_PATH="$W/build/bin" MTMD_CPP_LIB="$W/build/bin" PYTHONUNBUFFERED=1
+  # servelm as committed when the bundle was made (the checkout there may hold work in progress), else the checkout
+  local src="$ROOT"
+  if [ -f "$G/servelm-src.tar.gz" ]; then
+    src="$W/servelm-src"
+    rm -rf "$src" && mkdir -p "$src" && tar xzf "$G/servelm-src.tar.gz" -C "$src" && cd "$src" || exit 1
+  fi
+  export PYTHONPATH="$src:$W/site" LLAMA_CPP_LIB_PATH="$W/build/bin" MTMD_CPP_LIB="$W/build/bin" PYTHONUNBUFFERED=1
   PY=${GPU_PYTHON:-python3}
   # a carried build finds CUDA's runtime and cuBLAS where the toolkit or its pip packages keep them
   local d
