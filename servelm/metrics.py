@@ -9,6 +9,8 @@ layer's MeteredEngine calls without knowing about Prometheus.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,11 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LOOP_TICK = 0.05  # seconds between the loop monitor's timers
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+# The event loop thread's CPU seconds in the parts of a stream it spends per chunk (process-wide: the streams add to
+# them, every app's /metrics shows them): serialize (a chunk's JSON and its frame), write (the frame handed to the
+# server's transport and the socket).
+STREAM_CPU_SECONDS = {"serialize": 0.0, "write": 0.0}
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,61 @@ class _EngineCollector(Collector):
 
     def describe(self) -> list[Any]:
         return []  # collected only on demand: registering must not call the source
+
+
+def _thread_cpu(tid: int) -> float:
+    """A thread of this process: its user + system CPU seconds, 0 once it is gone."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _named_threads() -> dict[str, list[int]]:
+    """This process's threads named servelm-* (the engines'), by name."""
+    found: dict[str, list[int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+        except OSError:
+            continue
+        if name.startswith("servelm-"):
+            found.setdefault(name, []).append(int(tid))
+    return found
+
+
+class _ThreadCollector(Collector):
+    """The CPU time of the event loop thread and of the engine threads, and the loop's share in streams' chunks."""
+
+    def __init__(self, loop_thread: Callable[[], int | None]) -> None:
+        self._loop_thread = loop_thread
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        threads = CounterMetricFamily("servelm_thread_cpu_seconds", "CPU seconds of the event loop thread "
+                                      "(event_loop: HTTP, the services, streams) and of the engine threads (their "
+                                      "steps, llama_decode's share included)", labels=["thread"])
+        loop = self._loop_thread()
+        if loop is not None:
+            threads.add_metric(["event_loop"], _thread_cpu(loop))
+        for name, tids in _named_threads().items():
+            threads.add_metric([name], sum(_thread_cpu(t) for t in tids))
+        yield threads
+        parts = CounterMetricFamily("servelm_stream_cpu_seconds", "the event loop thread's CPU seconds in streamed "
+                                    "chunks: serialize (the chunk's JSON and frame), write (to the socket)",
+                                    labels=["part"])
+        for part, seconds in STREAM_CPU_SECONDS.items():
+            parts.add_metric([part], seconds)
+        yield parts
+
+    def describe(self) -> list[Any]:
+        return []
 
 
 class _BatchCollector(Collector):
@@ -239,10 +301,13 @@ class Metrics:
         self.loop_lag_max = Gauge("servelm_event_loop_lag_max_seconds", "the longest event-loop lag since the server "
                                   "started", registry=r)
         r.register(_EngineCollector(engine_gauges))
+        self._loop_thread: int | None = None  # the event loop's thread (watch_loop runs on it)
+        r.register(_ThreadCollector(lambda: self._loop_thread))
 
     async def watch_loop(self) -> None:
         """Measure the running event loop's lag until cancelled: a timer every LOOP_TICK, and how late it ran."""
         loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_native_id()
         longest = 0.0
         while True:
             start = loop.time()

@@ -8,15 +8,18 @@ docs/performance.md. A leaf: it imports nothing of servelm.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from types import TracebackType
 
 # decode: llama.cpp computing the pass (its own perf counters); runner: the rest of the runner's step (batches, KV
 # operations, logits copies, and the wait for the GIL when llama_decode returns); sample: logits to tokens (bias,
-# penalties, temperature, top-k/p, the draw, logprobs); grammar: masks and matcher advances; detokenize: tokens to
-# text and stop strings; loop: the rest of the engine's step (the scheduler, the output's bookkeeping, handing
-# outputs to the event loop); idle: waiting with requests unfinished
-PHASES = ("decode", "runner", "sample", "grammar", "detokenize", "loop", "idle")
+# penalties, temperature, top-k/p, the draw); logprobs: the drawn tokens' logprobs and alternatives, prompt scores;
+# grammar: masks and matcher advances; detokenize: tokens to text and stop strings; output: the output stage's own
+# work (stop rules, GenerationOutputs); send: handing the outputs to the event loop; loop: the rest of the engine's
+# step (the scheduler and its update); idle: waiting with requests unfinished
+PHASES = ("decode", "runner", "sample", "logprobs", "grammar", "detokenize", "output", "send", "loop", "idle")
+ENGINE_THREAD = "servelm-engine"  # the engine thread's name in /proc (top -H, /metrics' thread CPU)
 
 
 class PhaseClock:
@@ -65,3 +68,12 @@ class _Phase:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._clock.leave()
+
+
+def name_thread(name: str) -> None:
+    """Give the calling thread its name in /proc/self/task/<tid>/comm (at most 15 bytes), where `top -H` and /metrics'
+    per-thread CPU find it; a no-op where the C library has no prctl."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

@@ -21,7 +21,7 @@ import numpy as np
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import AdapterInUse
 from servelm.engine.choice import RequestState
-from servelm.engine.clock import PhaseClock
+from servelm.engine.clock import ENGINE_THREAD, PhaseClock, name_thread
 from servelm.engine.output import Delivery, OutputProcessor, Outputs, StepResult
 from servelm.engine.output import EngineError as EngineError  # the error a request fails with for the engine's reasons
 from servelm.engine.pacing import StepPacer
@@ -88,7 +88,7 @@ class LocalEngine:
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="servelm-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
@@ -210,6 +210,7 @@ class LocalEngine:
 
     # -- the engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        name_thread(ENGINE_THREAD)
         while not self._stopping:
             self._drain_inbox()
             if not self.scheduler.has_unfinished():
@@ -258,11 +259,13 @@ class LocalEngine:
             plan, logits = self._forward(plan)
             with clock.phase("sample"):
                 sampled = self.sampler.sample(plan, logits, failed)
-            result = self.output.process(sampled)
+            with clock.phase("output"):
+                result = self.output.process(sampled)
             self._verify(plan, logits, sampled, result)
             for group in self.scheduler.update(plan, sampled, result):
                 self.output.forget(group)
-            self._send(result.outputs)
+            with clock.phase("send"):
+                self._send(result.outputs)
             took = time.perf_counter() - start
             self.step_seconds += took
             if self.pacer is not None:
@@ -314,7 +317,8 @@ class LocalEngine:
             with self.clock.phase("sample"):
                 more = self.sampler.sample_rows(due, logits)
             sampled.extend(more)
-            result.extend(self.output.process(more))
+            with self.clock.phase("output"):
+                result.extend(self.output.process(more))
 
     def _send(self, outputs: Outputs) -> None:
         for request_id, batch in outputs.items():

@@ -20,7 +20,7 @@ from servelm.constrain.masks import MaskComputer
 from servelm.engine.choice import Choice, constraint_failed
 from servelm.engine.clock import PhaseClock
 from servelm.engine.plan import ScheduledChunk, SeqKey, StepPlan
-from servelm.engine.sampling import log_softmax, logprob_entry, pick_rows, process_rows, token_logprobs
+from servelm.engine.sampling import Undo, log_softmax, logprob_entry, pick_rows, process_rows, restore, token_logprobs
 from servelm.engine.types import TokenLogprob
 
 log = logging.getLogger("servelm.engine")
@@ -114,8 +114,8 @@ class StepSampler:
             return
         choices = [c for c, _ in pairs]
         sources = [r for _, r in pairs]
-        rows = logits[np.asarray(sources)]  # a copy, processed in place
-        self._process(rows, logits, sources, choices, out)
+        rows = _gather(logits, sources)
+        self._process(rows, choices, out)
         plain: list[int] = []
         for i, choice in enumerate(choices):
             search = choice.request.beam
@@ -138,9 +138,10 @@ class StepSampler:
         want = [i for i, c in enumerate(choices) if c.request.group.params.wants_cumulative]
         entries: list[TokenLogprob | None] = [None] * len(choices)
         if want:
-            found = self._each([choices[i] for i in want], out, lambda idx: token_logprobs(
-                rows[[want[j] for j in idx]], [tokens[want[j]] for j in idx],
-                [choices[want[j]].request.group.params.logprobs for j in idx]))
+            with self.clock.phase("logprobs"):
+                found = self._each([choices[i] for i in want], out, lambda idx: token_logprobs(
+                    rows, [want[j] for j in idx], [tokens[want[j]] for j in idx],
+                    [choices[want[j]].request.group.params.logprobs for j in idx]))
             for i, entry in zip(want, found):
                 entries[i] = entry
         for choice, token, entry in zip(choices, tokens, entries):
@@ -149,17 +150,17 @@ class StepSampler:
                 mine.tokens.append(token)
                 mine.entries.append(entry)
 
-    def _process(self, rows: np.ndarray, logits: np.ndarray, sources: list[int], choices: list[Choice],
-                 out: SampledStep) -> None:
+    def _process(self, rows: np.ndarray, choices: list[Choice], out: SampledStep) -> None:
         """logit_bias, penalties, banned tokens and masks over every row at once, else row by row (each redone from
-        its logits: the batched attempt may have half-processed it)."""
+        its logits as they came: the batched attempt may have half-processed it)."""
+        undo: Undo = []
         try:
-            process_rows(rows, [c.sampler for c in choices], self.eog, self.masks(choices))
+            process_rows(rows, [c.sampler for c in choices], self.eog, self.masks(choices), undo)
             return
         except Exception:
             log.warning("a batched sampling step raised; isolating the request at fault", exc_info=True)
+        restore(rows, undo)
         for i, choice in enumerate(choices):
-            rows[i] = logits[sources[i]]
             try:
                 process_rows(rows[i : i + 1], [choice.sampler], self.eog, self.masks([choice]))
             except Exception as exc:  # a bug or a pathological input in one request must not fail its neighbours
@@ -222,10 +223,21 @@ class StepSampler:
         if not positions:
             return
         try:
-            logp = log_softmax(logits[first : first + len(positions)])
-            out.prompt[chunk.seq] = [(pos, logprob_entry(logp[j], prompt[pos], k)) for j, pos in enumerate(positions)]
+            with self.clock.phase("logprobs"):
+                logp = log_softmax(logits[first : first + len(positions)])
+                out.prompt[chunk.seq] = [(pos, logprob_entry(logp[j], prompt[pos], k))
+                                         for j, pos in enumerate(positions)]
         except Exception as exc:
             self._fail(choice, exc, out)
+
+
+def _gather(logits: np.ndarray, sources: list[int]) -> np.ndarray:
+    """The rows drawn from, processed in place: the logits' own when they are consecutive (no copy of a large
+    vocabulary's rows; the runner's buffer, which no one reads after the draw), else a copy."""
+    first = sources[0]
+    if sources == list(range(first, first + len(sources))):
+        return logits[first : first + len(sources)]
+    return logits[np.asarray(sources)]
 
 
 def _only(rows: np.ndarray, choices: list[Choice], keep: list[int]) -> tuple[np.ndarray, list[Choice]]:

@@ -33,12 +33,17 @@ class SamplerState:
     output_counts: np.ndarray | None = None  # how often each token was generated
     num_generated: int = 0
     _penalized: bool = field(init=False, default=False)
+    bias_ids: np.ndarray | None = field(init=False, default=None)  # logit_bias as arrays, made once
+    bias_values: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         p = self.params
         self._penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         if self._penalized:
             self.output_counts = np.zeros(self.vocab_size, dtype=np.int32)
+        if p.logit_bias:
+            self.bias_ids = np.fromiter((t for t, _ in p.logit_bias), dtype=np.int64, count=len(p.logit_bias))
+            self.bias_values = np.fromiter((b for _, b in p.logit_bias), dtype=np.float32, count=len(p.logit_bias))
 
     @classmethod
     def create(cls, params: SamplingParams, index: int, vocab_size: int, prompt: tuple[int, ...]) -> SamplerState:
@@ -60,6 +65,10 @@ class SamplerState:
         self.num_generated += 1
         if self.output_counts is not None and 0 <= token < self.vocab_size:
             self.output_counts[token] += 1
+
+    @property
+    def penalized(self) -> bool:
+        return self._penalized
 
     def apply_penalties(self, row: np.ndarray) -> None:
         p = self.params
@@ -96,29 +105,51 @@ def sample_rows(
     return pick_rows(logits, states)
 
 
+# What process_rows changed, to put back: (row, token ids or None for the whole row, the values before)
+Undo = list[tuple[int, np.ndarray | None, np.ndarray]]
+
+
 def process_rows(
     logits: np.ndarray,
     states: list[SamplerState],
     eog_ids: np.ndarray,
     masks: tuple[np.ndarray, np.ndarray] | None = None,
+    undo: Undo | None = None,
 ) -> None:
     """Everything before the draw, in place: logit_bias, penalties, banned tokens, grammar masks. The
     rows then hold the distribution that logprobs report and beam search scores.
 
     masks, when given, is (row indices, allowed): allowed[i] is the boolean row of tokens the grammar of
-    row indices[i] allows.
+    row indices[i] allows. undo, when given, gets what each change overwrote (before it is made), for `restore`.
     """
     for r, st in enumerate(states):
         p = st.params
         row = logits[r]
-        if p.logit_bias:
-            ids = np.fromiter((t for t, _ in p.logit_bias), dtype=np.int64, count=len(p.logit_bias))
-            row[ids] += np.fromiter((b for _, b in p.logit_bias), dtype=np.float32, count=len(p.logit_bias))
-        st.apply_penalties(row)
+        if st.bias_ids is not None:
+            if undo is not None:
+                undo.append((r, st.bias_ids, row[st.bias_ids]))
+            row[st.bias_ids] += st.bias_values
+        if st.penalized:
+            if undo is not None:
+                undo.append((r, None, row.copy()))
+            st.apply_penalties(row)
         if eog_ids.size and (p.ignore_eos or st.num_generated < p.min_tokens):
+            if undo is not None:
+                undo.append((r, eog_ids, row[eog_ids]))
             row[eog_ids] = -np.inf
     if masks is not None:
+        if undo is not None:
+            undo += [(int(r), None, logits[r].copy()) for r in masks[0]]
         _apply_masks(logits, masks[0], masks[1], eog_ids)
+
+
+def restore(logits: np.ndarray, undo: Undo) -> None:
+    """The rows as they were before process_rows changed them."""
+    for r, ids, values in reversed(undo):
+        if ids is None:
+            logits[r] = values
+        else:
+            logits[r, ids] = values
 
 
 def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
@@ -159,27 +190,73 @@ def logprob_entry(logp_row: np.ndarray, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token, lp, top, rank)
 
 
-def token_logprobs(rows: np.ndarray, tokens: list[int], ks: list[int | None]) -> list[TokenLogprob]:
-    """Logprob entries for the token taken in each row (rows are processed logits, not yet softmaxed).
+def token_logprobs(rows: np.ndarray, which: list[int], tokens: list[int], ks: list[int | None]) -> list[TokenLogprob]:
+    """Logprob entries for the token taken in rows[which[i]] (processed logits, not yet softmaxed), each row read
+    where it is (no copy of the step's rows).
 
     ks[i] is how many alternatives row i reports; None: the row only ranks best_of samples, so its entry
     holds the token's logprob alone (float32, no rank, no copy of the row in float64).
     """
-    out: dict[int, TokenLogprob] = {}  # by row: every row is reported or ranked
-    report = [(i, k) for i, k in enumerate(ks) if k is not None]
-    rank_only = [i for i, k in enumerate(ks) if k is None]
-    if report:
-        logp = log_softmax(rows[[i for i, _ in report]])
-        for j, (i, k) in enumerate(report):
-            out[i] = logprob_entry(logp[j], tokens[i], k)
-    if rank_only:
-        sub = rows[rank_only]
-        m = sub.max(axis=1)
-        lse = m + np.log(np.exp(sub - m[:, None]).sum(axis=1))
-        chosen = sub[np.arange(len(rank_only)), [tokens[i] for i in rank_only]]
-        for j, i in enumerate(rank_only):
-            out[i] = TokenLogprob(tokens[i], float(chosen[j] - lse[j]))
-    return [out[i] for i in range(len(tokens))]
+    scratch = np.empty(rows.shape[1], dtype=np.float64) if any(k is not None for k in ks) else None
+    out = []
+    for r, token, k in zip(which, tokens, ks):
+        row = rows[r]
+        if k is None:
+            m = row.max(keepdims=True)
+            lse = m + np.log(np.exp(row - m).sum(keepdims=True))
+            out.append(TokenLogprob(token, float(row[token] - lse[0])))
+        else:
+            assert scratch is not None
+            out.append(_entry(row, token, k, scratch))
+    return out
+
+
+def _entry(row: np.ndarray, token: int, k: int, scratch: np.ndarray) -> TokenLogprob:
+    """logprob_entry(log_softmax(row), token, k), bit for bit, without the row's float64 log-softmax: the
+    normalizer is summed in `scratch` (the row in float64: the same pairwise sum), and only the token, the tokens
+    above it (its rank) and the k best are taken out of it. A float32 row keeps the float64 order of its values
+    (x - c is monotone in x), so the k best are found on the row itself. Where equal values make their order (which
+    of them, in which order) the whole row's partition's choice, that row takes the general path.
+    """
+    m = row.max()
+    if not np.isfinite(m):  # every token forbidden (or an infinite logit): the general path
+        return _whole_row_entry(row, token, k)
+    m64 = np.float64(m)
+    np.subtract(row, m64, out=scratch)  # in float64, as the row's float64 copy less its max
+    np.exp(scratch, out=scratch)
+    c = m64 + np.log(scratch.sum(keepdims=True))[0]
+    x = row[token]
+    lp = np.float64(x) - c
+    if np.float64(np.nextafter(x, np.float32(np.inf))) - c == lp:  # a float64 rounding ties the values just above
+        return _whole_row_entry(row, token, k)
+    rank = int(np.count_nonzero(row > x)) + 1
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        ids = _best(row, m, min(k, row.shape[0]))
+        values = row[ids].astype(np.float64) - c
+        order = np.argsort(-values, kind="stable")
+        if len(ids) > k or (np.diff(values[order]) == 0).any():  # ties: their order is the partition's
+            return _whole_row_entry(row, token, k)
+        top = tuple((int(ids[j]), float(values[j])) for j in order if np.isfinite(values[j]))
+    return TokenLogprob(token, float(lp), top, rank)
+
+
+def _best(row: np.ndarray, m: np.floating, k: int) -> np.ndarray:
+    """The ids of the row's k best values and of any equal to the k-th, in id order: looked for among the values
+    near the max first (a few passes over the row at most, no sort of it)."""
+    gap = np.float32(2.0)
+    ids = np.flatnonzero(row >= m - gap)
+    while len(ids) < k and gap < 256:
+        gap *= 4
+        ids = np.flatnonzero(row >= m - gap)
+    if len(ids) < k:
+        ids = np.arange(row.shape[0])
+    values = row[ids]
+    return ids[values >= np.partition(values, len(values) - k)[len(values) - k]]
+
+
+def _whole_row_entry(row: np.ndarray, token: int, k: int) -> TokenLogprob:
+    return logprob_entry(log_softmax(row[None, :])[0], token, k)
 
 
 def _apply_masks(logits: np.ndarray, rows: np.ndarray, allowed: np.ndarray, eog_ids: np.ndarray) -> None:

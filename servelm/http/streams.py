@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from pydantic import BaseModel
 
 from servelm.errors import ApiError, ServerError
 from servelm.http.errors import error_json
+from servelm.metrics import STREAM_CPU_SECONDS
 from servelm.protocol.common import NamedEvent
 
 log = logging.getLogger("servelm.http")
@@ -45,14 +47,19 @@ async def frames(chunks: AsyncIterator[BaseModel], framing: Framing) -> AsyncGen
     """The chunks framed; an error once the answer has begun travels in the stream, in the error envelope (or the
     framing's own error event)."""
     sent = 0
+    cpu = STREAM_CPU_SECONDS
     try:
         async for chunk in chunks:
+            start = time.thread_time()
             data = chunk.model_dump_json(exclude_unset=True).encode()
             if framing.named and isinstance(chunk, NamedEvent):
                 data = f"event: {chunk.type}\n".encode() + b"data: " + data + b"\n\n"
-                yield data
             else:
-                yield framing.frame(data)
+                data = framing.frame(data)
+            framed = time.thread_time()
+            cpu["serialize"] += framed - start
+            yield data  # resumed once the server's send has written it
+            cpu["write"] += time.thread_time() - framed
             sent += 1
     except Exception as exc:  # the response has started: the error can only travel in the stream
         if not isinstance(exc, ApiError):

@@ -14,6 +14,7 @@ from servelm.chat.reasoning import ReasoningMarkers, ReasoningParser, split_reas
 from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, Thinking, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
+from servelm.metrics import STREAM_CPU_SECONDS
 from servelm.protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -181,9 +182,10 @@ class ChatService:
 
     async def stream(self, p: PreparedChat) -> AsyncGenerator[ChatCompletionChunk, None]:
         def chunk(choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
+            start = time.thread_time()
             extra = {"usage": None} if p.include_usage else {}
             extra.update(usage)
-            return ChatCompletionChunk(
+            made = ChatCompletionChunk(
                 id=p.generation.request_id,
                 object="chat.completion.chunk",
                 created=p.created,
@@ -192,6 +194,8 @@ class ChatService:
                 choices=choices,
                 **extra,
             )
+            STREAM_CPU_SECONDS["serialize"] += time.thread_time() - start
+            return made
 
         params = p.generation.params
         n = params.n

@@ -85,10 +85,10 @@ async def test_a_failure_in_one_rows_draw_fails_that_request_alone(engine, monke
 async def test_a_failure_in_one_requests_logprobs_fails_it_alone(engine, monkeypatch):
     original = sampler_module.token_logprobs
 
-    def logprobs(rows, tokens, ks):
+    def logprobs(rows, which, tokens, ks):
         if 7 in ks:
             raise ValueError("injected")
-        return original(rows, tokens, ks)
+        return original(rows, which, tokens, ks)
 
     monkeypatch.setattr(sampler_module, "token_logprobs", logprobs)
     await neighbours_and_faulty(engine, logprobs=7)
