@@ -237,7 +237,7 @@ def _gather(logits: np.ndarray, sources: list[int]) -> np.ndarray:
     first = sources[0]
     if sources == list(range(first, first + len(sources))):
         return logits[first : first + len(sources)]
-    return logits[np.asarray(sources)]
+    return np.asarray(logits[np.asarray(sources)])
 
 
 def _only(rows: np.ndarray, choices: list[Choice], keep: list[int]) -> tuple[np.ndarray, list[Choice]]:

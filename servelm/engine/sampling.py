@@ -252,7 +252,7 @@ def _best(row: np.ndarray, m: np.floating, k: int) -> np.ndarray:
     if len(ids) < k:
         ids = np.arange(row.shape[0])
     values = row[ids]
-    return ids[values >= np.partition(values, len(values) - k)[len(values) - k]]
+    return np.asarray(ids[values >= np.partition(values, len(values) - k)[len(values) - k]])
 
 
 def _whole_row_entry(row: np.ndarray, token: int, k: int) -> TokenLogprob:
