@@ -194,6 +194,14 @@ measure() {
     stop_servers
   done
   "$PY" -m harness.gpu_probe --summary "$OUT"
+  if [ -n "${GPU_LATE:-}" ]; then  # does serve crash when llama.cpp's libraries load after servelm's other imports?
+    echo "== serve with llama.cpp loaded last ($(( $(date +%s) - t0 )) s)"
+    timeout 45 "$PY" -X faulthandler -c "import servelm.__main__ as m; m.main(['serve', '--model-path', '$M', \
+'--model-id', 'm', '--port', '8004', '--no-embedding-model', '--max-num-seqs', '64', '--context-window', '1024', \
+'--max-step-tokens', '2048'])" > "$OUT/late.log" 2>&1
+    echo "exit $? (124: still serving when stopped)"
+    grep -E "Fatal|Segmentation|startup complete|runs on" "$OUT/late.log" | head -5
+  fi
   echo "measure: $(( $(date +%s) - t0 )) s"
 }
 
