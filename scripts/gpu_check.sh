@@ -5,7 +5,8 @@
 #                                  #   ~20 MB; GPU_BUILD_DIR=DIR carries DIR/bin, a CUDA build, instead of the source)
 #   scripts/gpu_check.sh build     # there, with .gpu/ and the checkout: llama.cpp with CUDA, wheels, models (~6 min
 #                                  #   on 16 cores; ~1 min when .gpu/cuda-build.tar.xz brings a build)
-#   scripts/gpu_check.sh measure   # there, right after: the checks below (~5 min)
+#   scripts/gpu_check.sh measure   # there, right after: the checks below (~2 min)
+#   scripts/gpu_check.sh types     # there: servelm's self-check and the probe on each type alone (GPU_TYPES)
 #
 # build compiles the pinned llama-cpp-python's own llama.cpp, unchanged, with GGML_CUDA=ON for the GPU that
 # nvidia-smi lists, as shared libraries that servelm loads (LLAMA_CPP_LIB_PATH), and llama-server,
@@ -205,9 +206,24 @@ measure() {
   echo "measure: $(( $(date +%s) - t0 )) s"
 }
 
+types() {  # servelm's self-check and the probe on each model type in GPU_TYPES (default q4_k_m q8_0 f16)
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/types.log") 2>&1
+  env_there
+  trap stop_servers EXIT
+  local q
+  for q in ${GPU_TYPES:-q4_k_m q8_0 f16}; do
+    echo "== servelm on $q"
+    serve "servelm-$q" "$W/${GPU_SHAPE:-1b}-$q.gguf" 8003 16 \
+      && timeout 60 "$PY" -m harness.gpu_probe http://127.0.0.1:8003 m --rounds 1 | tee "$OUT/probe-servelm-$q.json"
+    stop_servers
+  done
+}
+
 case "$step" in
   bundle) bundle ;;
   build) build ;;
   measure) measure ;;
-  *) echo "usage: scripts/gpu_check.sh bundle|build|measure" >&2; exit 2 ;;
+  types) types ;;
+  *) echo "usage: scripts/gpu_check.sh bundle|build|measure|types" >&2; exit 2 ;;
 esac

@@ -8,6 +8,9 @@ otherwise AVX2.
 CUDA is on where a GPU is there to use it: `nvidia-smi` lists one (the build is for its compute capability), or
 SERVELM_CUDA=1 asks for it (for SERVELM_CUDA_ARCHITECTURES, default 80;86;89;90, when no GPU is listed).
 SERVELM_CUDA=0 keeps the build CPU-only. A CUDA compiler alone decides nothing: many machines have nvcc and no GPU.
+A CUDA build compiles ggml's CPU part for AVX2, as the build that ran on the GPU machines was: with every layer on
+the GPU it computes almost nothing, and a build for the GPU host's own AVX-512 crashed at a model's load there
+(docs/exactness.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 DEFAULT_CUDA_ARCHITECTURES = "80;86;89;90"
+AVX512_FLAGS = {"avx512f", "avx512_vnni", "avx512_bf16"}
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -60,11 +64,17 @@ def cuda_args(env: Mapping[str, str], gpus: str) -> list[str]:
     return ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
 
 
+def all_args(flags: set[str], env: Mapping[str, str], gpus: str) -> list[str]:
+    """The CPU's arguments and CUDA's; a CUDA build's CPU part for AVX2 (the module's docstring says why)."""
+    cuda = cuda_args(env, gpus)
+    return cmake_args(flags - AVX512_FLAGS if cuda else flags) + cuda
+
+
 def main() -> int:
     path = Path("/proc/cpuinfo")
     flags = cpu_flags(path.read_text()) if path.exists() else set()
     gpus = listed_gpus() if os.environ.get("SERVELM_CUDA", "").strip() != "0" else ""
-    print(" ".join(cmake_args(flags) + cuda_args(os.environ, gpus)))
+    print(" ".join(all_args(flags, os.environ, gpus)))
     return 0
 
 

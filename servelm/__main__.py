@@ -10,12 +10,6 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-# llama.cpp's libraries are loaded before servelm's other imports bring theirs: on a GPU machine (a CUDA build,
-# Python 3.12) `serve` crashed inside llama.cpp's first model load when they came after, while the same load in a
-# process that imported llama.cpp first ran (harness/load_variants.py; docs/exactness.md, "On a GPU")
-if sys.argv[1:2] in (["serve"], ["batch"]):
-    import servelm.runners.llamacpp  # noqa: F401,I001
-
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
 from servelm.errors import ApiError

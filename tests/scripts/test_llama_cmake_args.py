@@ -46,3 +46,11 @@ def test_no_nvidia_smi_lists_no_gpu(monkeypatch, tmp_path):
     assert mod.listed_gpus() == ""
     smi.write_text("#!/bin/sh\necho 9.0\n")
     assert mod.cuda_args({}, mod.listed_gpus()) == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
+
+
+def test_a_cuda_builds_cpu_part_is_for_avx2_as_the_build_that_ran_on_the_gpu_machines():
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16"}
+    args = mod.all_args(flags, {}, "9.0\n")
+    assert "-DGGML_CUDA=ON" in args and "-DGGML_AVX2=ON" in args
+    assert {"-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF"} <= set(args)
+    assert "-DGGML_AVX512=ON" in mod.all_args(flags, {}, "")  # without a GPU, the CPU's own
