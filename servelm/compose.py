@@ -83,8 +83,7 @@ def build_deployment(
         template=template,
         template_stops=(CHATML_END,) if template.origin == "fallback" else (),
         facts=ModelFacts(quantization=runner.quantization, trained_context=runner.trained_context,
-                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe(),
-                         placement=getattr(runner, "placement", "")),
+                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
         vocab=RunnerVocabulary(runner, grammars),
         context_window=runner.context_window,
         max_choices=runner.num_slots,
@@ -93,6 +92,7 @@ def build_deployment(
         tool_style=detect_style(template_source),
         fim_tokens=runner.fim_tokens,
         reasoning=reasoning_of(reasoning_markers, template_source),
+        placement=getattr(runner, "placement", ""),
     )
     if local:
         assert isinstance(engine, LocalEngine)
@@ -218,7 +218,8 @@ def build_embedding_deployment(name: str, model: Any, fingerprint_source: str = 
 
     embedder = EmbeddingEngine(model)
     deployment = Deployment(name=name, context_window=embedder.context_window,
-                            fingerprint=_fingerprint(fingerprint_source or name), embedder=embedder)
+                            fingerprint=_fingerprint(fingerprint_source or name), embedder=embedder,
+                            placement=getattr(model, "placement", ""))
     return deployment, embedder
 
 
@@ -486,6 +487,7 @@ def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any]
                              verbose=verbose, pooling="rank" if spec.kind == "rerank" else None,
                              gpu_layers=spec.engine.n_gpu_layers, main_gpu=spec.engine.main_gpu)
     embedders.append(model)
+    log.info("%s runs on %s", path.name, model.placement)
     deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
     deployment.memory = {"weights": path.stat().st_size, "embedding_context": EMBEDDING_CONTEXT_BYTES}
     deployment.max_waiting = spec.limits.max_waiting

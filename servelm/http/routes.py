@@ -147,7 +147,8 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
     if d is None:
         return ModelCard(id=name, created=0, root=None)
     if not isinstance(d, TextDeployment):
-        return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name)
+        return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name,
+                         placement=d.placement or None)
     f, style = d.facts, d.tool_style
     return ModelCard(
         id=name, created=d.created, max_model_len=d.context_window, root=d.name,
@@ -155,7 +156,7 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
         quantization=f.quantization, trained_context_length=f.trained_context, chat_template=d.template.origin,
         tool_call_format=style.format.name + ("" if style.native else " (prompted)"),
         reasoning_markers=[d.reasoning.open, d.reasoning.close] if d.reasoning is not None else None,
-        exact=f.exact, exactness=f.exactness or None, placement=f.placement or None,
+        exact=f.exact, exactness=f.exactness or None, placement=d.placement or None,
     )
 
 
@@ -271,13 +272,13 @@ def _deployment_stats(d: Deployment, cache: bool = True) -> dict[str, Any]:
     `cache`, none of the prefix cache's counters."""
     embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
     if not isinstance(d, TextDeployment):
-        return embedder or {}
+        return {**(embedder or {}), "placement": d.placement or None}
     stats = dataclasses.asdict(d.engine.stats())
     if not cache:
         for name in _CACHE_COUNTERS:
             stats.pop(name, None)
     stats["exact"], stats["exactness"] = d.facts.exact, d.facts.exactness or None
-    stats["placement"] = d.facts.placement or None
+    stats["placement"] = d.placement or None
     if embedder is not None:
         stats["embeddings"] = embedder
     return stats

@@ -133,7 +133,7 @@ class Ingress:
         if spec.kind in ("embedding", "rerank"):
             assert embedder is not None and info.embedding is not None  # an embedding replica always has one
             deployment = Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
-                                    embedder=embedder)
+                                    embedder=embedder, placement=info.placement)
         else:
             template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
             text, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
@@ -142,6 +142,7 @@ class Ingress:
                                        reasoning_markers=spec.reasoning_markers)
             text.context_window = info.context_window  # the replicas' (their KV cache bounds it)
             text.facts = info.facts  # and their self-check's finding
+            text.placement = info.placement
             text.max_choices = info.max_choices
             text.fingerprint = info.fingerprint
             text.embedder = embedder

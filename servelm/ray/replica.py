@@ -61,6 +61,7 @@ class ReplicaInfo:
     max_choices: int
     embedding: EmbeddingInfo | None
     facts: ModelFacts = ModelFacts()  # its exactness, as the replica's self-check found it
+    placement: str = ""  # where the replica's model runs
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,8 @@ class ModelReplica:
         emb = d.embedder
         info = EmbeddingInfo(emb.dim, emb.vocab_size, emb.context_window, emb.cross_encoder) if emb is not None else None
         if isinstance(d, TextDeployment):
-            return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices, info, d.facts)
-        return ReplicaInfo(d.fingerprint, d.context_window, 0, info)
+            return ReplicaInfo(d.fingerprint, d.context_window, d.max_choices, info, d.facts, d.placement)
+        return ReplicaInfo(d.fingerprint, d.context_window, 0, info, placement=d.placement)
 
     def _adapters(self) -> Adapters:
         d = self._deployment

@@ -846,6 +846,7 @@ class LlamaCppEmbedder:
         if share is not None:
             model = share._model
             self.description = share.description
+            self.placement = share.placement
         elif model_path is None:
             raise ValueError("an embedder needs a model file or a runner to share")
         else:
@@ -857,6 +858,7 @@ class LlamaCppEmbedder:
                 raise RuntimeError(f"llama.cpp could not load the model file {model_path}")
             self._model = model
             self.description = Path(model_path).stem
+            self.placement = placement(model, gpu_layers, main_gpu)
         self._vocab = C.llama_model_get_vocab(model)
         self.vocab_size = int(C.llama_vocab_n_tokens(self._vocab))
         train_ctx = int(C.llama_model_n_ctx_train(model))

@@ -59,7 +59,6 @@ class ModelFacts:
     trained_context: int | None = None
     exact: bool | None = None  # None: not checked (an engine other than ours: vLLM)
     exactness: str = ""  # the self-check's words: "exact (fences: …)", or why not
-    placement: str = ""  # where its layers are: "CPU", or the GPU and how many of its layers ("": not known)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -78,6 +77,7 @@ class Deployment:
     # the most memory each part of it may take, in bytes (/health adds them up): the weights, the KV cache, the
     # step's logits rows, the grammar cache, the prefix cache's RAM tier, kept image embeddings, an embedding context
     memory: dict[str, int] = field(default_factory=dict)
+    placement: str = ""  # where its model's layers run: "CPU", or the GPU and how many of them ("": not known)
 
 
 @dataclass(eq=False, kw_only=True)

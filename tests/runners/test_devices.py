@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from servelm.config import embedded_model_path
+from servelm.config import embedded_embedding_model_path, embedded_model_path
 from servelm.runners import llamacpp
-from servelm.runners.llamacpp import Device, LlamaCppRunner, devices, gpus, placement
+from servelm.runners.llamacpp import Device, LlamaCppEmbedder, LlamaCppRunner, devices, gpus, placement
 
 pytestmark = pytest.mark.skipif(bool(gpus()), reason="these check the CPU-only case; a GPU machine has scripts/gpu_check.sh")
 
@@ -31,6 +31,17 @@ def test_a_model_loaded_here_runs_on_the_cpu_with_or_without_the_gpu_flag():
             assert r.placement == "CPU"
         finally:
             r.close()
+
+
+def test_an_embedding_model_reports_its_placement_too():
+    own = LlamaCppEmbedder(embedded_embedding_model_path(), window=64, max_seqs=2, gpu_layers=-1)
+    runner = LlamaCppRunner(embedded_model_path(), num_slots=1, context_window=64, max_step_tokens=16)
+    shared = LlamaCppEmbedder(share=runner, pooling="mean", window=64, max_seqs=2)
+    try:
+        assert own.placement == "CPU" and shared.placement == runner.placement == "CPU"
+    finally:
+        for m in (shared, own, runner):
+            m.close()
 
 
 def test_main_gpu_on_a_machine_without_one_says_so_before_loading():
