@@ -15,16 +15,17 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 _SETUP = "import faulthandler; faulthandler.enable(); import llama_cpp as C; from servelm.runners import llamacpp as L\n"
 _VARIANTS = {
     "llama.cpp alone": "C.llama_backend_init(); m = C.llama_model_load_from_file(PATH, C.llama_model_default_params())"
-                       "; print('loaded', bool(m))",
+                       "; assert m, 'not loaded'",
     "with the log callback": "L._silence_llama_logs(True); C.llama_backend_init()"
-                             "; m = C.llama_model_load_from_file(PATH, C.llama_model_default_params()); print('loaded', bool(m))",
+                             "; m = C.llama_model_load_from_file(PATH, C.llama_model_default_params()); assert m, 'not loaded'",
     "with the progress callback": "C.llama_backend_init(); p = C.llama_model_default_params()"
                                   "; p.progress_callback = cb = L._load_progress('m')"
-                                  "; m = C.llama_model_load_from_file(PATH, p); print('loaded', bool(m))",
+                                  "; m = C.llama_model_load_from_file(PATH, p); assert m, 'not loaded'",
     "the runner, no layers on the GPU": "r = L.LlamaCppRunner(PATH.decode(), gpu_layers=0, **KW); print(r.placement)",
     "the runner": "r = L.LlamaCppRunner(PATH.decode(), **KW); print(r.placement)",
     "load_exact": "r = L.load_exact(PATH.decode(), **KW); print(r.placement, r.exactness.describe())",
@@ -36,7 +37,7 @@ _VARIANTS = {
 _IMPORTS = ("", "llguidance", "jinja2", "httptools", "uvloop", "pydantic_core", "PIL.Image", "yaml", "numpy",
             "servelm.constrain.grammars", "servelm.compose", "servelm.http.app", "servelm.http.server")
 _VOCAB = "import llama_cpp as C\nC.llama_backend_init(); p = C.llama_model_default_params(); p.vocab_only = True\n" \
-         "print('loaded', bool(C.llama_model_load_from_file(PATH, p)))"
+         "assert C.llama_model_load_from_file(PATH, p), 'llama.cpp could not load it'"
 
 
 def _run(name: str, code: str, timeout: float) -> int:
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--imports", action="store_true", help="instead: a vocabulary-only load after each of several "
                     "imports, to find one that makes it fail")
     a = ap.parse_args(argv)
+    if not Path(a.model).is_file():
+        ap.error(f"no such model file: {a.model}")
     head = _SETUP + f"PATH = {a.model.encode()!r}\nKW = dict(num_slots={a.slots}, context_window={a.context}, " \
                     f"max_step_tokens={a.step}, verbose=True)\n"
     failed = 0

@@ -44,7 +44,7 @@ def listed_gpus() -> str:
     """nvidia-smi's compute capabilities, a line per GPU ("9.0"); "" where it is missing, fails or lists none."""
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30, check=False)
+                              capture_output=True, text=True, errors="replace", timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return ""
     return done.stdout if done.returncode == 0 else ""

@@ -222,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # a crash inside llama.cpp (or any native code) prints every thread's Python stack on stderr before the process
     # ends, so the log says where it happened
-    faulthandler.enable()
+    try:
+        faulthandler.enable()
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor (an embedding host's, a test's)
+        pass
     if args.command == "bench":
         from servelm.bench.cli import main as bench
 

@@ -44,6 +44,8 @@ def test_no_nvidia_smi_lists_no_gpu(monkeypatch, tmp_path):
     smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed'; exit 9\n")
     smi.chmod(0o755)
     assert mod.listed_gpus() == ""
+    smi.write_text("#!/bin/sh\nprintf '\\377\\376\\n'\n")  # bytes that are not UTF-8: no GPU, no crash
+    assert mod.cuda_args({}, mod.listed_gpus()) == []
     smi.write_text("#!/bin/sh\necho 9.0\n")
     assert mod.cuda_args({}, mod.listed_gpus()) == ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
 
