@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import NewType, Protocol
 
 from servelm.engine.types import MediaChunk as MediaChunk  # what a runner reads an image chunk as
 
 SeqKey = NewType("SeqKey", int)  # a sequence, as the engine's stages name it (engine/sequence.py's Sequence.key)
+Piece = tuple[int, int, int]  # a chunk's tokens in one micro-batch: (chunk index, first token, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,21 +143,48 @@ class StepPlan:
         return out
 
     def calls(self) -> list[list[int]]:
-        """The chunks (by index) cut into forward passes that llama.cpp's micro-batching leaves whole: runs of
-        consecutive slots whose chunks have the same length (a decode step's one-token chunks, mostly one run).
-        A pass computes each of its rows with the same kernels whatever else it holds (docs/exactness.md). An
-        image's chunk is a pass of its own, last (llama.cpp takes a batch of embeddings or of tokens, not both).
-        LoRA adapters apply to a whole pass, so chunks of different adapter sets never share one."""
+        """The chunks (by index, in slot order) cut into llama_decode calls, as few as keep every row exact: one call
+        for each set of LoRA adapters (they apply to a whole call), less any chunk whose last token would be a
+        micro-batch of its own (_lone_row), which goes in a call of its own. An image's chunk is a call of its own,
+        last (llama.cpp takes a batch of embeddings or of tokens, not both)."""
         out: list[list[int]] = []
         chunks = self.chunks
-        text = [i for i, c in enumerate(chunks) if c.media is None]
-        order = sorted(text, key=lambda i: (chunks[i].adapters, len(chunks[i].tokens) > 1, len(chunks[i].tokens),
-                                            chunks[i].slot))
-        for i in order:
-            last = out[-1][-1] if out else None
-            if last is not None and len(chunks[last].tokens) == len(chunks[i].tokens) \
-                    and chunks[last].slot + 1 == chunks[i].slot and chunks[last].adapters == chunks[i].adapters:
-                out[-1].append(i)
-            else:
-                out.append([i])
+        text = sorted((i for i, c in enumerate(chunks) if c.media is None),
+                      key=lambda i: (chunks[i].adapters, chunks[i].slot))
+        for _, group in groupby(text, key=lambda i: chunks[i].adapters):
+            call = list(group)
+            while len(call) > 1 and (lone := self._lone_row(call)) is not None:
+                call.remove(lone)
+                out.append([lone])
+            out.append(call)
         return out + [[i] for i, c in enumerate(chunks) if c.media is not None]
+
+    def micro_batches(self, call: list[int]) -> list[list[Piece]]:
+        """How llama.cpp cuts a call (chunks in slot order, one a slot) into micro-batches: its split_equal for a
+        KV stream a sequence takes, from the first sequence with tokens left, the run of consecutive sequence ids
+        with tokens left, and from each as many tokens as the shortest has left. Each micro-batch's pieces are
+        (chunk index, first token, tokens). A runner that lays a call out in this order (micro-batch by
+        micro-batch, each in slot order) gets them back as they are, its outputs in its own order. Each is
+        computed with the same kernels whatever else it holds, so a row's logits do not depend on its neighbours
+        (docs/exactness.md): a stream's rows stay below MAX_ROWS as its chunk does."""
+        slots = [self.chunks[i].slot for i in call]
+        left = [len(self.chunks[i].tokens) for i in call]
+        out: list[list[Piece]] = []
+        while any(left):
+            run = [next(j for j, n in enumerate(left) if n)]
+            while run[-1] + 1 < len(call) and left[run[-1] + 1] and slots[run[-1] + 1] == slots[run[-1]] + 1:
+                run.append(run[-1] + 1)
+            k = min(left[j] for j in run)
+            out.append([(call[j], len(self.chunks[call[j]].tokens) - left[j], k) for j in run])
+            for j in run:
+                left[j] -= k
+        return out
+
+    def _lone_row(self, call: list[int]) -> int | None:
+        """The chunk whose last token would be a micro-batch of its own, a single row of a single stream, if one is.
+        A runner keeps such a row exact by reading its previous position again beside it (the llama.cpp runner's
+        docstring), which it can only where that position is not read in the same call: a chunk of one token
+        alone in its stream's micro-batch stays, a longer chunk's last token goes with the chunk to a call of its
+        own."""
+        return next((mb[0][0] for mb in self.micro_batches(call) if len(mb) == 1 and mb[0][1] and mb[0][2] == 1),
+                    None)

@@ -101,7 +101,7 @@ def expected_kept(rate: float, k: int) -> float:
 
 
 class Speculator:
-    """Decides each step's drafts by the cost model above. `lone_row_from`: from this position on, a call that is
+    """Decides each step's drafts by the cost model above. `lone_row_from`: from this position on, a micro-batch that is
     a single row of a single sequence reads that sequence's previous position again beside it (the llama.cpp
     runner's way to keep such a row on its exact kernel), so it costs two rows, and a guess in that place costs
     hardly more than the re-read it replaces."""
@@ -111,14 +111,15 @@ class Speculator:
         self.lone_row_from = lone_row_from
 
     def cost(self, chunks: list[ScheduledChunk]) -> float:
-        """What the decode chunks cost in rows' time: each call's own cost, each token's row, and the row a lone
-        row reads again."""
-        calls = StepPlan(chunks).calls()
-        total = len(calls) * self.call_cost + sum(len(c.tokens) for c in chunks)
+        """What the decode chunks cost in rows' time: each micro-batch's own cost (a read of the weights), each
+        token's row, and the row a lone row reads again."""
+        plan = StepPlan(chunks)
+        micro = [m for call in plan.calls() for m in plan.micro_batches(call)]
+        total = len(micro) * self.call_cost + sum(len(c.tokens) for c in chunks)
         if self.lone_row_from is not None:
-            for call in calls:
-                only = chunks[call[0]]
-                if len(call) == 1 and len(only.tokens) == 1 and only.start >= self.lone_row_from and only.start:
+            for m in micro:
+                only = chunks[m[0][0]]
+                if len(m) == 1 and len(only.tokens) == 1 and only.start >= self.lone_row_from and only.start:
                     total += 1
         return total
 

@@ -598,7 +598,7 @@ class LlamaCppRunner:
         # the calls with the adapters set now go first: each change of them costs llama.cpp a graph reservation
         calls.sort(key=lambda call: (plan.chunks[call[0]].media is not None, plan.chunks[call[0]].adapters != self._applied))
         for call in calls:
-            self._decode(plan.chunks, call, first)
+            self._decode(plan, call, first)
         return self._logits[:total]
 
     def _apply(self, op: KVOp, failed: set[int]) -> None:
@@ -642,56 +642,69 @@ class LlamaCppRunner:
             C.llama_memory_seq_rm(self._mem, slot, -1, -1)
             raise RuntimeError(f"llama.cpp could not restore a saved state into sequence {slot}")
 
-    def _decode(self, chunks: list[ScheduledChunk], call: list[int], first: list[int]) -> None:
-        """One llama_decode over the chunks `call` names; their logits rows go to self._logits at their places."""
-        self._use_adapters(chunks[call[0]].adapters)
-        if chunks[call[0]].media is not None:
-            self._decode_media(chunks[call[0]], first[call[0]])
+    def _decode(self, plan: StepPlan, call: list[int], first: list[int]) -> None:
+        """One llama_decode over the chunks `call` names, laid out micro-batch by micro-batch as llama.cpp cuts it
+        (StepPlan.micro_batches), so that it cuts it so; their logits rows go to self._logits at their places."""
+        chunks = plan.chunks
+        head = chunks[call[0]]
+        self._use_adapters(head.adapters)
+        if head.media is not None:
+            self._decode_media(head, first[call[0]])
             return
-        one = len(call) == 1 and len(chunks[call[0]].tokens) == 1
         # a LoRA adapter's F32 matmuls take another kernel for a one-row call: an adapter's call has two rows always
-        pair = self.pair_rows or bool(chunks[call[0]].adapters)
-        lone = one and (pair or chunks[call[0]].start >= LONE_ROW_FROM)
-        n, places = 0, []  # places: (row in self._logits or -1 for none, rows) per run of logits rows, in batch order
-        pad_slot = -1  # a slot whose position after the call's token is a pad, dropped after the call
-        for i in call:
-            chunk = chunks[i]
-            tokens, start = chunk.tokens, chunk.start
-            rows = chunk.num_rows
-            extra = 0  # logits rows computed only to keep the call's kernels (pair_rows), not returned
-            if lone and chunk.prev_token is not None and start > 0:  # its previous position again, beside it
-                C.llama_memory_seq_rm(self._mem, chunk.slot, start - 1, -1)
-                tokens, start = (chunk.prev_token, *tokens), start - 1
-                extra = 1 if pair and rows else 0
-            elif lone and pair:  # no previous position (a sequence's first, or one after an image): a pad
-                tokens, pad_slot = (*tokens, tokens[-1]), chunk.slot
-                extra = -1 if rows else 0
-            k = len(tokens)
-            self._tok[n : n + k] = tokens
-            self._pos[n : n + k] = np.arange(start, start + k, dtype=np.int32)
-            self._seq[n : n + k] = chunk.slot
-            self._out[n : n + k] = 0
-            if rows:
-                end = n + k - (1 if extra < 0 else 0)
-                self._out[end - rows - max(extra, 0) : end + (1 if extra < 0 else 0)] = 1
-                if extra > 0:
-                    places.append((-1, 1))
-                places.append((first[i], rows))
-                if extra < 0:
-                    places.append((-1, 1))
-            n += k
-        if n > len(self._tok):
-            raise ValueError(f"a call of {n} tokens exceeds the batch of {len(self._tok)}")
-        if pair and sum(r for _, r in places) == 1:  # a second logits row, beside the only one
-            at = int(np.flatnonzero(self._out[:n])[0])  # the call has two rows or more here (a lone one got its pair)
-            self._out[at - 1 if at else at + 1] = 1
-            places.insert(0 if at else len(places), (-1, 1))
+        pair = self.pair_rows or bool(head.adapters)
+        micros = plan.micro_batches(call)
+        # lone rows (the module's docstring): micro-batches of one row of one stream, each a whole chunk (StepPlan.calls)
+        lone = [m[0][0] for m in micros if len(m) == 1 and m[0][2] == 1 and (pair or chunks[m[0][0]].start >= LONE_ROW_FROM)]
+        if len(call) > 1 and lone and sum(len(chunks[i].tokens) for i in call) + len(lone) > self.max_step_tokens:
+            rest = [i for i in call if i not in lone]
+            for part in [[i] for i in lone] + ([rest] if rest else []):  # no room to widen them here
+                self._decode(plan, part, first)
+            return
+        n = 0
+        places: list[tuple[int, int]] = []  # (row in self._logits or -1 for none, rows) per run of logits rows, in batch order
+        pads: list[tuple[int, int]] = []  # (slot, position) of pads, dropped after the call
+        for micro in micros:
+            at, mine = n, len(places)
+            for i, offset, count in micro:
+                chunk = chunks[i]
+                tokens, start, lead = chunk.tokens[offset : offset + count], chunk.start + offset, 0
+                if i in lone:
+                    if chunk.prev_token is not None and start > 0:  # its previous position again, in front
+                        C.llama_memory_seq_rm(self._mem, chunk.slot, start - 1, -1)
+                        tokens, start, lead = (chunk.prev_token, *tokens), start - 1, 1
+                    elif pair:  # none (a sequence's first, or one after an image): a pad after it
+                        tokens = (*tokens, tokens[-1])
+                        pads.append((chunk.slot, start + 1))
+                end = self._put(n, tokens, start, chunk.slot)
+                skip = len(chunk.tokens) - chunk.num_rows  # its tokens before the first with a logits row
+                lo = max(offset, skip)
+                if lo < offset + count:
+                    self._out[n + lead + lo - offset : n + lead + count] = 1
+                    places.append((first[i] + lo - skip, offset + count - lo))
+                n = end
+            if pair and sum(r for _, r in places[mine:]) == 1:  # a second logits row in the micro-batch, beside the only one
+                one = at + int(np.flatnonzero(self._out[at:n])[0])  # (a micro-batch has two rows here)
+                self._out[one - 1 if one > at else one + 1] = 1
+                places.insert(mine if one > at else len(places), (-1, 1))
         self._batch.n_tokens = n
         try:
             self._run(self._batch, places)
         finally:
-            if pad_slot >= 0:
-                C.llama_memory_seq_rm(self._mem, pad_slot, int(self._pos[n - 1]), -1)
+            for slot, pos in pads:
+                C.llama_memory_seq_rm(self._mem, slot, pos, -1)
+
+    def _put(self, n: int, tokens: tuple[int, ...], start: int, slot: int) -> int:
+        """The tokens of one stream, from position `start`, into the batch from its token n on, none an output yet;
+        returns where they end."""
+        end = n + len(tokens)
+        if end > len(self._tok):
+            raise ValueError(f"a call of {end} tokens or more exceeds the batch of {len(self._tok)}")
+        self._tok[n:end] = tokens
+        self._pos[n:end] = np.arange(start, start + len(tokens), dtype=np.int32)
+        self._seq[n:end] = slot
+        self._out[n:end] = 0
+        return end
 
     def _decode_media(self, chunk: ScheduledChunk, row: int) -> None:
         """An image's positions, their embeddings as input, in a pass of their own; a non-causal image (whole, by
