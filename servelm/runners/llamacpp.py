@@ -1,27 +1,30 @@
 """LlamaCppRunner: the only module that touches llama.cpp (through llama-cpp-python's ctypes C API).
 
 One model, one context with `num_slots` sequences, each with a KV stream of its own (a non-unified cache, as
-long as the context window) and flash attention on. Each step is a few llama_decode calls over batches whose
-buffers are numpy arrays we own, filled with vector operations. Every C pointer is created and freed here.
+long as the context window) and flash attention on. Each step is one llama_decode call where llama.cpp allows it,
+over a batch whose buffers are numpy arrays we own, filled with vector operations. Every C pointer is created and
+freed here.
 
 A sequence's logits are bitwise the same whatever shares its steps, however its prompt is chunked, and whether
 its prefix was read or copied from the cache (docs/exactness.md). ggml's CPU flash attention has three kernels: a
 row-at-a-time one, a tiled one for 64 or more query rows of a stream, and a split-KV one for a single row of a
 single stream once 512 cells are in view; they round differently. So every row is computed by the first:
 - a sequence reads at most MAX_ROWS (63) tokens a step (the scheduler keeps to it);
-- the calls are cut so that llama.cpp's own micro-batching (which puts only consecutive sequence ids with equal
-  token counts together) leaves every micro-batch as it is: one-token chunks of consecutive slots go together,
-  and so do longer chunks of consecutive slots and equal length;
-- a call that would be one row of one stream past LONE_ROW_FROM reads that sequence's previous position again
-  beside it (the cell is rewritten with the same values), so it is never a lone row.
+- a call is laid out micro-batch by micro-batch as llama.cpp's own micro-batching cuts it (from the first sequence
+  with tokens left, the run of consecutive sequence ids with tokens left, as many tokens from each as the shortest
+  has: StepPlan.micro_batches), so that every micro-batch is the one planned: decoding and prompt-reading slots
+  share a call, every stream's first row in one micro-batch, then what each prompt chunk has left;
+- a micro-batch that would be one row of one stream past LONE_ROW_FROM reads that sequence's previous position
+  again beside it (the cell is rewritten with the same values), so it is never a lone row; a chunk whose last token
+  alone would be one (its previous position read in the same call) goes in a call of its own (StepPlan.calls).
 Each stream holds one sequence, its cells in position order (a sliding-window layer's too: its cache is as long as
-the others'). Matrix products take one of several kernels by weight type and by the rows of the call
+the others'). Matrix products take one of several kernels by weight type and by the rows of the micro-batch
 (docs/exactness.md has the table); the fences that keep a row's kernel the same whatever shares its call:
 - ggml's tiled K-quant kernel (from 8 rows on) is off for the process (GGML_CPU_TILED_MM=0), so K-quant and IQ
   weights always take their row-by-row dot product;
 - `repack` False loads the weights without llama.cpp's repacked buffers (whose 4-row gemm and 1-row gemv round
   Q4_K differently);
-- `pair_rows` makes every call at least two rows, and at least two logits rows when it has any, for weights whose
+- `pair_rows` makes every micro-batch at least two rows, and at least two logits rows when it has any, for weights whose
   one-row kernel (a dot product) and several-row one (llamafile's tinyBLAS: F32, F16, BF16, IQ4_NL) round
   differently.
 runners/selfcheck.py finds which of the last two a model needs (load_exact).
@@ -62,7 +65,7 @@ MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's til
 # to 256: from position 256 on); from here on, such a row gets its previous position beside it.
 LONE_ROW_FROM = 240
 _CELL_PAD = 256
-# A llama_decode call's own cost, in rows' time: on 2 cores the default model computes a call of r rows of one stream
+# A micro-batch's own cost (each reads the weights), in rows' time: on 2 cores the default model computes a call of r rows of one stream
 # in about 4.5 + 4.0 r ms, and each step adds about 1.5 ms of the engine's own (engine/speculate.py's cost model)
 CALL_COST_ROWS = 1.5  # llama.cpp pads each stream to a multiple of this
 _quiet_logs: Any = None
