@@ -1,8 +1,8 @@
 """LocalEngine: the engine thread, its step loop, and the bridge back to asyncio.
 
 The loop runs on its own thread so HTTP stays responsive while the model computes (llama_decode
-releases the GIL). Requests and aborts arrive through an inbox; each step's outputs go back to each
-request's asyncio queue with loop.call_soon_threadsafe.
+releases the GIL). Requests and aborts arrive through an inbox; each step's outputs go back to the requests'
+asyncio queues through one loop.call_soon_threadsafe a step (a _Hop per event loop), not one per request.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
@@ -38,9 +39,44 @@ from servelm.errors import ApiError
 log = logging.getLogger("servelm.engine")
 
 
+_Item = tuple[str, "asyncio.Queue[Delivery]", Delivery]  # a delivery: the request's id, its queue, what goes in
+
+
+class _Hop:
+    """The bridge to one event loop. The engine thread leaves each step's deliveries in `pending` and wakes the loop
+    once (call_soon_threadsafe: a self-pipe write and a wake-up), unless a hand-out it asked for has not run yet,
+    which then takes them too; on the loop, the hand-out puts everything pending into its queue, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: deque[_Item] = deque()
+        self.asked = False  # a hand-out is on the loop's way
+
+    def send(self, items: list[_Item]) -> bool:
+        """On the engine thread; False when the loop is closed (nothing will take them)."""
+        self.pending.extend(items)
+        # the hand-out clears `asked` before it empties `pending`: seen set here, it has not begun, and takes these
+        if self.asked and not self.loop.is_closed():
+            return True
+        self.asked = True
+        try:
+            self.loop.call_soon_threadsafe(self._hand_out)
+        except RuntimeError:  # the loop is closed
+            self.pending.clear()
+            return False
+        return True
+
+    def _hand_out(self) -> None:
+        self.asked = False
+        pending = self.pending
+        while pending:
+            _, queue, batch = pending.popleft()
+            queue.put_nowait(batch)
+
+
 @dataclass(eq=False)
 class _Client:
-    loop: asyncio.AbstractEventLoop
+    hop: _Hop
     queue: asyncio.Queue[Delivery]
 
 
@@ -79,6 +115,7 @@ class LocalEngine:
         self._adapters: set[str] = set()  # the LoRA adapters loaded in the runner
         self._wake = threading.Event()
         self._clients: dict[str, _Client] = {}
+        self._hops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
@@ -164,7 +201,11 @@ class LocalEngine:
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
         state = self.output.prepare(request, group)
-        client = _Client(asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        hop = self._hops.get(loop)
+        if hop is None:
+            hop = self._hops[loop] = _Hop(loop)
+        client = _Client(hop, asyncio.Queue())
         self._clients[request.request_id] = client
         self._post(state)
         remaining = params.n if params.beam is not None else len(group.seqs)
@@ -321,14 +362,17 @@ class LocalEngine:
                 result.extend(self.output.process(more))
 
     def _send(self, outputs: Outputs) -> None:
+        """The step's deliveries to their requests' queues: one hop per event loop (in practice one)."""
+        by_hop: dict[_Hop, list[_Item]] = {}
         for request_id, batch in outputs.items():
             client = self._clients.get(request_id)
             if client is None:  # the client went away; its abort is on the way
                 continue
-            try:
-                client.loop.call_soon_threadsafe(client.queue.put_nowait, batch)
-            except RuntimeError:  # its event loop is closed
-                self._abort(request_id)
+            by_hop.setdefault(client.hop, []).append((request_id, client.queue, batch))
+        for hop, items in by_hop.items():
+            if not hop.send(items):  # its event loop is closed
+                for request_id, _, _ in items:
+                    self._abort(request_id)
 
     def _fail_all(self, exc: ApiError) -> None:
         groups = [*self.scheduler.running, *self.scheduler.waiting]
