@@ -13,6 +13,7 @@ import pytest
 from servelm.compose import build_deployment
 from servelm.engine.local import LocalEngine
 from servelm.http.app import create_app
+from servelm.http.limits import Drain
 from servelm.http.server import make_server
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments, TextDeployment
@@ -56,6 +57,7 @@ class FakeServer:
     engine: LocalEngine
     model: str = "fake-model"
     deployment: TextDeployment | None = None
+    drain: Drain | None = None  # the app's shutdown, for a test that cuts requests in flight
 
 
 @pytest.fixture
@@ -81,7 +83,8 @@ def fake_server_factory() -> Iterator:
                              on_start=lambda: [e.start() for e in engines],
                              on_stop=lambda: [e.stop() for e in engines], security=security, batches=batches,
                              catalog=catalog, tracing=tracing)
-            return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment)
+            return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment,
+                              drain=app.state.drain)
 
         yield start
 

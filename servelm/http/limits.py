@@ -59,12 +59,15 @@ EXIT_RESERVE_S = 2.0  # seconds of a shutdown's timeout kept for what follows th
 class Drain:
     """The server's shutdown, as requests in flight see it: once the graceful period is nearly over, `cutoff` is set
     and every stream still running ends with a `server_shutting_down` error event and `data: [DONE]` (a whole
-    answer still being made is a 503), rather than being cut off mid-body by the server's cancellation."""
+    answer still being made is a 503), rather than being cut off mid-body by the server's cancellation. A request's
+    task waiting on a step (bounded) is cancelled at the cutoff, and the cancellation turned into that error."""
 
     def __init__(self) -> None:
         self.cutoff = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self.ends_at: float | None = None  # time.monotonic() by which the whole shutdown must be over
+        self.waiting: set[asyncio.Task[Any]] = set()  # tasks awaiting a step now (bounded)
+        self.cut: set[asyncio.Task[Any]] = set()  # of those, the ones the cutoff cancelled
 
     def left(self, default: float) -> float:
         """Seconds the app's own stop may still take: what is left of the shutdown's timeout less EXIT_RESERVE_S
@@ -74,10 +77,14 @@ class Drain:
     def begin(self, seconds: float) -> None:
         """Shutdown began; requests in flight have `seconds` left (on the event loop's thread)."""
         if self._timer is None and not self.cutoff.is_set():
-            self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self.cutoff.set)
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self.cut_now)
 
-    async def wait(self) -> None:
-        await self.cutoff.wait()
+    def cut_now(self) -> None:
+        """The cutoff: every request waiting on a step is cancelled (bounded turns it into the error)."""
+        self.cutoff.set()
+        for task in self.waiting - self.cut:
+            self.cut.add(task)
+            task.cancel()
 
     @staticmethod
     def error() -> ServiceUnavailable:
@@ -217,30 +224,32 @@ async def streamed(scope: Scope, admission: Admission, chunks: AsyncGenerator[T,
 
 async def bounded(scope: Scope, step: Awaitable[T]) -> T:
     """Await one step of a request, within its deadline (RequestTimeout, 504) and the server's shutdown (503
-    server_shutting_down); the step is cancelled when either comes first."""
+    server_shutting_down); the step is cancelled when either comes first, and has ended when this raises. Awaited
+    in the request's own task (no task or wait of its own: it runs once a streamed chunk)."""
     limits = limits_of(scope)
     drain = limits.drain if limits is not None else None
-    left = remaining(scope)
-    if drain is None:
-        try:
-            return await (step if left is None else asyncio.wait_for(step, left))
-        except TimeoutError:
-            raise timed_out(scope) from None
-    if drain.cutoff.is_set():
+    task = asyncio.current_task()
+    if drain is not None and drain.cutoff.is_set():
         _close(step)
         raise drain.error()
-    task = asyncio.ensure_future(step)
-    stop = asyncio.ensure_future(drain.wait())
+    watched = drain.waiting if drain is not None and task is not None else set()
+    watched.add(task)  # type: ignore[arg-type]  # None only where nothing watches
+    timeout = asyncio.timeout(limits.remaining() if limits is not None else None)
     try:
-        done, _ = await asyncio.wait({task, stop}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
+        async with timeout:
+            return await step
+    except TimeoutError:
+        if timeout.expired():
+            raise timed_out(scope) from None
+        raise
+    except asyncio.CancelledError:
+        if drain is not None and task is not None and task in drain.cut:
+            drain.cut.discard(task)
+            if task.uncancel() == 0:  # the cutoff's alone: nothing else cancelled the task
+                raise drain.error() from None
+        raise
     finally:
-        stop.cancel()
-        if not task.done():  # cancelled, past the deadline, or cut by the shutdown: the step ends before we go on
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    raise drain.error() if stop in done else timed_out(scope)
+        watched.discard(task)
 
 
 def _close(step: Awaitable[Any]) -> None:

@@ -124,6 +124,32 @@ def test_a_stream_past_its_deadline_ends_with_an_error_event(fake_server_factory
     assert wait_idle(server) and server.runner.cells_in_use() == 0
 
 
+def test_the_shutdown_cutoff_ends_a_waiting_stream_with_an_error_event_and_a_whole_answer_with_503(
+        fake_server_factory):
+    server = fake_server_factory(step_delay=0.05, context_window=400)
+    drain = server.drain
+    whole: list[httpx.Response] = []
+    waiter = threading.Thread(target=lambda: whole.append(post(server, SLOW)))
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**SLOW, "stream": True},
+                      timeout=10) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        events = [next(line for line in lines if line.startswith("data: "))[6:]]
+        waiter.start()
+        deadline = time.monotonic() + 5
+        while len(drain.waiting) < 2 and time.monotonic() < deadline:  # both requests wait on a step
+            time.sleep(0.01)
+        task = next(iter(drain.waiting))
+        task.get_loop().call_soon_threadsafe(drain.cut_now)
+        events += [line[6:] for line in lines if line.startswith("data: ")]
+    waiter.join(10)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
+    assert wait_idle(server) and server.runner.cells_in_use() == 0
+    assert not drain.waiting and not drain.cut
+
+
 def test_a_batch_counts_as_its_size_and_is_refused_whole(fake_server_factory):
     """A batch of legacy-completion prompts takes one place per prompt: one that does not fit is refused as a
     whole (before, a 10,000-prompt batch counted as one request and locked everyone else out)."""
