@@ -9,17 +9,122 @@ constrained row (tokens it does not allow become -inf), then greedy argmax when
 temperature is 0, else temperature, top-k, top-p, min-p and a draw from the row's own RNG. Work is
 vectorized over rows where it can be; the per-row parts are O(vocab), never a full vocabulary sort
 unless top-p needs more than the first candidates.
+
+A step's whole-row passes over many large rows (greedy's argmax, the logprobs' normalizers) are shared with helper
+threads (`by_rows`): llama.cpp's threads wait between two calls, and numpy releases the GIL in its loops. Each row is
+computed by the same code whichever thread takes it, so the results are the same bit for bit.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
+from servelm.engine.clock import name_thread
 from servelm.engine.types import SamplingParams, TokenLogprob
 
 _TOP_P_CANDIDATES = 1024
+# a step's work worth sharing with helper threads, in row elements read (4 MB of float32 logits: 16 rows of a 65k
+# vocabulary, 4 of 262k); below it the hand-off (tens of microseconds) costs about what it could save
+SHARE_ELEMENTS = 1 << 20
+EXP_PASSES = 8  # a row's exact logprobs (a float64 exp of every value, its sum, the rank) cost about 8 argmax passes
+MAX_HELPERS = 3  # helper threads at most (fewer on a machine with fewer cores: one core is the engine thread's)
+HELPER_THREAD = "servelm-sample"  # the helpers' name in /proc (/metrics' servelm_thread_cpu_seconds_total)
+
+T = TypeVar("T")
+_helpers: tuple[ThreadPoolExecutor | None, int] | None = None  # the helper threads (None on one core), how many
+_helpers_lock = threading.Lock()
+_local = threading.local()  # each thread's float64 scratch row (token_logprobs)
+
+
+def _pool() -> tuple[ThreadPoolExecutor | None, int]:
+    """The helper threads, made on first use, and how many there are: a core each besides the engine thread's."""
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            count = min(MAX_HELPERS, cores - 1)
+            pool = ThreadPoolExecutor(count, thread_name_prefix=HELPER_THREAD, initializer=name_thread,
+                                      initargs=(HELPER_THREAD,)) if count > 0 else None
+            _helpers = (pool, count)
+        return _helpers
+
+
+class _Rows(Generic[T]):
+    """One call of by_rows: its rows, taken one at a time by whichever thread asks next."""
+
+    def __init__(self, n: int, fn: Callable[[int], T]) -> None:
+        self.n, self.fn = n, fn
+        self.out: list[T | None] = [None] * n
+        self.next = itertools.count()  # next() is atomic: each row goes to one thread
+        self.lock = threading.Condition()
+        self.closed = False  # the caller has stopped waiting for helpers that have not begun
+        self.active = 0  # helpers taking rows
+        self.error: BaseException | None = None
+
+    def take(self) -> None:
+        for i in self.next:
+            if i >= self.n:
+                return
+            try:
+                self.out[i] = self.fn(i)
+            except BaseException as exc:
+                self.error = self.error or exc
+                self.n = 0  # the others stop after their current row
+                return
+
+    def help(self) -> None:
+        """On a helper thread (which may wake after the caller has done every row: then it does nothing)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.active += 1
+        try:
+            self.take()
+        finally:
+            with self.lock:
+                self.active -= 1
+                self.lock.notify_all()
+
+    def join(self) -> list[T]:
+        """On the caller, once it takes no more rows: every helper that began is done (the rows are the caller's
+        again), a row's exception raised here."""
+        with self.lock:
+            self.closed = True
+            while self.active:
+                self.lock.wait()
+        if self.error is not None:
+            raise self.error
+        return self.out  # type: ignore[return-value]  # every row was done (else error is set)
+
+
+def by_rows(n: int, work: int, fn: Callable[[int], T]) -> list[T]:
+    """[fn(i) for i in range(n)], each row computed once; when the work (in row elements read) is at least
+    SHARE_ELEMENTS, helper threads take rows too, as they wake (a helper that wakes late takes fewer: never slower
+    than alone, by more than the hand-off)."""
+    pool, helpers = _pool() if n > 1 and work >= SHARE_ELEMENTS else (None, 0)
+    if pool is None:  # little work, or one core
+        return [fn(i) for i in range(n)]
+    rows = _Rows(n, fn)
+    for _ in range(min(helpers, n - 1)):
+        pool.submit(rows.help)
+    rows.take()  # (a row's exception stops the rows, and join raises it)
+    return rows.join()
+
+
+def argmax_rows(rows: np.ndarray) -> np.ndarray:
+    """np.argmax(rows, axis=1), shared with helper threads when the rows are many and large."""
+    n, width = rows.shape
+    if n < 2 or n * width < SHARE_ELEMENTS:
+        return np.asarray(np.argmax(rows, axis=1))
+    return np.asarray(by_rows(n, n * width, lambda i: np.argmax(rows[i])), dtype=np.intp)
 
 
 @dataclass(eq=False)
@@ -158,9 +263,9 @@ def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     out = np.empty(rows, dtype=np.int64)
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.all():  # the common case: no second copy of the rows
-        return np.asarray(np.argmax(logits, axis=1))
+        return argmax_rows(logits)
     if greedy.any():
-        out[greedy] = np.argmax(logits[greedy], axis=1)
+        out[greedy] = argmax_rows(logits[greedy])
     plain = np.fromiter((_plain(st.params) for st in states), dtype=bool, count=rows) & ~greedy
     if plain.any():
         out[plain] = _sample_plain(logits[plain], [states[r] for r in np.flatnonzero(plain)])
@@ -197,18 +302,27 @@ def token_logprobs(rows: np.ndarray, which: list[int], tokens: list[int], ks: li
     ks[i] is how many alternatives row i reports; None: the row only ranks best_of samples, so its entry
     holds the token's logprob alone (float32, no rank, no copy of the row in float64).
     """
-    scratch = np.empty(rows.shape[1], dtype=np.float64) if any(k is not None for k in ks) else None
-    out = []
-    for r, token, k in zip(which, tokens, ks):
-        row = rows[r]
+    width = rows.shape[1]
+
+    def entry(i: int) -> TokenLogprob:
+        row, token, k = rows[which[i]], tokens[i], ks[i]
         if k is None:
             m = row.max(keepdims=True)
             lse = m + np.log(np.exp(row - m).sum(keepdims=True))
-            out.append(TokenLogprob(token, float(row[token] - lse[0])))
-        else:
-            assert scratch is not None
-            out.append(_entry(row, token, k, scratch))
-    return out
+            return TokenLogprob(token, float(row[token] - lse[0]))
+        return _entry(row, token, k, _scratch(width))
+
+    full = sum(k is not None for k in ks)
+    return by_rows(len(which), full * width * EXP_PASSES, entry)
+
+
+def _scratch(width: int) -> np.ndarray:
+    """The calling thread's float64 scratch row of `width` values, kept from step to step (a fresh one would fault in
+    its pages every step: 2 MB for 262k values)."""
+    scratch: np.ndarray | None = getattr(_local, "scratch", None)
+    if scratch is None or scratch.shape[0] != width:
+        scratch = _local.scratch = np.empty(width, dtype=np.float64)
+    return scratch
 
 
 def _entry(row: np.ndarray, token: int, k: int, scratch: np.ndarray) -> TokenLogprob:
