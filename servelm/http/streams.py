@@ -43,15 +43,15 @@ def named_sse(error_event: Callable[[ApiError, int], dict[str, Any]]) -> Framing
     return Framing("text/event-stream", _sse, named=True, error_event=error_event)
 
 
-async def frames(chunks: AsyncIterator[BaseModel], framing: Framing) -> AsyncGenerator[bytes, None]:
-    """The chunks framed; an error once the answer has begun travels in the stream, in the error envelope (or the
+async def frames(chunks: AsyncIterator[BaseModel | bytes], framing: Framing) -> AsyncGenerator[bytes, None]:
+    """The chunks (models, or JSON a service wrote itself) framed; an error once the answer has begun travels in the stream, in the error envelope (or the
     framing's own error event)."""
     sent = 0
     cpu = STREAM_CPU_SECONDS
     try:
         async for chunk in chunks:
             start = time.thread_time()
-            data = chunk.model_dump_json(exclude_unset=True).encode()
+            data = chunk if isinstance(chunk, bytes) else chunk.model_dump_json(exclude_unset=True).encode()
             if framing.named and isinstance(chunk, NamedEvent):
                 data = f"event: {chunk.type}\n".encode() + b"data: " + data + b"\n\n"
             else:

@@ -104,7 +104,7 @@ class MessagesService:
         stop: str | int | None = None
         usage: Usage | None = None
         timings = None
-        async for chunk in self.chat.stream(p.chat):
+        async for chunk in self.chat.chunks(p.chat):
             usage = chunk.usage or usage
             timings = (chunk.model_extra or {}).get("timings", timings)
             for choice in chunk.choices:

@@ -80,6 +80,6 @@ class GeneratingService(Protocol[Req, P]):
         """Run it to the end: one answer."""
         ...
 
-    def stream(self, p: P) -> AsyncGenerator[BaseModel, None]:
-        """Run it, a chunk at a time."""
+    def stream(self, p: P) -> AsyncGenerator[BaseModel | bytes, None]:
+        """Run it, a chunk at a time (a chunk the service wrote as JSON itself comes as bytes)."""
         ...

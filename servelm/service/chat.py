@@ -180,7 +180,30 @@ class ChatService:
             return None
         return chat_logprobs(entries or [], p.deployment.vocab.token_bytes)
 
-    async def stream(self, p: PreparedChat) -> AsyncGenerator[ChatCompletionChunk, None]:
+    def stream(self, p: PreparedChat) -> AsyncGenerator[ChatCompletionChunk | bytes, None]:
+        """The answer's chunks for the wire: a chunk that only adds text to a choice comes as its JSON already
+        (made from a template, byte for byte what the model would serialize to), the others as models."""
+        return self._chunks(p, encoded=True)
+
+    def chunks(self, p: PreparedChat) -> AsyncGenerator[ChatCompletionChunk, None]:
+        """The answer's chunks, every one a model (for the APIs that read them: Responses, Messages)."""
+        return self._chunks(p, encoded=False)  # type: ignore[return-value]  # no bytes when not encoded
+
+    async def _chunks(self, p: PreparedChat, encoded: bool) -> AsyncGenerator[ChatCompletionChunk | bytes, None]:
+        templates: dict[int, tuple[bytes, bytes]] = {}  # choice index → its text chunk's JSON around the text
+
+        def text_chunk(index: int, text: str) -> bytes:
+            start = time.thread_time()
+            template = templates.get(index)
+            if template is None:
+                sample = chunk([ChunkChoice(index=index, delta=Delta(content=_MARK), logprobs=None, finish_reason=None)])
+                before, after = sample.model_dump_json(exclude_unset=True).encode().split(_MARK_JSON)
+                template = templates[index] = before, after
+            # json.dumps escapes a str exactly as pydantic-core does (tests/protocol/test_chunk_templates.py)
+            made = template[0] + json.dumps(text, ensure_ascii=False).encode() + template[1]
+            STREAM_CPU_SECONDS["serialize"] += time.thread_time() - start
+            return made
+
         def chunk(choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
             start = time.thread_time()
             extra = {"usage": None} if p.include_usage else {}
@@ -210,10 +233,15 @@ class ChatService:
         collector = Collector(params)
         live = streams_live(params)
         watch = streams[0] if _stops_on_repeat(p) else None
+        # a chunk of text alone can come from its template: no tool calls or thoughts to parse, no filter results
+        plain = encoded and live and p.tools is None and p.reasoning is None and p.screening is None
         async with aclosing(generate(p.deployment.engine, p.generation, p.screening)) as outputs:
             async for out in outputs:
                 collector.add(out)
-                if live:
+                if plain and not out.logprobs and out.finish_reason is None:  # text alone: the hot path
+                    if out.text:
+                        yield text_chunk(out.index, out.text)
+                elif live:
                     for c in self._chunk_choices(p, out.index, streams[out.index], thoughts[out.index], out.text,
                                                  out.logprobs, out):
                         yield chunk([c])
@@ -286,6 +314,10 @@ def prompt_texts(req: ChatCompletionRequest, rendered: str = "") -> list[PromptT
         texts.append(PromptText("messages", "prompt", rendered))
     return texts
 
+
+
+_MARK = "servelm:text-of-the-chunk"  # a text chunk's template is a chunk with this as its text, cut around it
+_MARK_JSON = json.dumps(_MARK).encode()
 
 
 def _stops_on_repeat(p: PreparedChat) -> bool:

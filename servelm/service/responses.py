@@ -132,7 +132,7 @@ class ResponsesService:
         yield events.make("response.in_progress", response=shell)
         finish: str | None = None
         last: ChatCompletionChunk | None = None
-        async for chunk in self.chat.stream(p.chat):
+        async for chunk in self.chat.chunks(p.chat):
             last = chunk
             for choice in chunk.choices:
                 for event in events.delta(choice.delta, choice.logprobs):
