@@ -259,11 +259,11 @@ def restore(logits: np.ndarray, undo: Undo) -> None:
 
 def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     """Greedy argmax, or temperature, top-k, top-p and min-p and a draw, for processed rows."""
+    if all(st.params.greedy for st in states):  # the common case: no second copy of the rows
+        return argmax_rows(logits)
     rows = logits.shape[0]
     out = np.empty(rows, dtype=np.int64)
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
-    if greedy.all():  # the common case: no second copy of the rows
-        return argmax_rows(logits)
     if greedy.any():
         out[greedy] = argmax_rows(logits[greedy])
     plain = np.fromiter((_plain(st.params) for st in states), dtype=bool, count=rows) & ~greedy

@@ -71,6 +71,8 @@ class Drafter:
                 if e >= n:
                     index[tuple(history[e - n : e])] = e
         self.upto = max(self.upto, end - 1)
+        if end < 2 or (history[end - 1],) not in index:  # every n-gram indexed has its last token indexed alone
+            return []
         for n in NGRAMS:
             if end > n:
                 at = index.get(tuple(history[end - n :]))
