@@ -197,7 +197,8 @@ class ChatService:
             template = templates.get(index)
             if template is None:
                 sample = chunk([ChunkChoice(index=index, delta=Delta(content=_MARK), logprobs=None, finish_reason=None)])
-                before, after = sample.model_dump_json(exclude_unset=True).encode().split(_MARK_JSON)
+                # the last place it stands: only `usage` (null) follows the choices, and a model's name may hold it
+                before, _, after = sample.model_dump_json(exclude_unset=True).encode().rpartition(_MARK_JSON)
                 template = templates[index] = before, after
             # json.dumps escapes a str exactly as pydantic-core does (tests/protocol/test_chunk_templates.py)
             made = template[0] + json.dumps(text, ensure_ascii=False).encode() + template[1]

@@ -36,9 +36,10 @@ def test_every_streamed_chunk_is_what_its_model_serializes_to(fake_server, extra
         assert ChatCompletionChunk.model_validate_json(frame).model_dump_json(exclude_unset=True) == frame
 
 
+@pytest.mark.parametrize("name", ["a \"model\" é", "servelm:text-of-the-chunk"])  # the second: the template's mark
 @pytest.mark.parametrize("extra", [{}, {"stream_options": {"include_usage": True}}, {"n": 3}])
-def test_the_wire_stream_is_the_model_stream_serialized(extra):
-    deployment, engine = build_deployment("a \"model\" é", FakeRunner(context_window=256), prefix_cache=False)
+def test_the_wire_stream_is_the_model_stream_serialized(extra, name):
+    deployment, engine = build_deployment(name, FakeRunner(context_window=256), prefix_cache=False)
     service = ChatService(Deployments([deployment]))
     req = ChatCompletionRequest(model=deployment.name, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
                                 stream=True, temperature=1.0, seed=11, **extra)
