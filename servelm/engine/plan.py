@@ -167,18 +167,24 @@ class StepPlan:
         micro-batch, each in slot order) gets them back as they are, its outputs in its own order. Each is
         computed with the same kernels whatever else it holds, so a row's logits do not depend on its neighbours
         (docs/exactness.md): a stream's rows stay below MAX_ROWS as its chunk does."""
-        slots = [self.chunks[i].slot for i in call]
-        left = [len(self.chunks[i].tokens) for i in call]
+        chunks = self.chunks
+        slots = [chunks[i].slot for i in call]
+        sizes = [len(chunks[i].tokens) for i in call]
+        left = list(sizes)
         out: list[list[Piece]] = []
-        while any(left):
-            run = [next(j for j, n in enumerate(left) if n)]
-            while run[-1] + 1 < len(call) and left[run[-1] + 1] and slots[run[-1] + 1] == slots[run[-1]] + 1:
-                run.append(run[-1] + 1)
-            k = min(left[j] for j in run)
-            out.append([(call[j], len(self.chunks[call[j]].tokens) - left[j], k) for j in run])
-            for j in run:
+        first, n = 0, len(call)
+        while True:
+            while first < n and not left[first]:  # the ones before it have no tokens left, and never again
+                first += 1
+            if first == n:
+                return out
+            end = first + 1  # the run: [first, end)
+            while end < n and left[end] and slots[end] == slots[end - 1] + 1:
+                end += 1
+            k = min(left[first:end])
+            out.append([(call[j], sizes[j] - left[j], k) for j in range(first, end)])
+            for j in range(first, end):
                 left[j] -= k
-        return out
 
     def _lone_row(self, call: list[int]) -> int | None:
         """The chunk whose last token would be a micro-batch of its own, a single row of a single stream, if one is.
