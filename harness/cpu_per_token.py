@@ -9,7 +9,8 @@ so that a busy machine stalls no barrier of the pass: the figures are the server
 chats at each level of streams (temperature 0, max_tokens fixed by banning the model's end tokens with logit_bias), and reads
 /metrics before and after each level. Per generated token it reports, in ms: each phase of the engine thread
 (`servelm_engine_phase_seconds_total`: wall time, which is CPU time on a quiet machine), the engine thread's CPU time
-and the part of it outside the model's pass (less its decode and runner phases), and the event loop thread's CPU time
+and the part of it outside the model's pass (less its decode and runner phases), the CPU time of the threads that share
+a step's whole-row sampling passes with it (servelm-sample), and the event loop thread's CPU time
 with its parts in the streams' chunks (`servelm_stream_cpu_seconds_total`: serialize, write; `rest`: the hop from the
 engine, the service layers, HTTP). `sample+logprobs a step` is the figure of Gemma 3's large vocabulary.
 """
@@ -31,6 +32,7 @@ from harness import models, procfs, servers
 from servelm.bench.loadgen import RequestSpec, run_level
 from servelm.bench.workloads import named
 from servelm.engine.clock import PHASES
+from servelm.engine.sampling import HELPER_THREAD
 
 # the engine's own phases outside the model's pass (decode, runner) and its waits (idle)
 OWN_PHASES = tuple(p for p in PHASES if p not in ("decode", "runner", "idle"))
@@ -68,6 +70,7 @@ def per_token(delta: dict[str, float]) -> dict[str, float]:
     ms["engine thread CPU"] = 1000 * engine / tokens
     ms["engine thread CPU outside the pass"] = 1000 * max(
         0.0, engine - delta.get("phase:decode", 0.0) - delta.get("phase:runner", 0.0)) / tokens
+    ms["sampling helper threads CPU"] = 1000 * delta.get(f"thread:{HELPER_THREAD}", 0.0) / tokens
     loop = delta.get("thread:event_loop", 0.0)
     serialize, write = delta.get("stream:serialize", 0.0), delta.get("stream:write", 0.0)
     ms["event loop CPU"] = 1000 * loop / tokens
