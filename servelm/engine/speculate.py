@@ -36,6 +36,7 @@ MAX_DRAFT = 16  # guesses one sequence reads in a step at most
 PRIOR = 0.5  # a new sequence's rate of kept guesses
 LEARN = 0.15  # weight of one verified position in the moving rate
 DRIFT = 0.01  # per step without a draft, the rate moves this much of the way back to PRIOR
+COST_CACHE = 4096  # step shapes whose cost is kept (a few steps' worth of drafting decisions); emptied when full
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,18 +112,31 @@ class Speculator:
     def __init__(self, call_cost_rows: float, lone_row_from: int | None = None) -> None:
         self.call_cost = call_cost_rows
         self.lone_row_from = lone_row_from
+        self._costs: dict[tuple[tuple[object, ...], ...], float] = {}  # cost() by the chunks' shape
+
+    def _rereads(self, chunk: ScheduledChunk) -> bool:
+        """Whether the chunk's token, as a lone row, is read with its previous position (lone_row_from)."""
+        return self.lone_row_from is not None and chunk.start >= self.lone_row_from and chunk.start > 0
 
     def cost(self, chunks: list[ScheduledChunk]) -> float:
         """What the decode chunks cost in rows' time: each micro-batch's own cost (a read of the weights), each
-        token's row, and the row a lone row reads again."""
+        token's row, and the row a lone row reads again. Kept by the step's shape (all it depends on): a step's
+        drafting decisions ask for the same shapes again and again."""
+        shape = tuple((c.slot, len(c.tokens), c.adapters, c.media is None, self._rereads(c)) for c in chunks)
+        cost = self._costs.get(shape)
+        if cost is None:
+            if len(self._costs) >= COST_CACHE:
+                self._costs.clear()
+            cost = self._costs[shape] = self._cost(chunks)
+        return cost
+
+    def _cost(self, chunks: list[ScheduledChunk]) -> float:
         plan = StepPlan(chunks)
         micro = [m for call in plan.calls() for m in plan.micro_batches(call)]
         total = len(micro) * self.call_cost + sum(len(c.tokens) for c in chunks)
-        if self.lone_row_from is not None:
-            for m in micro:
-                only = chunks[m[0][0]]
-                if len(m) == 1 and len(only.tokens) == 1 and only.start >= self.lone_row_from and only.start:
-                    total += 1
+        for m in micro:
+            if len(m) == 1 and len(chunks[m[0][0]].tokens) == 1 and self._rereads(chunks[m[0][0]]):
+                total += 1
         return total
 
     def draft(self, plan: StepPlan, budget: int, max_rows: int, candidates: Mapping[int, Candidate]) -> int:

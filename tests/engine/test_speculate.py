@@ -4,11 +4,12 @@ the engine over the fake runner (which checks every KV operation: a failed guess
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
 from servelm.engine.local import LocalEngine
-from servelm.engine.plan import Keep, ScheduledChunk, StepPlan
+from servelm.engine.plan import Keep, ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.sequence import SeqStatus, SequenceGroup
 from servelm.engine.speculate import PRIOR, Candidate, Drafter, Speculator, expected_kept
 from servelm.engine.types import GenerationRequest, SamplingParams
@@ -221,3 +222,15 @@ async def test_speculation_off_reads_one_token_a_step():
         assert eng.stats().draft_tokens == 0
     finally:
         eng.stop()
+
+
+def test_a_kept_cost_is_the_cost_of_its_shape():
+    """Speculator.cost keeps costs by the chunks' shape: whatever chunks share it, the cost is theirs."""
+    rng = random.Random(1)
+    kept = Speculator(1.5, 64)
+    for _ in range(3000):
+        slots = sorted(rng.sample(range(12), rng.randint(1, 10)))
+        chunks = [ScheduledChunk(SeqKey(i), s, rng.choice([0, 10, 63, 64, 100]), (5,) * rng.choice([1, 1, 2, 3]), 4,
+                                 samplers=(SeqKey(i),), adapters=rng.choice([(), (("a", 1.0),)]))
+                  for i, s in enumerate(slots)]
+        assert kept.cost(chunks) == Speculator(1.5, 64).cost(chunks)
