@@ -2,10 +2,7 @@
 
 The loop runs on its own thread so HTTP stays responsive while the model computes (llama_decode
 releases the GIL). Requests and aborts arrive through an inbox; each step's outputs go back to the requests'
-asyncio queues through one loop.call_soon_threadsafe a step (a _Hop per event loop), not one per request. They go
-once the next step is planned, right before its forward pass (or as soon as there is none): the event loop's work on
-them (the services, the chunks, the socket) then runs while llama_decode has let the GIL go, instead of holding up
-the engine's planning of the next step.
+asyncio queues through one loop.call_soon_threadsafe a step (a _Hop per event loop), not one per request.
 """
 
 from __future__ import annotations
@@ -118,7 +115,6 @@ class LocalEngine:
         self._adapters: set[str] = set()  # the LoRA adapters loaded in the runner
         self._wake = threading.Event()
         self._clients: dict[str, _Client] = {}
-        self._outbox: Outputs = {}  # the last step's outputs, sent before the next forward pass (_flush)
         self._hops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hop] = weakref.WeakKeyDictionary()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -259,7 +255,6 @@ class LocalEngine:
         while not self._stopping:
             self._drain_inbox()
             if not self.scheduler.has_unfinished():
-                self._flush()
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -268,7 +263,6 @@ class LocalEngine:
             except Exception as exc:  # the forward pass itself (every request's), or a bug outside any one request
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(EngineError(f"the engine failed: {exc}"))
-        self._flush()
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -298,7 +292,6 @@ class LocalEngine:
         with clock.phase("loop"):
             plan = self.scheduler.schedule()
             if not plan.has_work:  # waiting requests that do not fit yet: let the inbox bring news
-                self._flush()
                 with clock.phase("idle"):
                     self._wake.wait(0.005)
                     self._wake.clear()
@@ -312,7 +305,8 @@ class LocalEngine:
             self._verify(plan, logits, sampled, result)
             for group in self.scheduler.update(plan, sampled, result):
                 self.output.forget(group)
-            self._outbox = result.outputs  # sent before the next forward pass, or when there is none
+            with clock.phase("send"):
+                self._send(result.outputs)
             took = time.perf_counter() - start
             self.step_seconds += took
             if self.pacer is not None:
@@ -338,7 +332,6 @@ class LocalEngine:
         saved state the model refuses is its request's alone, and not even a failure: the step's KV operations are
         done by then, and its other chunks are read again without it (Scheduler.update has that request read its
         prompt instead)."""
-        self._flush()
         forward = time.perf_counter()
         decoding = self.runner.decode_seconds
         with self.clock.phase("runner"):
@@ -368,18 +361,8 @@ class LocalEngine:
             with self.clock.phase("output"):
                 result.extend(self.output.process(more))
 
-    def _flush(self) -> None:
-        """The last step's outputs to the event loops."""
-        if self._outbox:
-            outbox, self._outbox = self._outbox, {}
-            with self.clock.phase("send"):
-                self._send(outbox)
-
     def _send(self, outputs: Outputs) -> None:
-        """Deliveries to their requests' queues, after the last step's outputs: one hop per event loop (in practice
-        one). A request whose event loop is closed is aborted between two steps (this may run in the middle of
-        one)."""
-        self._flush()
+        """The step's deliveries to their requests' queues: one hop per event loop (in practice one)."""
         by_hop: dict[_Hop, list[_Item]] = {}
         for request_id, batch in outputs.items():
             client = self._clients.get(request_id)
@@ -389,7 +372,7 @@ class LocalEngine:
         for hop, items in by_hop.items():
             if not hop.send(items):  # its event loop is closed
                 for request_id, _, _ in items:
-                    self._inbox.append(request_id)
+                    self._abort(request_id)
 
     def _fail_all(self, exc: ApiError) -> None:
         groups = [*self.scheduler.running, *self.scheduler.waiting]
