@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -57,66 +57,49 @@ def _pool() -> tuple[ThreadPoolExecutor | None, int]:
         return _helpers
 
 
+_MISSING: Any = object()  # a row no thread has finished
+
+
 class _Rows(Generic[T]):
     """One call of by_rows: its rows, taken one at a time by whichever thread asks next."""
 
     def __init__(self, n: int, fn: Callable[[int], T]) -> None:
         self.n, self.fn = n, fn
-        self.out: list[T | None] = [None] * n
+        self.out: list[T] = [_MISSING] * n
         self.next = itertools.count()  # next() is atomic: each row goes to one thread
-        self.lock = threading.Condition()
-        self.closed = False  # the caller has stopped waiting for helpers that have not begun
-        self.active = 0  # helpers taking rows
-        self.error: BaseException | None = None
 
     def take(self) -> None:
         for i in self.next:
             if i >= self.n:
                 return
-            try:
-                self.out[i] = self.fn(i)
-            except BaseException as exc:
-                self.error = self.error or exc
-                self.n = 0  # the others stop after their current row
-                return
+            self.out[i] = self.fn(i)
 
     def help(self) -> None:
-        """On a helper thread (which may wake after the caller has done every row: then it does nothing)."""
-        with self.lock:
-            if self.closed:
-                return
-            self.active += 1
+        """On a helper thread. Its exception is dropped: the caller computes that row again, and raises it."""
         try:
             self.take()
-        finally:
-            with self.lock:
-                self.active -= 1
-                self.lock.notify_all()
-
-    def join(self) -> list[T]:
-        """On the caller, once it takes no more rows: every helper that began is done (the rows are the caller's
-        again), a row's exception raised here."""
-        with self.lock:
-            self.closed = True
-            while self.active:
-                self.lock.wait()
-        if self.error is not None:
-            raise self.error
-        return self.out  # type: ignore[return-value]  # every row was done (else error is set)
+        except Exception:  # noqa: BLE001 - the caller's to raise, from its own computation of the row
+            pass
 
 
 def by_rows(n: int, work: int, fn: Callable[[int], T]) -> list[T]:
-    """[fn(i) for i in range(n)], each row computed once; when the work (in row elements read) is at least
-    SHARE_ELEMENTS, helper threads take rows too, as they wake (a helper that wakes late takes fewer: never slower
-    than alone, by more than the hand-off)."""
+    """[fn(i) for i in range(n)]; when the work (in row elements read) is at least SHARE_ELEMENTS, helper threads
+    take rows too, as they wake. The caller never waits for them: once no row is left to take, it computes again any
+    row a helper has not finished (the same result, bit for bit), so a helper that wakes late or is preempted costs
+    at most the rows it holds. fn must only read what it shares (a late helper may still read the rows; its result
+    goes nowhere)."""
     pool, helpers = _pool() if n > 1 and work >= SHARE_ELEMENTS else (None, 0)
     if pool is None:  # little work, or one core
         return [fn(i) for i in range(n)]
     rows = _Rows(n, fn)
     for _ in range(min(helpers, n - 1)):
         pool.submit(rows.help)
-    rows.take()  # (a row's exception stops the rows, and join raises it)
-    return rows.join()
+    rows.take()
+    out = list(rows.out)  # a copy: a late helper writes into rows.out only
+    for i, value in enumerate(out):
+        if value is _MISSING:
+            out[i] = fn(i)
+    return out
 
 
 def argmax_rows(rows: np.ndarray) -> np.ndarray:

@@ -1,5 +1,5 @@
 """A step's whole-row passes shared with helper threads (engine/sampling.py by_rows): the same results, bit for bit,
-as one thread's, each row computed once, a row's exception raised to the caller once every row is let go."""
+as one thread's, a row's exception raised to the caller, and no wait for a helper that stalls."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_shared_argmax_is_numpys_with_ties_infinities_and_nan() -> None:
         assert got.dtype == np.intp and got.tolist() == np.argmax(rows, axis=1).tolist()
 
 
-def test_every_row_is_computed_once_in_order() -> None:
+def test_every_row_is_computed_in_order() -> None:
     seen: list[int] = []
     lock = threading.Lock()
 
@@ -36,28 +36,34 @@ def test_every_row_is_computed_once_in_order() -> None:
         return i * i
 
     assert by_rows(40, sampling.SHARE_ELEMENTS, fn) == [i * i for i in range(40)]
-    assert sorted(seen) == list(range(40))
+    assert set(seen) == set(range(40))
 
 
-def test_a_rows_exception_reaches_the_caller_once_no_row_runs() -> None:
-    running = [0]
-    lock = threading.Lock()
-
+def test_a_rows_exception_reaches_the_caller() -> None:
     def fn(i: int) -> int:
-        with lock:
-            running[0] += 1
-        try:
-            if i == 7:
-                raise ValueError("row 7")
-            np.argmax(np.ones(200_000, dtype=np.float32))  # some work, the GIL let go
-            return i
-        finally:
-            with lock:
-                running[0] -= 1
+        if i == 7:
+            raise ValueError("row 7")
+        np.argmax(np.ones(200_000, dtype=np.float32))  # some work, the GIL let go
+        return i
 
     with pytest.raises(ValueError, match="row 7"):
         by_rows(64, sampling.SHARE_ELEMENTS, fn)
-    assert running[0] == 0, "no helper still reads a row when the caller goes on"
+
+
+def test_a_stalled_helper_does_not_hold_the_caller_up() -> None:
+    """A helper preempted in the middle of a row (here: blocked) costs the caller that row, computed again, not a
+    wait; what the helper writes later goes nowhere."""
+    caller, release = threading.get_ident(), threading.Event()
+
+    def fn(i: int) -> int:
+        if threading.get_ident() != caller:
+            release.wait(5)
+        return i + 1
+
+    try:
+        assert by_rows(16, sampling.SHARE_ELEMENTS, fn) == list(range(1, 17))
+    finally:
+        release.set()
 
 
 def test_small_work_stays_on_the_calling_thread() -> None:
