@@ -303,7 +303,8 @@ async def run_interleaved(specs: list[servers.ServerSpec], workloads: list[Workl
                           log_dir: Path, runs: list[ServerRun]) -> None:
     """--rounds N: every server up at once, each workload run on each in turn, N rounds (fresh prompts each round,
     the same for every server), so that the machine's drift from minute to minute falls on all of them alike. A
-    server's figures are the median round's (by output tokens/s); `rounds` keeps them all."""
+    server's figures are the median round's, or with --pick best its best (by output tokens/s); `rounds` keeps them
+    all."""
     procs = [servers.ServerProcess(spec, log_dir / f"{spec.name}.log") for spec in specs]
     ban = tuple(args.ban_eos)
     try:
@@ -327,7 +328,8 @@ async def run_interleaved(specs: list[servers.ServerSpec], workloads: list[Workl
             for run in runs:
                 done = run.rounds.get(w.name)
                 if done:
-                    run.levels[w.name] = sorted(done, key=lambda lv: lv.output_tok_s)[len(done) // 2]
+                    ranked = sorted(done, key=lambda lv: lv.output_tok_s)
+                    run.levels[w.name] = ranked[-1] if args.pick == "best" else ranked[len(done) // 2]
     except RuntimeError as exc:
         for run in runs:
             run.error = run.error or str(exc)
@@ -602,6 +604,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every server at once and each workload N times on each, alternating, with fresh "
                    "prompts each round; report the median round (chat workloads only)")
+    p.add_argument("--pick", choices=("median", "best"), default="median",
+                   help="with --rounds: report each server's median round, or its best (by output tokens/s)")
     p.add_argument("--footing", choices=FOOTINGS, default="both",
                    help="equal: llama-server with as many slots as each workload's streams, servelm on its defaults; "
                    "defaults: each chat server on its own defaults (the model, the port and --threads only); both "
