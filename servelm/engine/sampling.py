@@ -92,8 +92,11 @@ def by_rows(n: int, work: int, fn: Callable[[int], T]) -> list[T]:
     if pool is None:  # little work, or one core
         return [fn(i) for i in range(n)]
     rows = _Rows(n, fn)
-    for _ in range(min(helpers, n - 1)):
-        pool.submit(rows.help)
+    try:
+        for _ in range(min(helpers, n - 1)):
+            pool.submit(rows.help)
+    except RuntimeError:  # the interpreter is shutting down: the caller takes every row
+        pass
     rows.take()
     out = list(rows.out)  # a copy: a late helper writes into rows.out only
     for i, value in enumerate(out):
