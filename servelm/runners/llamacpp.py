@@ -27,7 +27,13 @@ the others'). Matrix products take one of several kernels by weight type and by 
 - `pair_rows` makes every micro-batch at least two rows, and at least two logits rows when it has any, for weights whose
   one-row kernel (a dot product) and several-row one (llamafile's tinyBLAS: F32, F16, BF16, IQ4_NL) round
   differently.
-runners/selfcheck.py finds which of the last two a model needs (load_exact).
+Or by shape (a Fence's rows rule): the fast kernels kept, every micro-batch's rows and logits rows made a count that
+takes one path: repacked Q4_K in rows by 4 (its gemm takes rows in groups of 4, its gemv the rest; a micro-batch of
+a multiple of 4 is all gemm), and with the tiled kernel on (GGML_CPU_TILED_MM=1) 8 rows or more. Each stream of a
+micro-batch that breaks the rule gets as many pads after its last row (its last token again, at the positions
+after, dropped after the call), so llama.cpp cuts the same micro-batch; a chunk with rows after such a micro-batch
+goes in a call of its own; the logits rows the rule lacks are asked of the micro-batch's other rows and dropped.
+runners/selfcheck.py finds which fence a model needs, the cheapest of FENCES that passes (load_exact).
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ from typing import Any
 
 # ggml's tiled K-quant matmul (from 8 rows a call on) rounds otherwise than the row-by-row dot product it replaces,
 # so a row's logits would depend on how many rows share its call: off for the whole process, before any matmul
-# runs (ggml reads it once). A user who sets it otherwise gets a model the self-check reports inexact.
+# runs (ggml reads it once). GGML_CPU_TILED_MM=1 keeps it on for the process: K-quant text models are then fenced by
+# shape instead (every micro-batch 8 rows or more), and K-quant embedding models are not fenced (docs/operations.md).
 os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 
 import llama_cpp as C  # noqa: E402
@@ -56,6 +63,11 @@ from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
 from servelm.gguf_header import open_regular
 from servelm.runners.media import Projector
 from servelm.runners.selfcheck import check_exactness
+
+if os.environ["GGML_CPU_TILED_MM"] not in ("0", "1"):
+    raise ValueError(f"GGML_CPU_TILED_MM={os.environ['GGML_CPU_TILED_MM']!r}: 0 (servelm's default: ggml's tiled K-quant "
+                     "kernel off) or 1 (on, K-quant models fenced by shape)")
+TILED_MM = os.environ["GGML_CPU_TILED_MM"] == "1"  # as ggml reads it, once, for the whole process
 
 _LOG_LEVEL_WARN = 3
 # the KV cache's types: ggml's type, and its block (values, bytes): q8_0 is 32 int8 and a float16 scale
@@ -68,6 +80,51 @@ _CELL_PAD = 256
 # A micro-batch's own cost (each reads the weights), in rows' time: on 2 cores the default model computes a call of r rows of one stream
 # in about 4.5 + 4.0 r ms, and each step adds about 1.5 ms of the engine's own (engine/speculate.py's cost model)
 CALL_COST_ROWS = 1.5  # llama.cpp pads each stream to a multiple of this
+PAD_ROOM = 16  # a call's room beyond max_step_tokens for a shape fence's pads (llama.cpp's n_batch and n_ubatch)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What keeps a row on one kernel whatever shares its call (the module's docstring): the weights repacked or
+    not, and the rows of every micro-batch (and its logits rows, where it has any): at least `min_rows`, in
+    multiples of `multiple`. (2, 1) is pair_rows's layout (a lone row re-reads its previous position); any other
+    rule beyond (1, 1) is a shape fence, met by pads after each stream's last row, dropped after the call."""
+
+    repack: bool = True
+    min_rows: int = 1
+    multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_rows <= PAD_ROOM // 2 or self.multiple not in (1, 2, 4, 8):
+            raise ValueError(f"a fence's rows: min_rows 1 to {PAD_ROOM // 2}, multiple 1, 2, 4 or 8, not "
+                             f"{self.min_rows} and {self.multiple}")
+
+    @property
+    def pair(self) -> bool:
+        return (self.min_rows, self.multiple) == (2, 1)
+
+    @property
+    def shape(self) -> bool:
+        return (self.min_rows, self.multiple) not in ((1, 1), (2, 1))
+
+    def fits(self, rows: int) -> bool:
+        return rows >= self.min_rows and rows % self.multiple == 0
+
+    def words(self) -> tuple[str, ...]:
+        """As /v1/models says it: "no repacked weights", "two rows a call", "rows by 4 a call", "8 rows or more a call"."""
+        rows = () if (self.min_rows, self.multiple) == (1, 1) else ("two rows a call",) if self.pair else (
+            (f"{self.min_rows} rows or more" if self.min_rows > self.multiple else "rows")
+            + (f" by {self.multiple}" if self.multiple > 1 else "") + " a call",)
+        return ("no repacked weights",) * (not self.repack) + rows
+
+
+# The fences load_exact tries, cheapest first (harness/exactness_matrix.py measures them): with the tiled kernel off,
+# the kernel fences, then repacked Q4_K read in whole groups of four rows; with it on (GGML_CPU_TILED_MM=1), every
+# micro-batch 8 rows or more (the tiled kernel's floor), repacked (in fours) or not.
+KERNEL_FENCES = (Fence(), Fence(min_rows=2), Fence(repack=False), Fence(repack=False, min_rows=2))
+SHAPE_FENCES = ((Fence(min_rows=8, multiple=4), Fence(repack=False, min_rows=8)) if TILED_MM else
+                (Fence(min_rows=4, multiple=4),))
+FENCES = KERNEL_FENCES + SHAPE_FENCES
 _quiet_logs: Any = None
 log = logging.getLogger("servelm.runners")
 
@@ -303,7 +360,8 @@ class LlamaCppRunner:
         C.llama_backend_init()
         mparams = _model_params(vocab_only=vocab_only, repack=repack, gpu_layers=0 if vocab_only else gpu_layers,
                                 main_gpu=None if vocab_only else main_gpu)
-        self.repack, self.pair_rows = repack, pair_rows
+        self.repack = repack
+        self.fence = Fence(repack, 2 if pair_rows else 1)
         self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
         self._model: Any = C.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
@@ -327,6 +385,7 @@ class LlamaCppRunner:
         self.max_rows = MAX_ROWS
         self.call_cost_rows = CALL_COST_ROWS
         self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
+        self._capacity = self.max_step_tokens + PAD_ROOM  # a call's tokens, a shape fence's pads included
         self.exactness = Exactness(False, checked=False)  # load_exact checks it
         self.forward_calls = 0  # llama_decode calls since start
         self._adapters: dict[str, Any] = {}  # LoRA adapters by name: llama.cpp's llama_adapter_lora pointers
@@ -345,9 +404,10 @@ class LlamaCppRunner:
             self.projector.max_whole = self.max_step_tokens
         cparams = C.llama_context_default_params()
         stream = -(-max(self.context_window, 1) // _CELL_PAD) * _CELL_PAD
+        self._window = (self.context_window, stream)  # as asked, and a stream's cells
         cparams.n_ctx = stream * num_slots
-        cparams.n_batch = self.max_step_tokens
-        cparams.n_ubatch = self.max_step_tokens
+        cparams.n_batch = self._capacity
+        cparams.n_ubatch = self._capacity
         cparams.n_seq_max = num_slots
         cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
         # a sliding-window layer's cache as long as the others': its cells stay in position order (a window-sized
@@ -375,7 +435,7 @@ class LlamaCppRunner:
         self.fim_tokens: tuple[int, int, int] | None = None if -1 in fim else (int(fim[0]), int(fim[1]), int(fim[2]))
         self.description = self._meta("general.name") or Path(model_path).stem
         self._model_fingerprint = "" if vocab_only else self._state_fingerprint(Path(model_path))
-        self._init_batch(self.max_step_tokens + 1)  # + 1: a lone row's previous position
+        self._init_batch(self._capacity)
 
     @property
     def state_fingerprint(self) -> str:
@@ -383,11 +443,26 @@ class LlamaCppRunner:
         under (they round the cells otherwise)."""
         if not self._model_fingerprint:
             return ""
-        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}".encode()).hexdigest()
+        rows = f"|{self.fence.min_rows}x{self.fence.multiple}" if self.fence.shape else ""
+        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}{rows}".encode()).hexdigest()
+
+    @property
+    def pair_rows(self) -> bool:
+        return self.fence.pair
 
     def set_pair_rows(self, on: bool) -> None:
-        self.pair_rows = on
-        self.lone_row_from = 0 if on else LONE_ROW_FROM
+        self.set_fence(Fence(self.repack, 2 if on else 1))
+
+    def set_fence(self, fence: Fence) -> None:
+        """The rows rule of `fence` from the next step on (its weights' repacking is the load's: load_exact reloads
+        for another). A stream's rows stay below flash attention's tiled kernel with a fence's pads among them."""
+        if fence.repack != self.repack:
+            raise ValueError("a fence's repacking is chosen at load: reload the model for another")
+        self.fence = fence
+        self.lone_row_from = 0 if fence.min_rows > 1 else LONE_ROW_FROM
+        self.max_rows = MAX_ROWS // fence.multiple * fence.multiple
+        asked, cells = self._window  # a sequence's last position leaves room in its stream for the pads after it
+        self.context_window = min(asked, cells - max(fence.min_rows, fence.multiple) + 1) if fence.shape else asked
 
     def _state_fingerprint(self, path: Path) -> str:
         """What a saved sequence state depends on: the model file (its size, first and last MiB), the cache's type,
@@ -654,20 +729,28 @@ class LlamaCppRunner:
         if head.media is not None:
             self._decode_media(head, first[call[0]])
             return
+        fence = self.fence
         # a LoRA adapter's F32 matmuls take another kernel for a one-row call: an adapter's call has two rows always
-        pair = self.pair_rows or bool(head.adapters)
+        pair = not fence.shape and (fence.pair or bool(head.adapters))
         micros = plan.micro_batches(call)
         # lone rows (the module's docstring): micro-batches of one row of one stream, each a whole chunk (StepPlan.calls)
-        lone = [m[0][0] for m in micros if len(m) == 1 and m[0][2] == 1 and (pair or chunks[m[0][0]].start >= LONE_ROW_FROM)]
-        if len(call) > 1 and lone and sum(len(chunks[i].tokens) for i in call) + len(lone) > self.max_step_tokens:
-            rest = [i for i in call if i not in lone]
-            for part in [[i] for i in lone] + ([rest] if rest else []):  # no room to widen them here
+        lone = [] if fence.shape else [
+            m[0][0] for m in micros if len(m) == 1 and m[0][2] == 1 and (pair or chunks[m[0][0]].start >= LONE_ROW_FROM)]
+        widen = [self._pads(plan, m) for m in micros] if fence.shape else [0] * len(micros)
+        # a shape fence pads a micro-batch only where it is each stream's last: a chunk with more after it goes alone
+        stuck = [i for m, j in zip(micros, widen, strict=True) if j < 0 for i, o, k in m if o + k < len(chunks[i].tokens)]
+        room = self.max_step_tokens + (PAD_ROOM if fence.shape else 0)
+        wide = sum(len(chunks[i].tokens) for i in call) + len(lone) + sum(len(m) * j for m, j in zip(micros, widen, strict=True))
+        if len(call) > 1 and (stuck or (lone or fence.shape) and wide > room):
+            rest = [i for i in call if i not in lone and i not in stuck]
+            parts = [[i] for i in lone + stuck] + [rest] if lone or stuck else [call[: len(call) // 2], call[len(call) // 2 :]]
+            for part in filter(None, parts):  # no room to widen them here
                 self._decode(plan, part, first)
             return
         n = 0
-        places: list[tuple[int, int]] = []  # (row in self._logits or -1 for none, rows) per run of logits rows, in batch order
+        places: list[tuple[int, int, int]] = []  # (batch row, row in self._logits or -1 for none, rows) per run of logits rows
         pads: list[tuple[int, int]] = []  # (slot, position) of pads, dropped after the call
-        for micro in micros:
+        for micro, j in zip(micros, widen, strict=True):
             at, mine = n, len(places)
             for i, offset, count in micro:
                 chunk = chunks[i]
@@ -677,25 +760,45 @@ class LlamaCppRunner:
                         C.llama_memory_seq_rm(self._mem, chunk.slot, start - 1, -1)
                         tokens, start, lead = (chunk.prev_token, *tokens), start - 1, 1
                     elif pair:  # none (a sequence's first, or one after an image): a pad after it
-                        tokens = (*tokens, tokens[-1])
-                        pads.append((chunk.slot, start + 1))
+                        j = 1
+                if j > 0:  # pads after the stream's last row
+                    pads.append((chunk.slot, start + len(tokens)))
+                    tokens = (*tokens, *(tokens[-1],) * j)
                 end = self._put(n, tokens, start, chunk.slot)
                 skip = len(chunk.tokens) - chunk.num_rows  # its tokens before the first with a logits row
                 lo = max(offset, skip)
                 if lo < offset + count:
                     self._out[n + lead + lo - offset : n + lead + count] = 1
-                    places.append((first[i] + lo - skip, offset + count - lo))
+                    places.append((n + lead + lo - offset, first[i] + lo - skip, offset + count - lo))
                 n = end
-            if pair and sum(r for _, r in places[mine:]) == 1:  # a second logits row in the micro-batch, beside the only one
-                one = at + int(np.flatnonzero(self._out[at:n])[0])  # (a micro-batch has two rows here)
-                self._out[one - 1 if one > at else one + 1] = 1
-                places.insert(mine if one > at else len(places), (-1, 1))
+            got = sum(r for _, _, r in places[mine:])
+            # logits rows that the rule wants beside those asked for, from the micro-batch's others (pads last)
+            want = 0 if not got else (2 - got if pair else 0) if not fence.shape else self._short(got)
+            if want > 0:
+                for row in np.flatnonzero(self._out[at:n] == 0)[-want:] + at:
+                    self._out[row] = 1
+                    places.append((int(row), -1, 1))
         self._batch.n_tokens = n
         try:
-            self._run(self._batch, places)
+            self._run(self._batch, [(row, k) for _, row, k in sorted(places)])
         finally:
             for slot, pos in pads:
                 C.llama_memory_seq_rm(self._mem, slot, pos, -1)
+
+    def _short(self, rows: int) -> int:
+        """How many rows `rows` lacks to meet the fence's rule (the fewest that make it)."""
+        fence = self.fence
+        return max(fence.min_rows, -(-rows // fence.multiple) * fence.multiple) - rows
+
+    def _pads(self, plan: StepPlan, micro: list[tuple[int, int, int]]) -> int:
+        """The pads each stream of a micro-batch takes after its rows for the shape fence's rule (as many for each,
+        so that llama.cpp cuts the same micro-batch); -1 where some stream has rows after it in the call."""
+        rows = sum(k for _, _, k in micro)
+        if self.fence.fits(rows):
+            return 0
+        if any(o + k < len(plan.chunks[i].tokens) for i, o, k in micro):
+            return -1
+        return next(j for j in range(1, PAD_ROOM) if self.fence.fits(len(micro) * (micro[0][2] + j)))
 
     def _put(self, n: int, tokens: tuple[int, ...], start: int, slot: int) -> int:
         """The tokens of one stream, from position `start`, into the batch from its token n on, none an output yet;
@@ -792,27 +895,29 @@ def on_a_passing_thread(fn: Callable[[LlamaCppRunner], str], runner: LlamaCppRun
     return result[0]
 
 
-def load_exact(model_path: str | Path, **kwargs: Any) -> LlamaCppRunner:
-    """A LlamaCppRunner with the fewest fences its self-check passes (runners/selfcheck.py): as loaded; with every
-    call at least two rows (pair_rows); without repacked weights (reloaded); without both. A model that passes none
-    is served the first way, its `exactness` saying why it is not exact."""
+def load_exact(model_path: str | Path, fences: tuple[Fence, ...] | None = None, **kwargs: Any) -> LlamaCppRunner:
+    """A LlamaCppRunner with the cheapest fence its self-check passes (runners/selfcheck.py), of `fences` (FENCES:
+    none; every call at least two rows; without repacked weights, reloaded; without both; then by shape, where a
+    model reads images never). A model that passes none is served as loaded, its `exactness` saying why it is not
+    exact."""
     runner = LlamaCppRunner(model_path, **kwargs)
     if runner._ctx is None:
         return runner
     log.info("%s runs on %s", Path(model_path).name, runner.placement)
     first = ""
-    for repack, pair_rows in ((True, False), (True, True), (False, False), (False, True)):
-        if repack != runner.repack:
+    for fence in fences or FENCES:
+        if fence.shape and runner.projector is not None:
+            continue  # an image's rows are its own (no pads among them): no shape fences
+        if fence.repack != runner.repack:
             runner.close()
-            runner = LlamaCppRunner(model_path, repack=repack, **kwargs)
-        runner.set_pair_rows(pair_rows)
+            runner = LlamaCppRunner(model_path, repack=fence.repack, **kwargs)
+        runner.set_fence(fence)
         reason = on_a_passing_thread(check_exactness, runner)
         if not reason:
-            fences = ("no repacked weights",) * (not repack) + ("two rows a call",) * pair_rows
-            runner.exactness = Exactness(True, fences=fences)
+            runner.exactness = Exactness(True, fences=fence.words())
             if first:
                 log.info("%s: a row's logits depended on what shared its call (%s); exact with: %s",
-                         Path(model_path).name, first, ", ".join(fences))
+                         Path(model_path).name, first, ", ".join(fence.words()))
             else:
                 log.info("%s: exact under load (the self-check's rows all equal), with no fence of its own",
                          Path(model_path).name)

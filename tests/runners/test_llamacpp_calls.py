@@ -9,7 +9,7 @@ import pytest
 
 from servelm.engine.plan import ScheduledChunk, SeqKey, StepPlan
 from servelm.runners import llamacpp
-from servelm.runners.llamacpp import LONE_ROW_FROM, LlamaCppRunner
+from servelm.runners.llamacpp import LONE_ROW_FROM, MAX_ROWS, PAD_ROOM, Fence, LlamaCppRunner
 
 BATCH = 256
 
@@ -51,10 +51,10 @@ def test_the_port_cuts_as_llama_cpp_does():
 class Shell(LlamaCppRunner):
     """The runner's batch and call cutting, with each llama_decode recorded instead of run."""
 
-    def __init__(self, pair: bool) -> None:  # no model: only what _step and _decode read
-        self.pair_rows = pair
+    def __init__(self, fence: Fence) -> None:  # no model: only what _step and _decode read
+        self.fence = fence
         self.max_step_tokens = BATCH
-        self._tok, self._pos, self._seq, self._out, self._batch = llamacpp._batch(BATCH + 1, outputs=False)
+        self._tok, self._pos, self._seq, self._out, self._batch = llamacpp._batch(BATCH + PAD_ROOM, outputs=False)
         self._logits = np.empty((BATCH + 1, 1), dtype=np.float32)
         self._applied = ()
         self._mem = None
@@ -77,24 +77,35 @@ def chunk(slot: int, start: int, n: int, *, logits: bool = True, all_logits: boo
                           samplers=(SeqKey(slot),) if logits else (), all_logits=all_logits)
 
 
-def check(plan: StepPlan, pair: bool) -> Shell:
+FENCES = [Fence(), Fence(min_rows=2), Fence(min_rows=4, multiple=4), Fence(min_rows=8), Fence(min_rows=8, multiple=4)]
+
+
+def check(plan: StepPlan, fence: Fence) -> Shell:
     """Steps the plan on a shell and checks each call: llama.cpp cuts it into the micro-batches planned, in batch
     order (so its outputs need no reordering); none is a lone row (one row of one stream) the runner should have
-    widened; with pair rows none has a single logits row; and each logits row returned is its chunk's."""
-    runner = Shell(pair)
+    widened; with pair rows none has a single logits row; with a shape fence every micro-batch's rows and logits
+    rows keep to its rule, a stream's rows stay below flash attention's tiled kernel, and its pads come after
+    every position its chunk reads; and each logits row returned is its chunk's."""
+    runner = Shell(fence)
     runner._step(plan)
     got: dict[int, tuple[int, int]] = {}
+    ends = {c.slot: c.start + len(c.tokens) for c in plan.chunks}
     for seq, pos, out, places in runner.decoded:
-        assert len(seq) <= BATCH
+        assert len(seq) <= BATCH + PAD_ROOM * fence.shape
         call = sorted((i for i, c in enumerate(plan.chunks) if c.slot in set(seq.tolist())), key=lambda i: plan.chunks[i].slot)
-        micro = split_equal(seq.tolist())
+        micro = split_equal(seq.tolist(), BATCH + PAD_ROOM)
         assert [i for m in micro for i in m] == list(range(len(seq))), "micro-batches in batch order"
         assert [sorted({int(seq[i]) for i in m}) for m in micro] == \
             [[plan.chunks[i].slot for i, _, _ in m] for m in plan.micro_batches(call)]
         for m in micro:
-            lone = len(m) == 1 and (pair or pos[m[0]] >= LONE_ROW_FROM)
+            lone = len(m) == 1 and (fence.min_rows > 1 or pos[m[0]] >= LONE_ROW_FROM)
             assert not lone, f"a lone row at position {pos[m[0]]}"
-            assert not (pair and int(out[m].sum()) == 1), "a micro-batch with one logits row"
+            assert not (fence.pair and int(out[m].sum()) == 1), "a micro-batch with one logits row"
+            if fence.shape:
+                assert fence.fits(len(m)) and (not out[m].any() or fence.fits(int(out[m].sum()))), (len(m), out[m].sum())
+                assert max(np.unique(seq[m], return_counts=True)[1]) <= MAX_ROWS
+        pads = pos >= np.array([ends[int(s)] for s in seq])  # after every position the chunk reads; no row returned
+        assert fence.shape or fence.pair or not pads.any(), "a pad where no fence asks for one"
         rows = [r for row, n in places for r in (range(row, row + n) if row >= 0 else [-1] * n)]
         for b, row in zip(np.flatnonzero(out), rows, strict=True):
             if row >= 0:
@@ -109,31 +120,31 @@ def check(plan: StepPlan, pair: bool) -> Shell:
     return runner
 
 
-@pytest.mark.parametrize("pair", [False, True])
-def test_a_step_with_decoding_and_prompt_reading_slots_interleaved_is_one_call(pair):
+@pytest.mark.parametrize("fence", FENCES, ids=str)
+def test_a_step_with_decoding_and_prompt_reading_slots_interleaved_is_one_call(fence):
     """16 streams: slots 3 and 9 read prompts (their last chunk: a logits row), 12 and 13 read equal ones, the rest
     decode. One llama_decode, of the fewest micro-batches the rules allow: every stream's first row together, then
     the rest of each prompt (slots apart cannot share a micro-batch; 12 and 13 do)."""
     lengths = {s: 1 for s in range(16)} | {3: 40, 9: 12, 12: 20, 13: 20}
     plan = StepPlan([chunk(s, 300, n) for s, n in lengths.items()])
-    runner = check(plan, pair)
+    runner = check(plan, fence)
     assert runner.forward_calls == len(plan.calls()) == 1
     assert len(split_equal(runner.decoded[0][0].tolist())) == 4
 
 
-@pytest.mark.parametrize("pair", [False, True])
-def test_a_lone_row_reads_its_previous_position_again_in_a_shared_call(pair):
+@pytest.mark.parametrize("fence", FENCES[:2], ids=str)
+def test_a_lone_row_reads_its_previous_position_again_in_a_shared_call(fence):
     """Slot 7 decodes past LONE_ROW_FROM with no neighbour in the call: its micro-batch would be one row, so its
     previous position goes beside it, in the same llama_decode as the others' rows."""
     plan = StepPlan([chunk(0, 10, 1), chunk(1, 10, 1), chunk(7, LONE_ROW_FROM + 5, 1), chunk(4, 0, 30, logits=False)])
-    runner = check(plan, pair)
+    runner = check(plan, fence)
     assert runner.forward_calls == len(plan.calls()) == 1
     seq, pos, _, _ = runner.decoded[0]
     assert pos[seq == 7].tolist() == [LONE_ROW_FROM + 4, LONE_ROW_FROM + 5]
 
 
-@pytest.mark.parametrize("pair", [False, True])
-def test_random_steps_are_cut_as_llama_cpp_cuts_them(pair):
+@pytest.mark.parametrize("fence", FENCES, ids=str)
+def test_random_steps_are_cut_as_llama_cpp_cuts_them(fence):
     rng = np.random.default_rng(7)
     for _ in range(300):
         chunks = []
@@ -146,7 +157,7 @@ def test_random_steps_are_cut_as_llama_cpp_cuts_them(pair):
             if sum(len(c.tokens) for c in chunks) > BATCH:
                 chunks.pop()
         rng.shuffle(chunks)
-        check(StepPlan(chunks), pair)
+        check(StepPlan(chunks), fence)
 
 
 def test_lone_rows_go_in_calls_of_their_own_where_the_step_leaves_no_room_to_widen_them():
@@ -156,5 +167,35 @@ def test_lone_rows_go_in_calls_of_their_own_where_the_step_leaves_no_room_to_wid
                                                                        chunk(9, 0, 40), chunk(10, 0, 40),
                                                                        chunk(12, 0, 40), chunk(13, 0, 53)])
     assert plan.num_tokens == BATCH
-    runner = check(plan, False)
+    runner = check(plan, Fence())
     assert runner.forward_calls == 4
+
+
+def test_a_shape_fence_pads_each_stream_after_its_last_row_and_asks_for_logits_rows_to_its_rule():
+    """Rows by 4: slot 5 decodes alone (1 row, 3 pads after it, 4 logits rows); slots 0 to 2 read 9-token prompt
+    chunks side by side (27 rows: as many pads after each, 3, make 36, the first multiple of 4 three streams share)."""
+    plan = StepPlan([chunk(s, 20, 9) for s in (0, 1, 2)] + [chunk(5, 100, 1)])
+    runner = check(plan, Fence(min_rows=4, multiple=4))
+    assert runner.forward_calls == 1
+    seq, pos, out, _ = runner.decoded[0]
+    assert pos[seq == 5].tolist() == [100, 101, 102, 103] and out[seq == 5].tolist() == [1, 1, 1, 1]
+    assert pos[seq == 0].tolist() == list(range(20, 32)) and int(out[seq <= 2].sum()) == 4
+
+
+def test_a_chunk_with_rows_after_a_micro_batch_that_breaks_the_rule_goes_alone():
+    """8 rows or more: slots 0 and 1 share a first micro-batch of 2 rows, but slot 1's chunk goes on after it, so no
+    pad can follow its row there: slot 1 reads its chunk in a call of its own, slot 0 is padded to 8."""
+    plan = StepPlan([chunk(0, 50, 1), chunk(1, 0, 30)])
+    runner = check(plan, Fence(min_rows=8))
+    assert runner.forward_calls == 2
+    assert sorted(len(d[0]) for d in runner.decoded) == [8, 30]
+
+
+def test_a_fence_s_rule_is_checked_and_read_as_the_server_reports_it():
+    assert Fence(min_rows=4, multiple=4).words() == ("rows by 4 a call",)
+    assert Fence(repack=False, min_rows=8).words() == ("no repacked weights", "8 rows or more a call")
+    assert Fence(min_rows=8, multiple=4).words() == ("8 rows or more by 4 a call",)
+    assert Fence(min_rows=2).words() == ("two rows a call",) and Fence().words() == ()
+    for bad in ({"min_rows": 0}, {"min_rows": PAD_ROOM}, {"multiple": 3}):
+        with pytest.raises(ValueError, match="a fence's rows"):
+            Fence(**bad)
