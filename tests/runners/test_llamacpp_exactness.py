@@ -5,18 +5,22 @@
 - Q4_K weights: llama.cpp's repacked buffers compute rows in groups of four (a gemm) and the rest one by one (a
   gemv), so a row's logits depended on how many rows shared its call. repack=False loads them plain.
 - ggml's tiled K-quant matmul (8 rows or more) is off for the process (GGML_CPU_TILED_MM=0, set on import).
-Then load_exact picks the fewest fences that pass, and says so."""
+- Or fences by shape: the fast kernels kept, every micro-batch (and its logits rows) given a shape that takes one
+  path: repacked Q4_K in rows by 4 (all by the gemm), and with the tiled kernel on, 8 rows or more.
+Then load_exact picks the cheapest fence that passes, and says so."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from servelm.config import embedded_model_path
-from servelm.runners.llamacpp import LlamaCppRunner, load_exact
+from servelm.runners.llamacpp import MAX_ROWS, Fence, LlamaCppRunner, load_exact
 from servelm.runners.selfcheck import check_exactness
 
 pytestmark = pytest.mark.e2e
@@ -57,6 +61,46 @@ def test_repacked_q4_k_weights_round_by_rows_and_plain_ones_do_not():
         assert check_exactness(r) == ""
     finally:
         r.close()
+
+
+@pytest.mark.timeout(900)  # two self-checks; minutes on a busy 2-core machine
+def test_repacked_q4_k_weights_are_exact_read_in_rows_by_four_and_not_in_pairs():
+    """The repacked gemm takes rows in groups of four and the gemv the rest: rows by 4 (pads after a stream's last
+    row) keep every row on the gemm; pairs of rows are all gemv, which a 24-row chunk is not."""
+    r = runner(requantize.requantize("Q4_K_M"))
+    try:
+        r.set_fence(Fence(min_rows=2, multiple=2))
+        assert "differ" in check_exactness(r)
+        r.set_fence(Fence(min_rows=4, multiple=4))
+        assert check_exactness(r) == ""
+        assert r.max_rows == MAX_ROWS // 4 * 4 and r.context_window == 256 - 3, "room for a stream's pads"
+        r.set_fence(Fence())
+        assert (r.max_rows, r.context_window) == (MAX_ROWS, 256)
+    finally:
+        r.close()
+
+
+def _in_a_process(code: str, tiled: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a Python process of its own whose ggml reads GGML_CPU_TILED_MM=`tiled` (once, for the process)."""
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "GGML_CPU_TILED_MM": tiled},
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.timeout(900)
+def test_with_the_tiled_kernel_on_a_k_quant_model_is_fenced_by_shape():
+    """GGML_CPU_TILED_MM=1: Q4_K_M's Q6_K and Q4_K weights take the tiled kernel from 8 rows on; every micro-batch
+    8 rows or more (and repacked Q4_K in rows by 4) keeps each row on one kernel."""
+    path = requantize.requantize("Q4_K_M")
+    proc = _in_a_process("from servelm.runners.llamacpp import SHAPE_FENCES, load_exact\n"
+                         f"r = load_exact({str(path)!r}, SHAPE_FENCES, num_slots=12, context_window=256)\n"
+                         "print(r.exactness.describe())", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("exact (fences: ") and "8 rows or more" in proc.stdout
+
+
+def test_the_tiled_switch_is_0_or_1():
+    proc = _in_a_process("import servelm.runners.llamacpp", "yes")
+    assert proc.returncode != 0 and "GGML_CPU_TILED_MM='yes'" in proc.stderr
 
 
 @pytest.mark.parametrize("kind, fences", [("Q4_1", ()), ("Q4_K_M", ("no repacked weights",)),
