@@ -15,7 +15,7 @@ from servelm import tracing
 from servelm.http.auth import check_access
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
-from servelm.http.routes import DEPLOYMENT_HEADER, embedding_turn, parse_body, run_unless_disconnected
+from servelm.http.routes import deployment_header, embedding_turn, parse_body, run_unless_disconnected
 from servelm.protocol.rerank import (
     CohereRerankRequest,
     CohereRerankResponse,
@@ -68,7 +68,7 @@ def build_rerank_router(deployments: Deployments) -> APIRouter:
                 for i, s in ranked(scores, top_n)]
 
     def answer(body: BaseModel, model: str) -> JSONResponse:
-        return JSONResponse(body.model_dump(mode="json", exclude_none=True), headers={DEPLOYMENT_HEADER: model})
+        return JSONResponse(body.model_dump(mode="json", exclude_none=True), headers=deployment_header(model))
 
     async def jina(request: Request) -> Response:
         req = await parse_body(request, RerankRequest)

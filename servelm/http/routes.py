@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -101,7 +102,7 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
         return StreamingResponse(
             frames(streamed(request.scope, admission, service.stream(prepared)), framing),
             media_type=framing.media_type,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(dep)},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **deployment_header(dep.name)},
         )
     try:
         result = await run_unless_disconnected(request, asyncio.ensure_future(service.complete(prepared)))
@@ -109,7 +110,7 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
         admission.close()
     if result is None:
         return Response(status_code=499)
-    return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment))
+    return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment.name))
 
 
 def request_context(scope: Scope) -> RequestContext:
@@ -137,9 +138,13 @@ def _filtered(scope: Scope) -> FilterEvents:
     return note
 
 
-def deployment_header(d: Deployment) -> dict[str, str]:
-    """Which deployment answered (an alias or a weighted endpoint names several)."""
-    return {DEPLOYMENT_HEADER: d.name}
+def deployment_header(name: str) -> dict[str, str]:
+    """Which deployment answered (an alias or a weighted endpoint names several). A header is Latin-1: a name with
+    anything but printable ASCII, or a `%`, is percent-encoded (UTF-8), as URLs are."""
+    return {DEPLOYMENT_HEADER: quote(name, safe=_HEADER_SAFE)}
+
+
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # printable ASCII, kept as it is
 
 
 def _card(name: str, d: Deployment | None) -> ModelCard:
@@ -258,7 +263,7 @@ async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingSe
     if result is None:
         return Response(status_code=499)
     body = await asyncio.to_thread(result.model_dump_json)  # thousands of floats: off the event loop
-    return Response(body, media_type="application/json", headers={DEPLOYMENT_HEADER: prepared.model})
+    return Response(body, media_type="application/json", headers=deployment_header(prepared.model))
 
 
 RUNTIME_BYTES = 256 << 20  # the interpreter, its libraries, the vocabularies' tables and the HTTP server's buffers

@@ -1,0 +1,32 @@
+"""A deployment's name is the operator's, but every answer names it in a header: one outside Latin-1 (HTTP headers
+are Latin-1) must not turn every generating route into a 500."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+import httpx
+
+from servelm.http.routes import deployment_header
+
+NAME = "модель-1 🙂 100%"
+
+
+def test_a_deployment_named_outside_latin1_answers_and_its_header_is_percent_encoded(fake_server_factory):
+    server = fake_server_factory(extra_deployments=(NAME,))
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "stream": True}),
+                       ("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 3, "stream": True})):
+        r = httpx.post(server.base_url + path, json=body, timeout=20)
+        assert r.status_code == 200, r.text
+        header = r.headers["x-servelm-deployment"]
+        assert header.isascii() and unquote(header) == NAME
+    plain = httpx.post(server.base_url + "/v1/chat/completions", json={**chat, "model": "fake-model"}, timeout=20)
+    assert plain.headers["x-servelm-deployment"] == "fake-model"  # an ordinary name is left as it is
+
+
+
+def test_the_header_embeddings_and_rerank_send_encodes_the_same_way():
+    header = deployment_header(NAME)["x-servelm-deployment"]
+    assert header.isascii() and unquote(header) == NAME
+    assert deployment_header("a/b:c d")["x-servelm-deployment"] == "a/b:c d"
