@@ -44,8 +44,8 @@ def named_sse(error_event: Callable[[ApiError, int], dict[str, Any]]) -> Framing
 
 
 async def frames(chunks: AsyncIterator[BaseModel | bytes], framing: Framing) -> AsyncGenerator[bytes, None]:
-    """The chunks (models, or JSON a service wrote itself) framed; an error once the answer has begun travels in the stream, in the error envelope (or the
-    framing's own error event)."""
+    """The chunks (models, or JSON a service wrote itself) framed; an error once the answer has begun travels in the
+    stream, in the error envelope (or the framing's own error event)."""
     sent = 0
     cpu = STREAM_CPU_SECONDS
     try:
