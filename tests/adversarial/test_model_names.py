@@ -10,7 +10,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from servelm.config import ServerSettings, load_config_file
+from servelm.config import EngineSettings, ServerSettings, embedded_model_path, load_config_file
+from servelm.fleet import scan_models_dir
 from servelm.http.routes import deployment_header
 
 NAME = "модель-1 🙂 100%"
@@ -50,3 +51,12 @@ def test_a_model_id_with_a_control_character_or_line_break_is_refused_at_start(t
     with pytest.raises(ValueError, match="printable"):
         load_config_file(path)
     assert ServerSettings(model_id=NAME).model_id == NAME  # printable beyond ASCII is a name like any other
+
+
+def test_a_models_dir_file_named_with_a_line_break_is_listed_as_failed_not_served(tmp_path):
+    good = tmp_path / "fine.gguf"
+    good.write_bytes(embedded_model_path().read_bytes()[:4096])  # its header is enough to be listed
+    (tmp_path / "bad\nname.gguf").write_bytes(good.read_bytes())
+    specs, failed = scan_models_dir(tmp_path, EngineSettings())
+    assert [s.name for s in specs] == ["fine"]
+    assert "printable" in failed["bad\nname"]
