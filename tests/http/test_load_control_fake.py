@@ -205,7 +205,7 @@ def test_one_key_cannot_fill_the_queue_for_all(fake_server_factory):
     server = fake_server_factory(num_slots=1, step_delay=0.02, context_window=400, security=SecurityConfig(keys=keys, max_waiting=6))
     busy = {"Authorization": "Bearer sk-busy"}
     results: list[int] = []
-    threads = [threading.Thread(target=lambda: results.append(post(server, {**SLOW, "max_tokens": 30}, **busy).status_code))
+    threads = [threading.Thread(target=lambda: results.append(post(server, {**SLOW, "max_tokens": 120}, **busy).status_code))
                for _ in range(4)]
     for t in threads:
         t.start()
