@@ -90,7 +90,7 @@ class OtlpReceiver:
 
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        self._stops.append(server.shutdown)
+        self._stops += [server.shutdown, server.server_close]  # its listening socket closed too
         return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
 
     def start_grpc(self) -> str:

@@ -265,7 +265,8 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
     x = rows.astype(np.float64)
     m = x.max(axis=1, keepdims=True)
     m[~np.isfinite(m)] = 0.0
-    return np.asarray(x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))))
+    with np.errstate(divide="ignore", invalid="ignore"):  # a row with every token forbidden: log(0), then NaN, as meant
+        return np.asarray(x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True))))
 
 
 def logprob_entry(logp_row: np.ndarray, token: int, k: int) -> TokenLogprob:

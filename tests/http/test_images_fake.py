@@ -129,6 +129,7 @@ def image_host():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+    server.server_close()  # its listening socket: left to the collector it is a ResourceWarning
 
 
 def test_http_images_are_fetched_from_allowed_domains_only(fake_server_factory, image_host):
