@@ -1,4 +1,4 @@
-.PHONY: install run lint docs test test-unit test-e2e test-ray-e2e bench clean
+.PHONY: install run lint docs test test-unit test-ray-e2e bench clean
 
 install:
 	@bash scripts/install.sh
