@@ -113,6 +113,14 @@ def test_the_spill_tiers_know_only_the_slots_prefix_matching():
     assert {i for i in imports_of(path) if starts(i, "servelm")} == {"servelm.engine.slots", "servelm.gguf_header"}
 
 
+def test_the_prefix_cache_stands_apart_from_the_scheduler():
+    """engine/prefix_cache.py owns the slots, the spill store and the copies pending; it answers the scheduler and
+    never knows it (its KV operations, the sequences it places, the slots and the spill tiers only)."""
+    path = ROOT / "engine" / "prefix_cache.py"
+    mine = {i for i in imports_of(path) if starts(i, "servelm")}
+    assert mine == {"servelm.engine.plan", "servelm.engine.sequence", "servelm.engine.slots", "servelm.engine.spill"}
+
+
 def test_constrain_imports_nothing_of_the_engine():
     """constrain/ makes the Constraint the engine carries; it knows nothing of the engine that carries it."""
     for m, p in modules():

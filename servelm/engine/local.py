@@ -141,18 +141,7 @@ class LocalEngine:
     def _persist(self) -> None:
         """At a stop, the prefix cache's entries go to the spill store's directory, if it has one: each slot at
         rest, then what is in RAM (a restarted server reads them back)."""
-        spill = self.scheduler.spill
-        if spill is None or spill.directory is None:
-            return
-        spill.settle()
-        pending = self.scheduler.copies_pending  # cells a copy has not written yet are not what the slot holds
-        for slot in self.scheduler.slots.slots:
-            if slot.seq is None and slot.index not in pending and spill.wants(slot.cached, slot.scope):
-                try:
-                    spill.persist(slot.cached, slot.scope, self.runner.save_seq(slot.index))
-                except Exception:  # one slot's state must not keep the others from disk
-                    log.exception("the prefix cache entry of slot %d was not saved", slot.index)
-        spill.close()
+        self.scheduler.cache.persist(self.runner.save_seq)
 
     @property
     def alive(self) -> bool:
@@ -230,19 +219,17 @@ class LocalEngine:
         """Every parameter the service layer lets through runs here."""
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, c = self.scheduler, self.scheduler.cache.stats()
         return EngineStats(
             running=s.num_running_seqs, waiting=s.num_waiting, kv_cells_used=s.kv_cells_used,
-            kv_cells_cached=s.kv_cells_cached, kv_cells_total=s.kv_cells, kv_cell_bytes=self.runner.kv_cell_bytes,
-            free_slots=len(s.free_slots), total_slots=s.num_slots, cache_hits=s.cache_hits,
-            cached_tokens=s.cached_tokens, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
+            kv_cells_cached=c.kv_cells_cached, kv_cells_total=s.kv_cells, kv_cell_bytes=self.runner.kv_cell_bytes,
+            free_slots=c.free_slots, total_slots=s.num_slots, cache_hits=c.cache_hits,
+            cached_tokens=c.cached_tokens, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
             steps=self.steps, forward_calls=self.runner.forward_calls, phase_seconds=self.clock.seconds,
-            draft_tokens=s.draft_tokens,
-            draft_accepted=s.draft_accepted,
-            spill_ram_bytes=s.spill.ram_used if s.spill else 0, spill_disk_bytes=s.spill.disk_used if s.spill else 0,
-            spill_entries=len(s.spill.entries) if s.spill else 0, spill_restored=s.spill.restored if s.spill else 0,
-            spill_restore_failures=s.spill.restore_failures if s.spill else 0,
-            preemptions=s.preemptions, resumed_tokens=s.resumed_tokens,
+            draft_tokens=s.draft_tokens, draft_accepted=s.draft_accepted,
+            spill_ram_bytes=c.spill_ram_bytes, spill_disk_bytes=c.spill_disk_bytes, spill_entries=c.spill_entries,
+            spill_restored=c.spill_restored, spill_restore_failures=c.spill_restore_failures,
+            preemptions=s.preemptions, resumed_tokens=c.resumed_tokens,
         )
 
     def _post(self, item: RequestState | str | _Call) -> None:

@@ -12,9 +12,10 @@ below that: docs/exactness.md). Sequences are admitted and retired between steps
 
 Each sequence holds a slot: a KV stream of its own, as long as the context window, so a sequence can always
 grow to the window; only a request ranked above it takes its slot away. A slot at rest keeps its cells as the prefix cache
-(engine/slots.py): a new request starts from the longest prefix of its prompt held by a slot of its scope,
-reused in place or copied, and reads only the rest. `cached_tokens` counts what it did not read. Requests for
-prompt logprobs read everything (each prompt token needs its row).
+(engine/prefix_cache.py, which owns the slots, the spill store and the KV operations; the scheduler asks it where a
+sequence starts and applies its answers): a new request starts from the longest prefix of its prompt held by a slot
+of its scope, reused in place or copied, and reads only the rest. `cached_tokens` counts what it did not read.
+Requests for prompt logprobs read everything (each prompt token needs its row).
 
 Waiting requests go in rank order: priority (lower first, vLLM's), less one level for every `aging_s` seconds since
 the engine received it, then arrival. As the age counts from receipt, two requests compare the same at every moment
@@ -39,23 +40,20 @@ ends inside an image is cut back to the image's start.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 
 from servelm.engine.beam import beam_hosts
 from servelm.engine.output import BeamMove, Failed, Finish, StepResult
 from servelm.engine.pacing import StepPacer
-from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save, ScheduledChunk, SeqKey, StepPlan
+from servelm.engine.plan import ScheduledChunk, SeqKey, StepPlan
+from servelm.engine.prefix_cache import PrefixCache
 from servelm.engine.sampler import SampledStep
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
-from servelm.engine.slots import Slot, Slots, common_prefix
 from servelm.engine.speculate import Candidate, Drafter, Speculator
-from servelm.engine.spill import Spilled, SpillStore
+from servelm.engine.spill import SpillStore
 from servelm.engine.types import MediaSpan
 
-DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
-MIN_RESTORE = 32  # prompt tokens a spilled entry must hold beyond the slots' best to be read back (about 10 ms)
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
 AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further out ages as the nearer end)
 
@@ -70,27 +68,16 @@ class Scheduler:
         self.context_window = context_window
         self.max_step_tokens = max_step_tokens
         self.max_rows = max_rows
-        self.prefix_cache = prefix_cache
-        self.slots = Slots(num_slots)
+        self.cache = PrefixCache(num_slots, enabled=prefix_cache, spill=spill)  # the slots, where sequences run
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in admission order
-        self._ops: list[KVOp] = []
-        self.cache_hits = 0  # requests placed on cached cells, and the prompt tokens those cells saved
-        self.cached_tokens = 0
         self.speculator = speculator  # drafts for decoding sequences (None: no speculative decoding)
         self.pacer = pacer  # how much prompt a decoding step may read (None: its whole budget)
-        self.spill = spill if prefix_cache else None  # where entries the slots give up go (None: they are lost)
         self.draft_tokens = 0  # guesses read since start, and how many of them held
         self.draft_accepted = 0
-        self._restoring: dict[int, Spilled] = {}  # this step's Restore ops: the spilled entry by slot
         self._seqs: dict[SeqKey, Sequence] = {}  # every sequence of a waiting or running group
-        # slots a queued Copy writes or reads, until a plan with chunks is read: llama.cpp copies between streams at
-        # its next forward pass, so until then no Save of the destination and no Restore into either (plan.Copy)
-        self._copied_to: set[int] = set()
-        self._copied_from: set[int] = set()
         self.aging_s = aging_s  # waiting this long counts as one priority level (0: no aging)
-        self.preemptions = 0  # requests that gave their slot up, and the tokens they found cached on resuming
-        self.resumed_tokens = 0
+        self.preemptions = 0  # requests that gave their slot up (the cache counts what they found on resuming)
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -98,21 +85,8 @@ class Scheduler:
         return sum(s.num_computed for g in self.running for s in g.seqs if s.holds_slot)
 
     @property
-    def kv_cells_cached(self) -> int:
-        return self.slots.cached_cells
-
-    @property
     def kv_cells(self) -> int:
         return self.num_slots * self.context_window
-
-    @property
-    def copies_pending(self) -> frozenset[int]:
-        """Slots a Copy writes that no forward pass has made yet (their cells are not what they hold)."""
-        return frozenset(self._copied_to)
-
-    @property
-    def free_slots(self) -> list[Slot]:
-        return self.slots.idle
 
     @property
     def num_running_seqs(self) -> int:
@@ -123,7 +97,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._ops)
+        return bool(self.waiting or self.running or self.cache.ops)
 
     def names_adapter(self, name: str) -> bool:
         """Whether scheduled work (running, or waiting here) runs with this LoRA adapter: it may not be freed."""
@@ -158,11 +132,7 @@ class Scheduler:
             return
         seq.status = SeqStatus.FINISHED
         if seq.slot is not None:  # its cells stay as a cache entry of its scope
-            keep = seq.token_ids[: seq.num_computed] if self.prefix_cache else []
-            # what the stream holds is made exactly `keep` (a request failed or aborted in the middle of a step
-            # has cells computed in it that num_computed does not count yet)
-            self._ops.append(Keep(seq.slot, len(keep)) if keep else Clear(seq.slot))
-            self.slots.release(self.slots.slots[seq.slot], keep, seq.group.pin_seconds)
+            self.cache.release(seq.slot, seq.token_ids[: seq.num_computed], seq.group.pin_seconds)
             seq.slot = None
         group = seq.group
         if group.finished:
@@ -187,7 +157,7 @@ class Scheduler:
     def _preempt(self) -> None:
         """Before a step: while the best-ranked waiting requests find no slot at rest, running ones ranked below
         them give theirs up, worst first, when that makes room."""
-        idle = len(self.slots.idle)
+        idle = self.cache.free_slots
         for group in sorted(self.waiting, key=self.rank):
             need = len(group.live)
             if need <= idle:
@@ -213,9 +183,7 @@ class Scheduler:
         """A running request gives its slot up and waits again: its cells stay as a cache entry of its scope."""
         seq = group.seqs[0]
         assert seq.slot is not None
-        keep = seq.token_ids[: seq.num_computed] if self.prefix_cache else []
-        self._ops.append(Keep(seq.slot, len(keep)) if keep else Clear(seq.slot))
-        self.slots.release(self.slots.slots[seq.slot], keep)
+        self.cache.release(seq.slot, seq.token_ids[: seq.num_computed])
         seq.slot, seq.status, seq.num_computed = None, SeqStatus.WAITING, 0
         self.running.remove(group)
         self.waiting.append(group)
@@ -223,9 +191,7 @@ class Scheduler:
         self.preemptions += 1
 
     def schedule(self) -> StepPlan:
-        self._restoring = {}
-        if self.spill is not None:
-            self.spill.settle()  # the states the last step saved
+        self.cache.settle()
         if self.waiting:
             self._preempt()
         plan = StepPlan()
@@ -257,24 +223,21 @@ class Scheduler:
         for group in list(self.waiting):
             if budget <= 0:
                 break
-            if readers and self._waits_for_prefix(group, readers):
+            if readers and self.cache.awaits(group, readers):
                 continue  # a running request is reading the prompt this one begins with: reuse it, soon
-            if len(group.live) > len(self.slots.idle):
+            if len(group.live) > self.cache.free_slots:
                 if blocked or self._may_overtake(group):
                     blocked = True
                     continue
                 break
             self.waiting.remove(group)
             self._admit(group)
-            if self._reads_cache(group):  # the ones behind may wait for what it is about to read
+            if self.cache.reads(group):  # the ones behind may wait for what it is about to read
                 readers.append(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
                     budget -= self._read(seq, budget, plan)
-        plan.ops, self._ops = self._ops, []
-        if plan.chunks:  # its forward pass makes the copies
-            self._copied_to.clear()
-            self._copied_from.clear()
+        plan.ops = self.cache.take_ops(bool(plan.chunks))
         return plan
 
     def _urgent_reader(self) -> SequenceGroup | None:
@@ -284,7 +247,7 @@ class Scheduler:
         soon as it would on an idle engine. None: no one holds back. Holding back changes no answer (a row's logits
         do not depend on its step). A request that has waited long enough to outrank it does not hold back."""
         readers = [g for g in self.running if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
-        if self.waiting and len(self.waiting[0].live) <= len(self.slots.idle):  # (one that cannot fit holds no one)
+        if self.waiting and len(self.waiting[0].live) <= self.cache.free_slots:  # (one that cannot fit holds no one)
             readers.append(self.waiting[0])
         if not readers:
             return None
@@ -336,113 +299,37 @@ class Scheduler:
         """Whether groups behind a head that does not fit may go first: only while it could not fit even if every
         group admitted after it gave its slots back (they take nothing it could use; once it could fit without
         them, nothing overtakes it any more)."""
-        slots = len(self.slots.idle)
+        slots = self.cache.free_slots
         for g in self.running:
             if g.arrival > head.arrival:
                 slots += sum(1 for s in g.seqs if s.holds_slot)
         return len(head.live) > slots
 
     def _admit(self, group: SequenceGroup) -> None:
+        """The group's sequences take slots at rest: the first where the cache places it (its cached cells counted
+        as computed), its siblings spare ones (they share the prompt once the first has read it: a copy, _fork)."""
         group.started_at = group.started_at or time.perf_counter()
         first, *others = group.live
-        resumed = group.preempted > 0  # its tokens so far, not only its prompt, may be cached
-        placed = self.slots.place(first.token_ids, group.scope, self._reads_cache(group), group.adapters)
-        assert placed is not None  # the caller checked that enough slots rest
-        if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
-            placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
-        slot = placed.slot
-        # a spilled entry is read back only into a slot no copy touches before the next pass (its own entry moved
-        # aside is such a copy)
-        restorable = placed.moved is None and slot.index not in self._copied_to | self._copied_from
-        spilled = self._spilled(group, first.token_ids, placed.reuse) if restorable else None
-        reuse = spilled[2] if spilled is not None else placed.reuse
-        if placed.moved is not None:  # the slot's own entry is kept elsewhere first
-            self._save(placed.moved)
-            self._copy(slot.index, placed.moved.index, len(slot.cached))
-            self.slots.move(slot, placed.moved)
-        elif spilled is not None or placed.source is not None or not placed.reuse:
-            self._save(slot)  # its entry is given up
-        if spilled is not None:  # a spilled entry holds more of the prompt than any slot: its cells come back
-            self._ops += [Restore(slot.index, spilled[1], reuse), Keep(slot.index, reuse)]
-            self._restoring[slot.index] = spilled[0]
-        elif placed.source is not None:  # a copy replaces whatever the slot held
-            self._copy(placed.source.index, slot.index, placed.reuse)
-        elif placed.reuse:
-            self._ops.append(Keep(slot.index, placed.reuse))
-        elif slot.cached:
-            self._ops.append(Clear(slot.index))
+        slot, reuse = self.cache.place(group, first.token_ids)
         self._occupy(first, slot)
         first.num_computed = reuse
-        if resumed:
-            self.resumed_tokens += reuse
-        elif reuse:
+        if reuse and not group.preempted:
             group.cached_tokens = reuse
-            self.cache_hits += 1
-            self.cached_tokens += reuse
-        for seq in others:  # they share the prompt once the first has read it (a copy: _fork)
-            spare = self.slots.spare(adapters=group.adapters)
-            if spare.cached:
-                self._save(spare)
-                self._ops.append(Clear(spare.index))
-            self._occupy(seq, spare)
+        for seq in others:
+            self._occupy(seq, self.cache.spare(group.adapters))
             seq.status = SeqStatus.FORK_PENDING
         self.running.append(group)
 
-    def _occupy(self, seq: Sequence, slot: Slot) -> None:
-        self.slots.take(slot, seq, seq.group.scope)
-        seq.slot = slot.index
+    def _occupy(self, seq: Sequence, slot: int) -> None:
+        self.cache.take(slot, seq)
+        seq.slot = slot
         seq.status = SeqStatus.RUNNING
-
-    # -- the prefix cache -------------------------------------------------------------------------
-    def _save(self, slot: Slot) -> None:
-        """The resting slot's entry is about to be given up: its cells go to the spill store first (a Save op ahead
-        of the op that overwrites them), if they are worth keeping and in its stream already (not a copy's yet)."""
-        if self.spill is not None and slot.seq is None and slot.index not in self._copied_to \
-                and self.spill.wants(slot.cached, slot.scope):
-            self._ops.append(Save(slot.index, self.spill.spill(slot.cached, slot.scope)))
-
-    def _copy(self, src: int, dst: int, n: int) -> None:
-        self._ops.append(Copy(src, dst, n))
-        self._copied_to.add(dst)
-        self._copied_from.add(src)
-
-    def _spilled(self, group: SequenceGroup, tokens: list[int], reuse: int) -> tuple[Spilled, bytes, int] | None:
-        """A spilled entry, its state and how many of the sequence's `tokens` it holds, when it holds at least
-        MIN_RESTORE more than the slots offer (`reuse`)."""
-        if self.spill is None or not self._reads_cache(group):
-            return None
-        entry, n = self.spill.best(tokens, group.scope, len(tokens) - 1)
-        n = group.whole(n)
-        if entry is None or n < reuse + MIN_RESTORE:
-            return None
-        data = self.spill.load(entry)
-        return (entry, data, n) if data is not None else None
-
-    def _reads_cache(self, group: SequenceGroup) -> bool:
-        return self.prefix_cache and group.params.prompt_logprobs is None
 
     def _prompt_readers(self) -> list[SequenceGroup]:
         """Running requests still reading their prompts (and reading the cache)."""
-        if not self.prefix_cache:
+        if not self.cache.enabled:
             return []
-        return [g for g in self.running if g.seqs[0].num_computed < g.prompt_len and self._reads_cache(g)]
-
-    def _waits_for_prefix(self, group: SequenceGroup, readers: list[SequenceGroup]) -> bool:
-        """Whether a request still reading its prompt (of the same scope) reads at least DEFER_PREFIX leading
-        tokens of this group's prompt itself (not from the cache) that no slot holds yet: once they are read,
-        this group copies them and reads only the rest (four requests arriving together with one new long
-        system prompt read it once, not four times; the wait is a step or a few). Tokens the cache already
-        held, and a few beyond them, are not worth a wait."""
-        if not self._reads_cache(group):
-            return False
-        prompt = group.prompt_token_ids
-        for reader in readers:
-            if reader.scope != group.scope:
-                continue
-            shared = common_prefix(reader.prompt_token_ids, prompt, len(prompt) - 1)
-            if shared - reader.cached_tokens >= DEFER_PREFIX and reader.seqs[0].num_computed < shared:
-                return True
-        return False
+        return [g for g in self.running if g.seqs[0].num_computed < g.prompt_len and self.cache.reads(g)]
 
     # -- after the forward pass -------------------------------------------------------------------
     def _chunk(self, seq: Sequence, take: int, span: MediaSpan | None = None) -> ScheduledChunk:
@@ -507,19 +394,15 @@ class Scheduler:
         """The runner refused this step's restores into `slots` (and emptied them, and any slot copied from them): the
         sequences there read their prompts from the start, reported as uncached, and the spilled entries go (their
         files too). Their chunks of this step were not read."""
+        uncached: list[int] = []
         for group in self.running:
             for seq in group.seqs:
                 if seq.slot in slots and seq.status is SeqStatus.RUNNING:
                     if group.cached_tokens and seq is group.seqs[0] and not group.preempted:
-                        self.cache_hits -= 1
-                        self.cached_tokens -= group.cached_tokens
+                        uncached.append(group.cached_tokens)
                         group.cached_tokens = 0
                     seq.num_computed = 0
-        if self.spill is not None:
-            for slot in slots:
-                entry = self._restoring.pop(slot, None)
-                if entry is not None:
-                    self.spill.discard(entry)
+        self.cache.restore_failed(slots, uncached)
 
     def _settle(self, chunk: ScheduledChunk) -> None:
         """A drafted chunk is verified: its sequence learns how its guesses did, and the cells of those that failed
@@ -532,7 +415,7 @@ class Scheduler:
         if seq.drafter is not None:
             seq.drafter.observe(kept, rejected=running and kept < chunk.drafted)
         if running and seq.slot is not None and seq.num_computed < chunk.start + len(chunk.tokens):
-            self._ops.append(Keep(seq.slot, seq.num_computed))
+            self.cache.trim(seq.slot, seq.num_computed)
 
     def _rebeam(self, group: SequenceGroup, parents: list[int], tokens: list[int]) -> None:
         """Beam search moved on: new beam i continues beam parents[i] with tokens[i], held by the sequence
@@ -543,7 +426,7 @@ class Scheduler:
         for i, p in enumerate(parents):
             src, dst = seqs[p].slot, seqs[host[i]].slot
             if host[i] != p and src is not None and dst is not None:
-                self._copy(src, dst, old[p][1])
+                self.cache.copy(src, dst, old[p][1])
         for i, p in enumerate(parents):
             seq = seqs[host[i]]
             seq.token_ids = old[p][0] + [tokens[i]]
@@ -555,4 +438,4 @@ class Scheduler:
         child.num_computed = group.prompt_len
         child.status = SeqStatus.RUNNING
         assert parent.slot is not None and child.slot is not None
-        self._copy(parent.slot, child.slot, group.prompt_len)
+        self.cache.copy(parent.slot, child.slot, group.prompt_len)

@@ -1,14 +1,17 @@
 """The prefix cache: a slot at rest keeps its cells (a prompt, or a whole turn), and a new request starts where
 the longest part of its prompt already is: in place in a slot at rest, or copied from a running one; the least
 recently used slot's cells go first. Driven by hand (pure data) and, for every KV operation, against the fake
-runner, which checks each copy, trim and chunk against its own book of cells."""
+runner, which checks each copy, trim and chunk against its own book of cells; and engine/prefix_cache.py's
+PrefixCache on its own (placement, release, copies, restores, persistence, its counts)."""
 
 from __future__ import annotations
 
 import random
 
-from servelm.engine.plan import Clear, Copy, Keep
+from servelm.engine.plan import Clear, Copy, Keep, Restore, Save
+from servelm.engine.prefix_cache import CacheStats, PrefixCache
 from servelm.engine.sequence import SequenceGroup
+from servelm.engine.spill import SUFFIX, SpillStore
 from servelm.engine.types import SamplingParams
 from servelm.runners.fake import FakeRunner
 from tests.engine.steps import Recording
@@ -24,7 +27,7 @@ def run_step(s: Recording, token: int = 7, runner: FakeRunner | None = None):
         runner.step(plan)  # raises on a copy or trim of cells that are not there, or a chunk at the wrong position
     s.record(plan, {seq: token for c in plan.chunks for seq in c.samplers})
     if runner is not None:  # never fewer: a fork's copy counts from its decision, the runner's from the next step
-        assert runner.cells_in_use() <= s.kv_cells_used + s.kv_cells_cached, "the scheduler undercounts the cells"
+        assert runner.cells_in_use() <= s.kv_cells_used + s.cache.cached_cells, "the scheduler undercounts the cells"
     return plan
 
 
@@ -75,7 +78,7 @@ def test_a_finished_turn_is_kept_and_the_next_turn_reuses_prompt_and_answer():
         run_step(s, token=50)
     finish(s, turn)
     history = list(turn.seqs[0].token_ids)
-    assert len(history) == 13 and s.kv_cells_cached == 12, "the prompt and the answer's cells but the last token's"
+    assert len(history) == 13 and s.cache.cached_cells == 12, "the prompt and the answer's cells but the last token's"
     nxt = ask(s, "t2", [*history, 60, 61])
     run_step(s)
     assert nxt.cached_tokens == 12, "the conversation's next turn reads only what is new"
@@ -174,7 +177,7 @@ def test_every_operation_matches_the_runners_cells_under_random_traffic():
     for g in list(s.running):
         finish(s, g)
     run_step(s, runner=runner)
-    assert runner.cells_in_use() == s.kv_cells_cached and s.kv_cells_used == 0, "at rest, the counts are exact"
+    assert runner.cells_in_use() == s.cache.cached_cells and s.kv_cells_used == 0, "at rest, the counts are exact"
 
 
 def test_requests_arriving_together_with_one_long_prefix_read_it_once():
@@ -270,14 +273,14 @@ def test_a_new_sequence_goes_next_to_the_running_ones_and_the_entry_there_is_kep
     run_step(s)
     at = running.seqs[0].slot
     assert running.cached_tokens == 12
-    before = {slot.index: slot.cached for slot in s.slots.slots}
+    before = {slot.index: slot.cached for slot in s.cache.slots.slots}
     fresh = ask(s, "fresh", [99] * 10, max_tokens=1)
     plan = run_step(s)
     new = fresh.seqs[0].slot
     assert abs(new - at) == 1, f"slot {new} is not beside the running slot {at}"
     lru = 0  # entry0's slot: the least recently used
     assert plan.ops[0] == Copy(new, lru, len(before[new])), "the neighbour's entry is kept, over the oldest"
-    assert s.slots.slots[lru].cached == before[new]
+    assert s.cache.slots.slots[lru].cached == before[new]
     finish(s, fresh)
     kept = ask(s, "kept", [*before[new], 7], max_tokens=1)
     run_step(s)
@@ -309,11 +312,11 @@ def test_running_slots_stay_in_few_runs_under_random_traffic():
     placed = 0
     for i in range(400):
         arrive(s, rng, systems, f"r{i}")
-        held = {sl.index for sl in s.slots.slots if sl.seq is not None}
+        held = {sl.index for sl in s.cache.slots.slots if sl.seq is not None}
         could = bool(held) and any(sl.seq is None and (sl.index - 1 in held or sl.index + 1 in held)
-                                   for sl in s.slots.slots)
+                                   for sl in s.cache.slots.slots)
         run_step(s, token=rng.randint(1, 60), runner=runner)
-        new = {sl.index for sl in s.slots.slots if sl.seq is not None} - held
+        new = {sl.index for sl in s.cache.slots.slots if sl.seq is not None} - held
         for slot in new:
             placed += 1
             if could:
@@ -330,8 +333,6 @@ def test_no_save_or_restore_touches_a_stream_before_its_copy_is_made_under_rando
     destination before then would keep the cells it held before, and a Restore into either slot would be overwritten
     or copied on. The fake runner refuses both; long shared prompts, n > 1, entries moved aside, spilled and read
     back, random finishes and steps without chunks must never ask for either."""
-    from servelm.engine.spill import SpillStore
-
     rng = random.Random(3)
     runner = FakeRunner(num_slots=4, max_step_tokens=48, context_window=400)
     s = Recording(4, 400, 48, spill=SpillStore("fake", 1 << 26))
@@ -346,5 +347,136 @@ def test_no_save_or_restore_touches_a_stream_before_its_copy_is_made_under_rando
             for seq in g.live:
                 if seq.num_generated >= 1 and rng.random() < 0.3:
                     s.finish(seq)
-        restored = s.spill.restored if s.spill else 0
+        restored = s.cache.spill.restored if s.cache.spill else 0
     assert restored > 0, "entries were spilled and read back"
+
+
+# -- the PrefixCache on its own: its answers, the operations it queues, its counts ------------------------------
+def group(rid: str, prompt, scope: str = "", **kw) -> SequenceGroup:
+    return SequenceGroup(rid, tuple(prompt), SamplingParams(max_tokens=4, **kw), scope=scope)
+
+
+def placed(c: PrefixCache, g: SequenceGroup) -> tuple[int, int]:
+    """The cache places the group's first sequence and it takes the slot (as the scheduler's _admit does)."""
+    slot, reuse = c.place(g, g.seqs[0].token_ids)
+    c.take(slot, g.seqs[0])
+    return slot, reuse
+
+
+def test_the_cache_places_a_new_prompt_in_an_empty_slot_with_nothing_to_do():
+    c = PrefixCache(2)
+    assert placed(c, group("a", range(1, 11))) == (0, 0) and c.take_ops(False) == []
+    assert c.free_slots == 1 and (c.cache_hits, c.cached_tokens) == (0, 0)
+
+
+def test_a_released_slot_keeps_what_its_sequence_computed_and_the_next_turn_starts_there():
+    c = PrefixCache(2)
+    first = group("a", range(1, 21))
+    slot, _ = placed(c, first)
+    c.release(slot, list(range(1, 21)), pin_seconds=0.0)
+    assert c.take_ops(True) == [Keep(slot, 20)] and c.cached_cells == 20 and c.free_slots == 2
+    assert placed(c, group("b", [*range(1, 21), 99])) == (slot, 20)
+    assert c.take_ops(True) == [Keep(slot, 20)], "the entry trimmed to what the new prompt reuses"
+    assert (c.cache_hits, c.cached_tokens, c.resumed_tokens) == (1, 20, 0)
+
+
+def test_a_preempted_request_counts_as_resumed_not_as_a_hit():
+    c = PrefixCache(1)
+    slot, _ = placed(c, group("a", range(1, 21)))
+    c.release(slot, list(range(1, 31)))
+    again = group("a", range(1, 21))
+    again.seqs[0].token_ids = list(range(1, 32))
+    again.preempted = 1
+    assert placed(c, again) == (slot, 30)
+    assert (c.cache_hits, c.cached_tokens, c.resumed_tokens) == (0, 0, 30)
+
+
+def test_with_the_cache_off_a_released_slot_is_emptied_and_nothing_is_read():
+    c = PrefixCache(1, enabled=False, spill=SpillStore("fp", 1 << 20))
+    assert c.spill is None, "no spill store without a cache"
+    slot, _ = placed(c, group("a", range(1, 21)))
+    c.release(slot, list(range(1, 21)))
+    assert c.take_ops(True) == [Clear(slot)] and c.cached_cells == 0
+    assert placed(c, group("b", range(1, 25))) == (slot, 0) and not c.reads(group("c", [1]))
+
+
+def test_a_prompt_logprobs_request_reads_everything():
+    c = PrefixCache(2)
+    slot, _ = placed(c, group("a", range(1, 21)))
+    c.release(slot, list(range(1, 21)))
+    echo = group("b", range(1, 25), prompt_logprobs=0)
+    assert not c.reads(echo) and placed(c, echo)[1] == 0
+
+
+def test_a_copy_is_pending_until_a_plan_with_chunks_is_read():
+    c = PrefixCache(3)
+    c.copy(0, 1, 5)
+    c.trim(2, 3)
+    assert c.copies_pending == {1}
+    assert c.take_ops(False) == [Copy(0, 1, 5), Keep(2, 3)] and c.copies_pending == {1}, "no pass made it yet"
+    assert c.ops == [] and c.take_ops(True) == [] and c.copies_pending == frozenset()
+
+
+def test_a_sibling_gets_a_spare_slot_emptied():
+    c = PrefixCache(3)
+    slot, _ = placed(c, group("a", range(1, 11)))
+    c.release(slot, list(range(1, 11)))
+    c.take_ops(True)
+    g = group("b", range(50, 60), n=3)
+    first, _ = placed(c, g)
+    spares = []
+    for seq in g.seqs[1:]:
+        spares.append(c.spare(g.adapters))
+        c.take(spares[-1], seq)
+    assert len({first, *spares}) == 3 and c.free_slots == 0
+    assert Clear(slot) in c.take_ops(True), "the slot that held an entry is emptied for its new sequence"
+
+
+def test_a_spilled_entry_comes_back_and_a_refused_restore_drops_it_and_takes_the_hit_back():
+    c = PrefixCache(1, spill=SpillStore("fp", 1 << 20))
+    system = list(range(100, 180))
+    slot, _ = placed(c, group("a", system))
+    c.release(slot, system)
+    placed(c, group("b", range(1, 9)))  # the entry's slot is taken: its cells are saved first
+    ops = c.take_ops(True)
+    assert [type(op) for op in ops] == [Keep, Save, Clear]
+    ops[1].into.data = b"state"  # the runner fills the Save
+    c.settle()
+    c.release(slot, list(range(1, 9)))
+    c.take_ops(True)
+    g = group("c", [*system, 1, 2])
+    assert placed(c, g) == (slot, 80)
+    assert c.take_ops(True) == [Restore(slot, b"state", 80), Keep(slot, 80)]
+    assert (c.stats().cache_hits, c.stats().spill_restored, c.stats().spill_entries) == (1, 1, 1)
+    c.restore_failed(frozenset({slot}), [80])
+    stats = c.stats()
+    assert (stats.cache_hits, stats.cached_tokens, stats.spill_restore_failures, stats.spill_entries) == (0, 0, 1, 0)
+
+
+def test_a_request_waits_for_a_long_prefix_another_is_reading_of_its_scope_only():
+    c = PrefixCache(2)
+    system = list(range(1, 101))
+    reader = group("a", [*system, 7])
+    placed(c, reader)
+    assert c.awaits(group("b", [*system, 8]), [reader]), "100 shared tokens not read yet"
+    assert not c.awaits(group("c", [*system, 8], scope="other"), [reader])
+    assert not c.awaits(group("d", [*system[:40], 8]), [reader]), "too few shared tokens to wait for"
+
+
+def test_the_stats_name_what_the_cache_holds():
+    c = PrefixCache(3, spill=SpillStore("fp", 1 << 20))
+    slot, _ = placed(c, group("a", range(1, 13)))
+    c.release(slot, list(range(1, 13)))
+    assert c.stats() == CacheStats(kv_cells_cached=12, free_slots=3, cache_hits=0, cached_tokens=0, resumed_tokens=0)
+
+
+def test_persisting_writes_each_resting_entry_but_not_one_a_copy_has_not_made(tmp_path):
+    c = PrefixCache(3, spill=SpillStore("fp", 1 << 20, tmp_path, 1 << 20))
+    for rid, base in (("a", 100), ("b", 300)):
+        slot, _ = placed(c, group(rid, range(base, base + 70)))
+        c.release(slot, list(range(base, base + 70)))
+    c.copy(0, 2, 70)  # not made yet: slot 2 does not hold what its record says
+    c.slots.release(c.slots.slots[2], list(range(500, 570)))
+    saved = []
+    c.persist(lambda slot: saved.append(slot) or f"state{slot}".encode())
+    assert saved == [0, 1] and len(list(tmp_path.glob(f"*{SUFFIX}"))) == 2

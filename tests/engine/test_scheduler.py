@@ -100,7 +100,7 @@ def test_finishing_frees_the_slot():
     assert s.kv_cells_used == 6
     slot = g.seqs[0].slot
     s.finish(g.seqs[0])
-    assert s.kv_cells_used == 0 and len(s.free_slots) == 2 and not s.running
+    assert s.kv_cells_used == 0 and s.cache.free_slots == 2 and not s.running
     assert s.schedule().ops == [Clear(slot)]
 
 
@@ -200,7 +200,7 @@ def test_a_finished_sequences_stream_is_trimmed_to_what_it_counted():
     s.add(g2)
     run_step(s)
     s.finish(g2.seqs[0])
-    assert s.schedule().ops == [Keep(0, 10)] and s.kv_cells_cached == 10
+    assert s.schedule().ops == [Keep(0, 10)] and s.cache.cached_cells == 10
     assert g2.seqs[0].status is SeqStatus.FINISHED
 
 
@@ -272,7 +272,7 @@ def test_resuming_reads_back_cells_the_spill_kept_or_computes_them_again():
     plan = run_step(s)
     restores = [op for op in plan.ops if isinstance(op, Restore)]
     assert restores and restores[0].n == computed, "its cells come back from host RAM"
-    assert s.resumed_tokens == computed and [len(c.tokens) for c in plan.chunks] == [1]
+    assert s.cache.resumed_tokens == computed and [len(c.tokens) for c in plan.chunks] == [1]
 
 
 def test_nothing_is_preempted_for_an_equal_or_lower_priority():
