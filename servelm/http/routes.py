@@ -88,8 +88,7 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
                       sum(g.params.max_tokens * g.params.num_seqs for g in gens), dep.max_waiting)
     trace = tracing.current()
     if trace is not None:
-        describe_generation(trace, req, service.operation, dep.name, [g.request_id for g in gens], gens[0].priority,
-                            gens[0].adapters)
+        describe_generation(trace, req, service.operation, prepared)
         trace.event("servelm.admitted", servelm__waiting=dep.queue.total)
     if prepared.screening is not None:  # the deployment's content policy on the prompt: a 400 before anything runs
         try:

@@ -4,7 +4,8 @@ app answers (so the access log writes its trace id, and the layers below add to 
 ended when the last byte of the answer (a stream's too) is sent.
 
 `describe_generation` names a generating request's span and adds its request attributes by the GenAI semantic
-conventions; the answer's (id, finish reasons, usage) come from the engine's outputs (service/traced.py)."""
+conventions, read from the engine's parameters the service prepared (whatever the API called them); the
+answer's (id, finish reasons, usage) come from the engine's outputs (service/traced.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from servelm.http.middleware import FILTERED_NOTE, route_template
+from servelm.service.base import Prepared
 from servelm.tracing import PROVIDER, RequestTrace, Tracing, bound
 
 UNTRACED = frozenset({"/health", "/metrics"})
@@ -68,26 +70,27 @@ class Traced:
             context.detach(token)
 
 
-# the request fields that GenAI attributes name (gen_ai.request.*), as our wire models call them
+# the sampling parameters that GenAI attributes name (gen_ai.request.*), as SamplingParams calls them
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "frequency_penalty": "frequency_penalty",
-             "presence_penalty": "presence_penalty", "seed": "seed", "n": "choice.count"}
+             "presence_penalty": "presence_penalty", "seed": "seed", "n": "choice.count", "max_tokens": "max_tokens"}
 
 
-def describe_generation(trace: RequestTrace, req: Any, operation: str, deployment: str, request_ids: list[str],
-                        priority: int, adapters: tuple[tuple[str, float], ...]) -> None:
-    """Name the span `{operation} {model}` and add the request's attributes."""
+def describe_generation(trace: RequestTrace, req: Any, operation: str, prepared: Prepared) -> None:
+    """Name the span `{operation} {model}` (the model the request named, else its deployment) and add the
+    attributes of what runs: the engine's parameters of its first generation (a request's generations share
+    them), its stream flag, priority and adapters. `req` gives the model named, and the prompt when content is
+    captured."""
+    gens, deployment = prepared.generations, prepared.deployment.name
     model = getattr(req, "model", None) or deployment
     trace.rename(f"{operation} {model}")
-    trace.requests.update(request_ids)
-    attributes: dict[str, Any] = {f"gen_ai.request.{name}": getattr(req, field, None) for field, name in _SAMPLING.items()}
-    max_tokens = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
-    stop = getattr(req, "stop", None)
+    trace.requests.update(g.request_id for g in gens)
+    params = gens[0].params
+    attributes: dict[str, Any] = {f"gen_ai.request.{name}": getattr(params, field) for field, name in _SAMPLING.items()}
     attributes.update({
         "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER, "gen_ai.request.model": model,
-        "gen_ai.response.model": deployment, "gen_ai.request.max_tokens": max_tokens,
-        "gen_ai.request.stop_sequences": [stop] if isinstance(stop, str) else stop,
-        "gen_ai.request.stream": bool(getattr(req, "stream", False)), "servelm.priority": priority,
-        "servelm.lora": [name for name, _ in adapters] or None,
+        "gen_ai.response.model": deployment, "gen_ai.request.stop_sequences": list(params.stop) or None,
+        "gen_ai.request.stream": prepared.stream, "servelm.priority": gens[0].priority,
+        "servelm.lora": [name for name, _ in gens[0].adapters] or None,
     })
     trace.span.set_attributes({k: _plain(v) for k, v in attributes.items() if v is not None})
     if trace.capture_content:
