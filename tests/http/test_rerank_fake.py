@@ -98,8 +98,8 @@ def test_without_a_model_the_reranker_answers(base_url):
 
 
 def test_cohere_v2_through_cohere_client(base_url):
-    client = cohere.ClientV2(api_key="none", base_url=base_url)
-    r = client.rerank(model=RERANK, query=QUERY, documents=DOCS, top_n=3)
+    with cohere.ClientV2(api_key="none", base_url=base_url) as client:  # its connection closed at the end
+        r = client.rerank(model=RERANK, query=QUERY, documents=DOCS, top_n=3)
     scores = [cross_score(QUERY, d) for d in DOCS]
     assert [x.index for x in r.results] == expected_order(scores)[:3]
     assert [x.relevance_score for x in r.results] == pytest.approx([scores[x.index] for x in r.results], rel=1e-6)
