@@ -1,11 +1,12 @@
 """Rerank and score over HTTP: vLLM's and Jina's POST /v1/rerank (and /rerank), Cohere's POST /v2/rerank, OpenVINO
 Model Server's POST /v3/rerank and vLLM's POST /v1/score, each with its own request, answer and error shape
-(http/errors.py renders Cohere's and OVMS's). The scores come from service/rerank.py."""
+(http/errors.py renders Cohere's and OVMS's). service/rerank.py reads each request, scores it and shapes its answer."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,36 +22,39 @@ from servelm.protocol.rerank import (
     CohereRerankResponse,
     OvmsRerankRequest,
     OvmsRerankResponse,
-    RerankDocument,
     RerankRequest,
     RerankResponse,
-    RerankResult,
-    RerankUsage,
-    ScoreData,
     ScoreRequest,
     ScoreResponse,
 )
 from servelm.service.deployments import Deployments
-from servelm.service.rerank import PreparedScores, ScoreService, new_id, ranked
+from servelm.service.rerank import (
+    PreparedScores,
+    ScoreQuery,
+    ScoreService,
+    cohere_answer,
+    jina_answer,
+    ovms_answer,
+    rerank_query,
+    score_answer,
+    score_query,
+)
 
-RERANK_PATHS = ("/v1/rerank", "/rerank")
+R = TypeVar("R", bound=BaseModel)
 
 
 def build_rerank_router(deployments: Deployments) -> APIRouter:
     router = APIRouter()
     service = ScoreService(deployments)
 
-    async def score(request: Request, model: str | None, left: list[str], right: list[str], left_param: str,
-                    right_param: str, max_right_tokens: int | None = None) -> tuple[PreparedScores, list[float]] | None:
+    async def score(request: Request, q: ScoreQuery) -> tuple[PreparedScores, list[float]] | None:
         """The scores of a request for this caller (its access, its place in the queue, its tokens per minute, its
         turn in the passes); None if it went away."""
-        name = model or service.default_model()
+        name = q.model or service.default_model()
         check_access(request.scope, deployments, name)
         dep, _ = deployments.embedder(name)
         with embedding_turn(request.scope, dep) as caller:
-            prepared = await asyncio.to_thread(service.prepare, dep.name, left, right, left_param=left_param,
-                                               right_param=right_param, max_right_tokens=max_right_tokens,
-                                               max_right_param="max_tokens_per_doc")
+            prepared = await asyncio.to_thread(service.prepare, dep.name, q)
             charge_tokens(request.scope, prepared.tokens, 0)
             tracing.annotate(gen_ai__operation__name="rerank", gen_ai__request__model=prepared.model,
                              servelm__pairs=len(prepared.pairs), gen_ai__usage__input_tokens=prepared.tokens)
@@ -63,59 +67,23 @@ def build_rerank_router(deployments: Deployments) -> APIRouter:
             metrics.scored.labels(prepared.model, kind).inc(len(prepared.pairs))
         return prepared, scores
 
-    def results(texts: list[str], scores: list[float], top_n: int | None, documents: bool) -> list[RerankResult]:
-        return [RerankResult(index=i, relevance_score=s, document=RerankDocument(text=texts[i]) if documents else None)
-                for i, s in ranked(scores, top_n)]
+    def add(paths: tuple[str, ...], name: str, model: type[R], query: Callable[[R], ScoreQuery],
+            answer: Callable[[R, PreparedScores, list[float]], BaseModel], response: type[BaseModel]) -> None:
+        """One API's route: `name` is its OpenAPI operation's."""
+        async def handle(request: Request) -> Response:
+            req = await parse_body(request, model)
+            out = await score(request, query(req))
+            if out is None:
+                return Response(status_code=499)
+            body = answer(req, *out).model_dump(mode="json", exclude_none=True)
+            return JSONResponse(body, headers=deployment_header(out[0].model))
 
-    def answer(body: BaseModel, model: str) -> JSONResponse:
-        return JSONResponse(body.model_dump(mode="json", exclude_none=True), headers=deployment_header(model))
+        for path in paths:
+            router.add_api_route(path, handle, methods=["POST"], name=name,
+                                 openapi_extra=doc(request=model, response=response))
 
-    async def jina(request: Request) -> Response:
-        req = await parse_body(request, RerankRequest)
-        texts = [d if isinstance(d, str) else d.text for d in req.documents]
-        out = await score(request, req.model, [req.query], texts, "query", "documents")
-        if out is None:
-            return Response(status_code=499)
-        p, scores = out
-        return answer(RerankResponse(id=new_id("rerank"), model=p.model, results=results(
-            texts, scores, req.top_n, req.return_documents), usage=RerankUsage(prompt_tokens=p.tokens,
-                                                                               total_tokens=p.tokens)), p.model)
-
-    for path in RERANK_PATHS:
-        router.add_api_route(path, jina, methods=["POST"], openapi_extra=doc(request=RerankRequest,
-                                                                             response=RerankResponse))
-
-    @router.post("/v2/rerank", openapi_extra=doc(request=CohereRerankRequest, response=CohereRerankResponse))
-    async def cohere(request: Request) -> Response:
-        req = await parse_body(request, CohereRerankRequest)
-        out = await score(request, req.model, [req.query], req.documents, "query", "documents", req.max_tokens_per_doc)
-        if out is None:
-            return Response(status_code=499)
-        p, scores = out
-        return answer(CohereRerankResponse(id=new_id("rerank"), results=results(req.documents, scores, req.top_n,
-                                                                                False)), p.model)
-
-    @router.post("/v3/rerank", openapi_extra=doc(request=OvmsRerankRequest, response=OvmsRerankResponse))
-    async def ovms(request: Request) -> Response:
-        req = await parse_body(request, OvmsRerankRequest)
-        out = await score(request, req.model, [req.query], req.documents, "query", "documents")
-        if out is None:
-            return Response(status_code=499)
-        p, scores = out
-        return answer(OvmsRerankResponse(results=results(req.documents, scores, req.top_n, req.return_documents)),
-                      p.model)
-
-    @router.post("/v1/score", openapi_extra=doc(request=ScoreRequest, response=ScoreResponse))
-    async def vllm_score(request: Request) -> Response:
-        req = await parse_body(request, ScoreRequest)
-        left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
-        right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-        out = await score(request, req.model, left, right, "text_1", "text_2")
-        if out is None:
-            return Response(status_code=499)
-        p, scores = out
-        return answer(ScoreResponse(id=new_id("score"), created=int(time.time()), model=p.model,
-                                    data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
-                                    usage=RerankUsage(prompt_tokens=p.tokens, total_tokens=p.tokens)), p.model)
-
+    add(("/v1/rerank", "/rerank"), "jina", RerankRequest, rerank_query, jina_answer, RerankResponse)
+    add(("/v2/rerank",), "cohere", CohereRerankRequest, rerank_query, cohere_answer, CohereRerankResponse)
+    add(("/v3/rerank",), "ovms", OvmsRerankRequest, rerank_query, ovms_answer, OvmsRerankResponse)
+    add(("/v1/score",), "vllm_score", ScoreRequest, score_query, score_answer, ScoreResponse)
     return router

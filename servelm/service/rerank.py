@@ -8,10 +8,15 @@ Two kinds of model answer it:
   with an embedding model. Each distinct text is embedded once.
 
 Both run through the deployment's embedding engine, so their inputs share forward passes with other requests'.
+
+Each API's request is read into one ScoreQuery (what is paired with what, and the fields a 400 names), and its
+answer is shaped from the scores by its own function: vLLM's and Jina's rerank, Cohere's, OpenVINO Model Server's,
+and vLLM's score.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -19,6 +24,20 @@ import numpy as np
 
 from servelm.engine.base import Embedder
 from servelm.errors import ContextLengthExceeded, InvalidParameter
+from servelm.protocol.rerank import (
+    CohereRerankRequest,
+    CohereRerankResponse,
+    OvmsRerankRequest,
+    OvmsRerankResponse,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
 from servelm.service.deployments import Deployments, TextDeployment
 
 MAX_PAIRS = 1024  # query-document pairs in one request (Cohere's recommended most documents is 1,000): docs/api.md
@@ -38,6 +57,19 @@ class PreparedScores:
         return sum(len(ids) for ids in self.inputs)
 
 
+@dataclass(frozen=True)
+class ScoreQuery:
+    """What a rerank or score request pairs: left[i] with right[i], or its one left text with every right one;
+    the request fields a 400 names, and the most tokens a right text may take (None: no bound)."""
+
+    model: str | None
+    left: list[str]
+    right: list[str]
+    left_param: str = "query"
+    right_param: str = "documents"
+    max_right_tokens: int | None = None  # Cohere's max_tokens_per_doc
+
+
 class ScoreService:
     def __init__(self, deployments: Deployments) -> None:
         self.deployments = deployments
@@ -52,10 +84,10 @@ class ScoreService:
                                    "embedding model of its own.", "model")
         return (rerankers or plain)[0]
 
-    def prepare(self, model: str | None, left: list[str], right: list[str], *, left_param: str, right_param: str,
-                max_right_tokens: int | None = None, max_right_param: str = "") -> PreparedScores:
-        """Pairs left[i] with right[i] (one left against every right when left has one text). Tokenizes (call it
-        off the event loop); a 400 names the field at fault."""
+    def prepare(self, model: str | None, q: ScoreQuery) -> PreparedScores:
+        """The query's pairs, scored by `model` (None: the default). Tokenizes (call it off the event loop); a 400
+        names the field at fault."""
+        left, right, left_param, right_param = q.left, q.right, q.left_param, q.right_param
         name = model or self.default_model()
         dep, embedder = self.deployments.embedder(name)
         if not right:
@@ -66,10 +98,10 @@ class ScoreService:
         if len(right) > MAX_PAIRS:
             raise InvalidParameter(f"'{right_param}' may hold at most {MAX_PAIRS} texts, not {len(right)}.", right_param)
         for i, text in enumerate(right):
-            if max_right_tokens is not None and len(embedder.tokenize(text)) > max_right_tokens:
+            if q.max_right_tokens is not None and len(embedder.tokenize(text)) > q.max_right_tokens:
                 raise InvalidParameter(
-                    f"'{right_param}[{i}]' is longer than {max_right_param} ({max_right_tokens} tokens); this server "
-                    "does not cut documents: shorten it or raise the bound.", max_right_param)
+                    f"'{right_param}[{i}]' is longer than max_tokens_per_doc ({q.max_right_tokens} tokens); this "
+                    "server does not cut documents: shorten it or raise the bound.", "max_tokens_per_doc")
         lefts = left * len(right) if len(left) == 1 else left
         if embedder.cross_encoder:
             inputs = [_fits(embedder.tokenize_pair(q, d), f"{right_param}[{i}]", embedder)
@@ -101,6 +133,55 @@ def ranked(scores: list[float], top_n: int | None) -> list[tuple[int, float]]:
     """(index, score), the highest score first (ties: the earlier document first), the first `top_n`."""
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     return [(i, scores[i]) for i in order[:top_n]]
+
+
+# -- each API's request and answer ---------------------------------------------------------------------------------
+
+
+def rerank_query(req: RerankRequest | CohereRerankRequest | OvmsRerankRequest) -> ScoreQuery:
+    """A rerank request (any API's): its query against each document; Cohere's bounds each document's tokens."""
+    documents = [d if isinstance(d, str) else d.text for d in req.documents]
+    bound = req.max_tokens_per_doc if isinstance(req, CohereRerankRequest) else None
+    return ScoreQuery(req.model, [req.query], documents, max_right_tokens=bound)
+
+
+def score_query(req: ScoreRequest) -> ScoreQuery:
+    """vLLM's score: text_1 against text_2, each a text or a list."""
+    left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    return ScoreQuery(req.model, left, right, "text_1", "text_2")
+
+
+def rerank_results(texts: list[str], scores: list[float], top_n: int | None, documents: bool) -> list[RerankResult]:
+    """The documents ranked (ranked()), each with its text when `documents`."""
+    return [RerankResult(index=i, relevance_score=s, document=RerankDocument(text=texts[i]) if documents else None)
+            for i, s in ranked(scores, top_n)]
+
+
+def usage(p: PreparedScores) -> RerankUsage:
+    return RerankUsage(prompt_tokens=p.tokens, total_tokens=p.tokens)
+
+
+def jina_answer(req: RerankRequest, p: PreparedScores, scores: list[float]) -> RerankResponse:
+    """vLLM's and Jina's answer: the documents come back unless `return_documents` is false."""
+    results = rerank_results(rerank_query(req).right, scores, req.top_n, req.return_documents)
+    return RerankResponse(id=new_id("rerank"), model=p.model, results=results, usage=usage(p))
+
+
+def cohere_answer(req: CohereRerankRequest, _: PreparedScores, scores: list[float]) -> CohereRerankResponse:
+    """Cohere's v2 answer: indices and scores only."""
+    return CohereRerankResponse(id=new_id("rerank"), results=rerank_results(req.documents, scores, req.top_n, False))
+
+
+def ovms_answer(req: OvmsRerankRequest, _: PreparedScores, scores: list[float]) -> OvmsRerankResponse:
+    """OpenVINO Model Server's answer: Cohere's results, the documents when `return_documents`."""
+    return OvmsRerankResponse(results=rerank_results(req.documents, scores, req.top_n, req.return_documents))
+
+
+def score_answer(_: ScoreRequest, p: PreparedScores, scores: list[float]) -> ScoreResponse:
+    """vLLM's score answer: one score per pair, in order."""
+    return ScoreResponse(id=new_id("score"), created=int(time.time()), model=p.model,
+                         data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)], usage=usage(p))
 
 
 def new_id(prefix: str) -> str:
