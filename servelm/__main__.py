@@ -18,6 +18,11 @@ from servelm.logs import configure as configure_logs
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
+    from servelm.config import DeploymentSpec, EndpointSpec
+    from servelm.fleet import Fleet
+    from servelm.keys import KeySpec
+    from servelm.tracing import TraceSettings, Tracing
+
 log = logging.getLogger("servelm")
 
 
@@ -148,7 +153,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         built.close()
 
 
-def _tracing(settings: ServerSettings) -> Any:
+def _tracing(settings: ServerSettings) -> Tracing | None:
     """The OpenTelemetry exporter of --otlp-traces-endpoint (None: tracing off)."""
     from servelm.tracing import Tracing
 
@@ -156,7 +161,7 @@ def _tracing(settings: ServerSettings) -> Any:
     return Tracing(found) if found is not None else None
 
 
-def trace_settings(settings: ServerSettings) -> Any:
+def trace_settings(settings: ServerSettings) -> TraceSettings | None:
     """--otlp-traces-endpoint and its companions as TraceSettings (None: tracing off)."""
     from servelm.tracing import TraceSettings
 
@@ -165,7 +170,7 @@ def trace_settings(settings: ServerSettings) -> Any:
     return TraceSettings(settings.otlp_traces_endpoint, settings.otlp_protocol, settings.otlp_capture_content)
 
 
-def _fleet(settings: ServerSettings, on_demand: list[Any], verbose_llama: bool) -> Any:
+def _fleet(settings: ServerSettings, on_demand: list[DeploymentSpec], verbose_llama: bool) -> Fleet:
     """The models loaded when a request names them: --models-dir's and the config's on-demand deployments."""
     from servelm.compose import build, image_sources, with_blocklist
     from servelm.fleet import Fleet, FleetLimits
@@ -177,7 +182,8 @@ def _fleet(settings: ServerSettings, on_demand: list[Any], verbose_llama: bool) 
                                             images))
 
 
-def _serve_on_ray(settings: ServerSettings, specs: list[Any], on_demand: list[Any], endpoints: list[Any], keys: list[Any],
+def _serve_on_ray(settings: ServerSettings, specs: list[DeploymentSpec], on_demand: list[DeploymentSpec],
+                  endpoints: list[EndpointSpec], keys: list[KeySpec],
                   verbose_llama: bool, address: str | None) -> None:
     from servelm.compose import with_blocklist
     from servelm.fleet import FleetLimits, scan_models_dir

@@ -15,13 +15,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from servelm import __version__
 from servelm.chat.reasoning import THINK, ReasoningMarkers
 from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, LoraSpec, ServerSettings
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
-from servelm.engine.base import Embedder, Engine
+from servelm.engine.base import Engine
 from servelm.engine.pacing import StepPacer
 from servelm.engine.runner import ModelRunner
 from servelm.engine.spill import SpillStore
@@ -33,6 +33,7 @@ from servelm.service.media import ImageInput, ImageSources
 
 if TYPE_CHECKING:
     from servelm.chat.template import ChatTemplate
+    from servelm.engine.embedding import EmbeddingEngine, EmbeddingModel
     from servelm.service.policy import ContentFilter
 
 log = logging.getLogger("servelm")
@@ -212,7 +213,7 @@ class _PoolReturn:
 GRAMMARS = GrammarPool()
 
 
-def build_embedding_deployment(name: str, model: Any, fingerprint_source: str = "") -> tuple[Deployment, Embedder]:
+def build_embedding_deployment(name: str, model: EmbeddingModel, fingerprint_source: str = "") -> tuple[Deployment, EmbeddingEngine]:
     """An embedding-only deployment over an embedding model (its EmbeddingEngine is not started)."""
     from servelm.engine.embedding import EmbeddingEngine
 
@@ -338,11 +339,21 @@ def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
     return specs
 
 
+class Worker(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Closer(Protocol):
+    def close(self) -> None: ...
+
+
 @dataclass
 class Built:
     deployments: Deployments
-    workers: list[Any] = field(default_factory=list)  # started with the app, stopped with it
-    closers: list[Any] = field(default_factory=list)  # llama.cpp objects to close after serving, in order
+    workers: list[Worker] = field(default_factory=list)  # started with the app, stopped with it
+    closers: list[Closer] = field(default_factory=list)  # llama.cpp objects to close after serving, in order
 
     def start(self) -> None:
         for w in self.workers:
@@ -368,8 +379,8 @@ def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_ll
     """Load every deployment's model (several models run in one server, each with its own engine)."""
     deployments: list[Deployment] = []
     built = Built(Deployments([]))
-    embedders: list[Any] = []  # closed before the runners whose weights they share
-    runners: list[Any] = []
+    embedders: list[Closer] = []  # closed before the runners whose weights they share
+    runners: list[Closer] = []
     try:
         for spec in specs:
             if spec.kind == "chat" and spec.backend == "vllm":
@@ -406,9 +417,10 @@ def spill_store(e: EngineSettings, fingerprint: str) -> SpillStore | None:
     return SpillStore(fingerprint, e.prefix_cache_ram_mib << 20, e.prefix_cache_dir, e.prefix_cache_disk_mib << 20)
 
 
-def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any],
-                runners: list[Any], images: ImageSources) -> None:
+def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Deployment], workers: list[Worker],
+                embedders: list[Closer], runners: list[Closer], images: ImageSources) -> None:
     from servelm.engine.embedding import EmbeddingEngine
+    from servelm.engine.local import LocalEngine
     from servelm.runners.llamacpp import LlamaCppEmbedder, load_exact
 
     path = resolve_model_source(spec.model, "chat")
@@ -429,7 +441,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
         special_tokens_in_content=spec.special_tokens_in_content,
         reasoning_markers=spec.reasoning_markers, image_sources=images, max_loras=e.max_loras, grammars=grammars,
     )
-    assert isinstance(deployment.adapters, Adapters)
+    assert isinstance(deployment.adapters, Adapters) and isinstance(engine, LocalEngine)  # no engine was given
     for lora in spec.loras:
         deployment.adapters.add_at_start(lora.name, str(lora.path), lora.scale)
     deployment.max_waiting = spec.limits.max_waiting
@@ -445,7 +457,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Any], wor
     deployments.append(deployment)
 
 
-def _build_vllm(spec: DeploymentSpec, deployments: list[Any], workers: list[Any]) -> None:
+def _build_vllm(spec: DeploymentSpec, deployments: list[Deployment], workers: list[Worker]) -> None:
     """A chat deployment on vLLM (a GPU): vLLM's engine, servelm's API. servelm's grammars do not run there, so
     the deployment has none (constrained output and tools are a 400), and it answers no embeddings."""
     from servelm.chat.template import ChatTemplate
@@ -478,7 +490,8 @@ def _build_vllm(spec: DeploymentSpec, deployments: list[Any], workers: list[Any]
     deployments.append(deployment)
 
 
-def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Any], workers: list[Any], embedders: list[Any]) -> None:
+def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Deployment], workers: list[Worker],
+                     embedders: list[Closer]) -> None:
     from servelm.runners.llamacpp import LlamaCppEmbedder
 
     path = resolve_model_source(spec.model, "embedding")

@@ -13,11 +13,11 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads (our names need no UTF-8 escaping)
@@ -124,7 +124,7 @@ class _EngineCollector(Collector):
         yield from families.values()
         yield phases
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []  # collected only on demand: registering must not call the source
 
 
@@ -179,7 +179,7 @@ class _ThreadCollector(Collector):
             parts.add_metric([part], seconds)
         yield parts
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
 
@@ -202,7 +202,7 @@ class _BatchCollector(Collector):
         yield batches
         yield lines
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
 
@@ -242,7 +242,7 @@ class _ModelCollector(Collector):
             seconds.add_metric([m.model], m.load_seconds)
         yield from (loaded, size, loads, unloads, seconds)
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
 
@@ -262,7 +262,7 @@ class _AdapterCollector(Collector):
         yield loaded
         yield requests
 
-    def describe(self) -> list[Any]:
+    def describe(self) -> list[Metric]:
         return []
 
 

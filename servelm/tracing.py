@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
 
 
@@ -74,7 +75,7 @@ class Tracing:
                         self.settings.endpoint, timeout)
 
 
-def _exporter(settings: TraceSettings) -> Any:
+def _exporter(settings: TraceSettings) -> SpanExporter:
     endpoint = settings.endpoint
     if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter

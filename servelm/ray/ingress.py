@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
 
-from servelm.compose import Built, check_guards, content_filter_of
+from servelm.compose import Built, Closer, check_guards, content_filter_of
 from servelm.config import DeploymentSpec
 from servelm.fleet import Fleet, FleetLimits
 from servelm.http.batches import BatchConfig
@@ -37,7 +38,11 @@ from servelm.service.deployments import Deployment, Deployments
 from servelm.service.store import StoreLimits
 from servelm.tracing import TraceSettings, Tracing
 
+if TYPE_CHECKING:
+    from servelm.http.asgi import ASGIApp, Receive, Scope, Send
+
 log = logging.getLogger("servelm.ray")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class Ingress:
         self._plan = plan
         self._handles = handles
         self._sets: list[ReplicaSet] = []
-        self._runners: list[Any] = []  # tokenizer-only llama.cpp models, closed at shutdown
+        self._runners: list[Closer] = []  # tokenizer-only llama.cpp models, closed at shutdown
         self._loop = asyncio.get_running_loop()
         deployments = []
         for raw in plan.specs:
@@ -80,7 +85,7 @@ class Ingress:
         log.info("ingress ready for %s", ", ".join([repr(d.name) for d in deployments]
                                                    + [f"{s.name!r} (on demand)" for s in on_demand]))
 
-    def __serve_build_asgi_app__(self) -> Any:
+    def __serve_build_asgi_app__(self) -> ASGIApp:
         from servelm.http.app import create_app
         from servelm.ray.store import RayStore
 
@@ -106,18 +111,19 @@ class Ingress:
     def _load(self, spec: DeploymentSpec) -> Built:
         """An on-demand model loaded on every replica of its deployment, and the ingress's side of it (the catalog
         calls it on a worker thread; the replicas are reached from the app's event loop)."""
-        def on_loop(coro: Any) -> Any:
+        def on_loop(coro: Coroutine[Any, Any, T]) -> T:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
         replicas = ReplicaSet(spec.name, self._handles[spec.name], spec.engine.max_num_seqs)
         on_loop(replicas.broadcast("load"))
-        info: ReplicaInfo = on_loop(_describe(replicas))
-        runners: list[Any] = []
+        info = on_loop(_describe(replicas))
+        runners: list[Closer] = []
         deployment = self._deployment(spec, replicas, info, runners)
         deployment.memory = {}  # the catalog's --models-memory-mib counts the model's files and KV budget instead
         return Built(Deployments([deployment]), workers=[_Loaded(replicas, self._sets, on_loop)], closers=runners)
 
-    def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo, runners: list[Any]) -> Deployment:
+    def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo,
+                    runners: list[Closer]) -> Deployment:
         from servelm.compose import build_deployment, grammar_limits
         from servelm.runners.llamacpp import LlamaCppRunner
 
@@ -162,7 +168,8 @@ class _Loaded:
     """An on-demand model's replicas while it is loaded (a worker of its Built): their counts polled, and joined to
     /health's and /metrics' fresh reads; stopping it unloads the model on every replica."""
 
-    def __init__(self, replicas: ReplicaSet, sets: list[ReplicaSet], on_loop: Any) -> None:
+    def __init__(self, replicas: ReplicaSet, sets: list[ReplicaSet],
+                 on_loop: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         self.replicas, self.sets, self.on_loop = replicas, sets, on_loop
 
     def start(self) -> None:
@@ -189,11 +196,11 @@ class FreshStats:
     PATHS = ("/health", "/metrics")
     TIMEOUT_S = 2.0  # replicas slower than this to answer: the counts last polled are kept
 
-    def __init__(self, app: Any, sets: list[ReplicaSet]) -> None:
+    def __init__(self, app: ASGIApp, sets: list[ReplicaSet]) -> None:
         self.app = app
         self.sets = sets
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") == "GET" and scope.get("path") in self.PATHS:
             await asyncio.gather(*(s.refresh(self.TIMEOUT_S) for s in self.sets))
         await self.app(scope, receive, send)

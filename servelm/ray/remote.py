@@ -18,7 +18,7 @@ import contextvars
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -52,7 +52,7 @@ class ReplicaSet:
         self.latest: list[ReplicaStats] = []
         self.polled = False
         self.adapters: ReplicaAdapters | None = None  # a text deployment's LoRA adapters, kept alike on its replicas
-        self._task: asyncio.Task[Any] | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -198,7 +198,8 @@ class RemoteEngine:
 class RemoteEmbedder:
     """Embedder over a deployment's replicas; inputs are tokenized in the ingress (by `tokenize`)."""
 
-    def __init__(self, replicas: ReplicaSet, info: EmbeddingInfo, tokenize: Any, tokenize_pair: Any) -> None:
+    def __init__(self, replicas: ReplicaSet, info: EmbeddingInfo, tokenize: Callable[[str], list[int]],
+                 tokenize_pair: Callable[[str, str], list[int]]) -> None:
         self.replicas = replicas
         self.dim = info.dim
         self.vocab_size = info.vocab_size

@@ -31,6 +31,7 @@ import numpy as np
 from ray import serve
 
 from servelm.config import DeploymentSpec
+from servelm.engine.embedding import EmbeddingStats
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 from servelm.errors import InvalidParameter, ServiceUnavailable
 from servelm.fleet import free
@@ -68,7 +69,7 @@ class ReplicaInfo:
 class ReplicaStats:
     replica: str
     engine: EngineStats | None
-    embedder: Any | None  # EmbeddingStats
+    embedder: EmbeddingStats | None
     adapters: tuple[tuple[str, bool, int], ...] = ()  # its LoRA adapters: (name, loaded, requests run with it)
 
 
@@ -132,7 +133,7 @@ class ModelReplica:
         engine = d.engine
         yield self._id
         trace = self._trace(request)
-        ready: asyncio.Queue[Any] = asyncio.Queue()
+        ready: asyncio.Queue[object] = asyncio.Queue()  # outputs, then _END or the exception that ended them
         pump = asyncio.ensure_future(_pump(engine.generate(request), ready))
         try:
             while True:
@@ -242,7 +243,7 @@ class ModelReplica:
 _END = object()
 
 
-async def _pump(outputs: AsyncGenerator[GenerationOutput, None], ready: asyncio.Queue[Any]) -> None:
+async def _pump(outputs: AsyncGenerator[GenerationOutput, None], ready: asyncio.Queue[object]) -> None:
     """Move the engine's outputs into `ready`, then _END (or the exception that stopped them)."""
     try:
         async with aclosing(outputs) as it:

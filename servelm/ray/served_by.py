@@ -20,10 +20,19 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send
 
 REPLICA_HEADER = "x-servelm-replica"
 REQUEST_ID_HEADER = b"x-request-id"  # Ray Serve sets it
+
+
+class Call(Protocol):
+    """A call to a replica (a Ray Serve response or response stream)."""
+
+    def cancel(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -31,7 +40,7 @@ class ServedBy:
     """What the ingress knows of the request it handles: the replicas that served it, its calls still open."""
 
     replicas: list[str] = field(default_factory=list)
-    calls: dict[int, Any] = field(default_factory=dict)  # id → a Ray Serve response (anything with cancel())
+    calls: dict[int, Call] = field(default_factory=dict)  # id → a call still open
 
     def add(self, replica: str) -> None:
         if replica not in self.replicas:
@@ -53,30 +62,30 @@ def note_replica(replica: str) -> None:
         served.add(replica)
 
 
-def note_call(call: Any) -> None:
+def note_call(call: Call) -> None:
     """`call` (a replica's response) belongs to the request being handled: cancelled if the request ends first."""
     served = SERVED_BY.get()
     if served is not None:
         served.calls[id(call)] = call
 
 
-def end_call(call: Any) -> None:
+def end_call(call: Call) -> None:
     served = SERVED_BY.get()
     if served is not None:
         served.calls.pop(id(call), None)
 
 
 class ReplicaHeader:
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         served = ServedBy()
         SERVED_BY.set(served)  # this request's context (and the tasks it starts) see it
-        held: list[dict[str, Any]] | None = []
+        held: list[Message] | None = []
 
         async def flush() -> None:
             nonlocal held
@@ -84,7 +93,7 @@ class ReplicaHeader:
             for m in messages:
                 await send(_with_headers(m, served) if m["type"] == "http.response.start" else m)
 
-        async def send_when_known(message: dict[str, Any]) -> None:
+        async def send_when_known(message: Message) -> None:
             if held is None:
                 await send(message)
                 return
@@ -101,7 +110,7 @@ class ReplicaHeader:
             await flush()
 
 
-def _with_headers(start: dict[str, Any], served: ServedBy) -> dict[str, Any]:
+def _with_headers(start: Message, served: ServedBy) -> Message:
     """The response's start, its x-request-id left to Ray Serve, with the replicas that served it."""
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
     if served.replicas:
