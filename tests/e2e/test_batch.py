@@ -67,15 +67,16 @@ def test_a_preempted_answer_is_bitwise_the_answer_alone(tmp_path_factory) -> Non
         kinds = ({"temperature": 0}, {"temperature": 0.9, "seed": 11})
 
         async def scenario() -> tuple[list[str], list[str]]:
-            alone = [await stream_text(client, 5, **kw) for kw in kinds]
-            started = [asyncio.Event(), asyncio.Event()]
-            low = [asyncio.create_task(stream_text(client, 5, s, **kw)) for s, kw in zip(started, kinds, strict=True)]
-            await asyncio.gather(*(s.wait() for s in started))
-            urgent = await client.chat.completions.create(model=MODEL, messages=LONG_ASK, max_tokens=20,
-                                                          temperature=0, extra_body={"priority": 0})
-            assert urgent.choices[0].message.content
-            assert not all(t.done() for t in low), "the urgent request ran while the low ones waited"
-            return alone, list(await asyncio.gather(*low))
+            async with client:  # its connections closed on this loop (left open: a ResourceWarning once it is gone)
+                alone = [await stream_text(client, 5, **kw) for kw in kinds]
+                started = [asyncio.Event(), asyncio.Event()]
+                low = [asyncio.create_task(stream_text(client, 5, s, **kw)) for s, kw in zip(started, kinds, strict=True)]
+                await asyncio.gather(*(s.wait() for s in started))
+                urgent = await client.chat.completions.create(model=MODEL, messages=LONG_ASK, max_tokens=20,
+                                                              temperature=0, extra_body={"priority": 0})
+                assert urgent.choices[0].message.content
+                assert not all(t.done() for t in low), "the urgent request ran while the low ones waited"
+                return alone, list(await asyncio.gather(*low))
 
         alone, preempted = asyncio.run(scenario())
         assert preemptions(srv.base_url) >= 1
