@@ -15,6 +15,7 @@ from servelm.engine.local import LocalEngine
 from servelm.http.app import create_app
 from servelm.http.limits import Drain
 from servelm.http.server import make_server
+from servelm.http.state import state_of
 from servelm.runners.fake import FakeRunner
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.media import ImageSources
@@ -84,7 +85,7 @@ def fake_server_factory() -> Iterator:
                              on_stop=lambda: [e.stop() for e in engines], security=security, batches=batches,
                              catalog=catalog, tracing=tracing)
             return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment,
-                              drain=app.state.drain)
+                              drain=state_of(app).drain)
 
         yield start
 

@@ -14,15 +14,11 @@ from servelm.http.auth import check_access
 from servelm.http.errors import anthropic_error
 from servelm.http.openapi import doc
 from servelm.http.routes import generate, parse_body, request_context
+from servelm.http.state import AppState
 from servelm.http.streams import named_sse
 from servelm.protocol.anthropic import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from servelm.protocol.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest
 from servelm.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from servelm.service.anthropic import MessagesService
-from servelm.service.chat import ChatService
-from servelm.service.responses import ResponsesService
-from servelm.service.store import ResponseStore
-from servelm.service.tokenize import TokenizeService
 
 
 def _responses_error(exc: ApiError, sequence: int) -> dict[str, Any]:
@@ -33,18 +29,17 @@ RESPONSES_SSE = named_sse(_responses_error)
 MESSAGES_SSE = named_sse(lambda exc, _: anthropic_error(exc))
 
 
-def build_agent_router(chat: ChatService, store: ResponseStore) -> APIRouter:
+def build_agent_router(state: AppState) -> APIRouter:
     router = APIRouter()
-    responses = ResponsesService(chat, store)
-    messages = MessagesService(chat)
-    tokens = TokenizeService(chat)
+    services = state.services
+    responses, messages, tokens = services.responses, services.messages, services.tokens
 
     @router.post("/v1/responses", openapi_extra=doc(request=ResponsesRequest, response=ResponseObject,
                                                     streams="text/event-stream"))
     @router.post("/v3/responses", openapi_extra=doc(request=ResponsesRequest, response=ResponseObject,
                                                     streams="text/event-stream"))
     async def create_response(request: Request) -> Response:
-        return await generate(request, await parse_body(request, ResponsesRequest), responses, RESPONSES_SSE)
+        return await generate(state, request, await parse_body(request, ResponsesRequest), responses, RESPONSES_SSE)
 
     @router.get("/v1/responses/{response_id}", openapi_extra=doc(response=ResponseObject))
     @router.get("/v3/responses/{response_id}", openapi_extra=doc(response=ResponseObject))
@@ -73,26 +68,26 @@ def build_agent_router(chat: ChatService, store: ResponseStore) -> APIRouter:
     @router.post("/v1/messages", openapi_extra=doc(request=MessagesRequest, response=MessageResponse,
                                                    streams="text/event-stream"))
     async def create_message(request: Request) -> Response:
-        return await generate(request, await parse_body(request, MessagesRequest), messages, MESSAGES_SSE)
+        return await generate(state, request, await parse_body(request, MessagesRequest), messages, MESSAGES_SSE)
 
     @router.post("/v1/messages/count_tokens", openapi_extra=doc(request=CountTokensRequest, response=TokenCount))
     async def count_tokens(request: Request) -> JSONResponse:
         req = await parse_body(request, CountTokensRequest)
-        check_access(request.scope, chat.deployments, req.model)
-        count = await asyncio.to_thread(messages.count_tokens, req, request_context(request.scope))
+        check_access(request.scope, state.deployments, req.model)
+        count = await asyncio.to_thread(messages.count_tokens, req, request_context(request.scope, state))
         return JSONResponse(count.model_dump(mode="json"))
 
     @router.post("/tokenize", openapi_extra=doc(request=TokenizeRequest, response=TokenizeResponse))
     async def tokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, TokenizeRequest)
-        check_access(request.scope, chat.deployments, req.model)
-        result = await asyncio.to_thread(tokens.tokenize, req, request_context(request.scope))
+        check_access(request.scope, state.deployments, req.model)
+        result = await asyncio.to_thread(tokens.tokenize, req, request_context(request.scope, state))
         return JSONResponse(result.model_dump(mode="json", exclude_none=True))
 
     @router.post("/detokenize", openapi_extra=doc(request=DetokenizeRequest, response=DetokenizeResponse))
     async def detokenize(request: Request) -> JSONResponse:
         req = await parse_body(request, DetokenizeRequest)
-        check_access(request.scope, chat.deployments, req.model)
+        check_access(request.scope, state.deployments, req.model)
         result = await asyncio.to_thread(tokens.detokenize, req)
         return JSONResponse(result.model_dump(mode="json"))
 

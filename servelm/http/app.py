@@ -25,11 +25,11 @@ from servelm.http.playground import build_playground_router
 from servelm.http.ratelimit import BatchPacer
 from servelm.http.rerank import build_rerank_router
 from servelm.http.routes import build_router
+from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
 from servelm.metrics import Metrics
 from servelm.service.admission import QueuedEngine
 from servelm.service.catalog import ModelCatalog
-from servelm.service.chat import ChatService
 from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.metered import MeteredEngine
 from servelm.service.store import MemoryStore, ResponseStore
@@ -50,7 +50,7 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncGenerator[None, None]:
-        lag = asyncio.create_task(app_metrics.watch_loop())  # the event loop's lag, in /metrics
+        lag = asyncio.create_task(metrics.watch_loop())  # the event loop's lag, in /metrics
         if on_start is not None:
             on_start()
         if catalog is not None:
@@ -71,11 +71,11 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                 await asyncio.to_thread(tracing.shutdown, drain.left(FLUSH_TIMEOUT))
             lag.cancel()
 
-    app_metrics = Metrics(lambda: engine_gauges(deployments))
+    metrics = Metrics(lambda: engine_gauges(deployments))
     # time every generation (TTFT, inter-token and end-to-end latency, tokens), and free its place in the waiting
     # queue at its first output; the deployments given stay as they are
     def wrap(d: TextDeployment) -> Engine:
-        metered = MeteredEngine(QueuedEngine(d.engine, d.queue), app_metrics.meter(d.name))
+        metered = MeteredEngine(QueuedEngine(d.engine, d.queue), metrics.meter(d.name))
         return TracedEngine(metered) if tracing is not None else metered
 
     deployments = deployments.with_engines(wrap)
@@ -83,23 +83,25 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
                   openapi_url=OPENAPI_PATH)
     openapi.install(app)
     errors.install(app)
-    app.state.timings = timings
-    chat = ChatService(deployments)
-    app.include_router(build_router(deployments, chat, catalog))
-    app.include_router(build_models_router(catalog))  # POST /models/load, /models/unload, /models/refresh
-    app.include_router(build_lora_router(deployments))  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
-    app_metrics.watch_adapters(lambda: [(d.name, a.name, a.loaded, a.requests) for d in deployments.generators()
-                                        for a in (d.adapters.all() if d.adapters is not None else ())])
-    app.include_router(build_agent_router(chat, store if store is not None else MemoryStore()))  # Responses, Messages
-    app.include_router(build_dialect_router(deployments))  # Azure ML, SageMaker / DJL, OVMS
-    app.include_router(build_rerank_router(deployments))  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
-    app.state.metrics = metrics = app_metrics
-    app.include_router(build_metrics_router(metrics))
+    drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     if batches is not None:
         runner = batch_runner(app, deployments, batches)
+    services = Services.build(deployments, store if store is not None else MemoryStore())
+    reports = {"batch_store": runner.store.health} if runner is not None else {}  # what start-up found (no I/O)
+    state = AppState(deployments, services, metrics, drain, timings=timings, catalog=catalog, health_reports=reports)
+    setattr(app.state, STATE_KEY, state)
+    app.include_router(build_router(state))
+    app.include_router(build_models_router(catalog))  # POST /models/load, /models/unload, /models/refresh
+    app.include_router(build_lora_router(deployments))  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    metrics.watch_adapters(lambda: [(d.name, a.name, a.loaded, a.requests) for d in deployments.generators()
+                                    for a in (d.adapters.all() if d.adapters is not None else ())])
+    app.include_router(build_agent_router(state))  # Responses, Messages, /tokenize
+    app.include_router(build_dialect_router(state))  # Azure ML, SageMaker / DJL, OVMS
+    app.include_router(build_rerank_router(state))  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
+    app.include_router(build_metrics_router(metrics))
+    if runner is not None and batches is not None:
         app.include_router(build_batch_router(runner.store, runner, batches))
         metrics.watch_batches(runner.store.totals)
-        app.state.health_reports = {"batch_store": runner.store.health}  # what start-up found, damage (no I/O)
     else:
         app.include_router(build_no_batch_router())
     if playground:
@@ -109,7 +111,6 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
         catalog.attach(deployments)
         metrics.watch_models(catalog.counts)
         app.add_middleware(LoadOnDemand, catalog=catalog)
-    app.state.drain = drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     limiter = limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body 413, deadline
     if runner is not None:  # a batch's lines wait for their key's rate limits, before they take a place in flight
         runner.pacer = BatchPacer(limiter, (security or SecurityConfig()).keys)

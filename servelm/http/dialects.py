@@ -18,17 +18,15 @@ from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import error_response, invalid_json, validation_error
 from servelm.http.openapi import doc
 from servelm.http.routes import embed, generate
+from servelm.http.state import AppState
 from servelm.http.streams import JSONLINES, SSE
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
-from servelm.service.chat import ChatService
-from servelm.service.completions import CompletionService
 from servelm.service.deployments import Deployments
 from servelm.service.dialects import (
     EXTRA_PARAMETER_MODES,
-    NativeService,
     azure_chat_body,
     azure_embeddings_body,
     check_api_version,
@@ -39,7 +37,6 @@ from servelm.service.dialects import (
     route_model,
     sagemaker_target,
 )
-from servelm.service.embeddings import EmbeddingService
 
 log = logging.getLogger("servelm.http")
 M = TypeVar("M", bound=BaseModel)
@@ -51,13 +48,9 @@ SAGEMAKER_TARGET_HEADER = "x-amzn-sagemaker-target-model"
 API_VERSION = {"name": "api-version", "required": True, "schema": {"type": "string", "example": "2024-05-01-preview"}}
 
 
-def build_dialect_router(deployments: Deployments) -> APIRouter:
+def build_dialect_router(state: AppState) -> APIRouter:
     router = APIRouter()
-    chat = ChatService(deployments)
-    completions = CompletionService(deployments)
-    embeddings = EmbeddingService(deployments)
-    native = NativeService(completions)
-    ovms_completions = CompletionService(deployments, default_max_tokens=None)  # OVMS: up to the context window
+    deployments, services = state.deployments, state.services
 
     # -- Azure ML and Azure AI model inference ------------------------------------------------------
     azure_headers = [{"name": EXTRA_PARAMETERS_HEADER, "schema": {"type": "string", "enum": list(EXTRA_PARAMETER_MODES)}},
@@ -87,14 +80,14 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
         headers=azure_headers))
     async def azure_chat(request: Request) -> Response:
         return await azure(request, azure_chat_body, default_model,
-                           lambda body: generate(request, validate(body, ChatCompletionRequest), chat))
+                           lambda body: generate(state, request, validate(body, ChatCompletionRequest), services.chat))
 
     @router.post("/embeddings", openapi_extra=doc(
         request=EmbeddingRequest, response=EmbeddingResponse, query=[API_VERSION], headers=azure_headers))
     async def azure_embeddings(request: Request) -> Response:
         """Azure AI model inference's embeddings (azure-ai-inference's EmbeddingsClient)."""
         return await azure(request, azure_embeddings_body, default_embedding_model,
-                           lambda body: embed(request, validate(body, EmbeddingRequest), embeddings))
+                           lambda body: embed(request, validate(body, EmbeddingRequest), services.embeddings))
 
     @router.get("/info", openapi_extra=doc(query=[API_VERSION]))
     async def azure_info(request: Request) -> Response:
@@ -117,10 +110,11 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
         kind = invocation_kind(data)
         framing = JSONLINES if _wants_jsonlines(request.headers.get("accept", ""), kind) else SSE
         if kind == "chat":
-            return await generate(request, validate(data, ChatCompletionRequest), chat, framing)
+            return await generate(state, request, validate(data, ChatCompletionRequest), services.chat, framing)
         if kind == "completion":
-            return await generate(request, validate(data, CompletionRequest), completions, framing)
-        return await generate(request, validate(data, DjlRequest), native, framing)
+            return await generate(state, request, validate(data, CompletionRequest), services.completions,
+                                  framing)
+        return await generate(state, request, validate(data, DjlRequest), services.native, framing)
 
     @router.get("/ping")
     async def ping() -> JSONResponse:
@@ -132,13 +126,13 @@ def build_dialect_router(deployments: Deployments) -> APIRouter:
                                                            streams="text/event-stream"))
     async def ovms_chat(request: Request) -> Response:
         data = ovms_body(load_object(await request.body()))
-        return await generate(request, validate(data, ChatCompletionRequest), chat)
+        return await generate(state, request, validate(data, ChatCompletionRequest), services.chat)
 
     @router.post("/v3/completions", openapi_extra=doc(request=CompletionRequest, response=Completion,
                                                       streams="text/event-stream"))
     async def ovms_legacy_completions(request: Request) -> Response:
         data = ovms_body(load_object(await request.body()))
-        return await generate(request, validate(data, CompletionRequest), ovms_completions)
+        return await generate(state, request, validate(data, CompletionRequest), services.ovms_completions)
 
     return router
 

@@ -17,6 +17,7 @@ from servelm.http.auth import check_access
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
 from servelm.http.routes import deployment_header, embedding_turn, parse_body, run_unless_disconnected
+from servelm.http.state import AppState
 from servelm.protocol.rerank import (
     CohereRerankRequest,
     CohereRerankResponse,
@@ -27,11 +28,9 @@ from servelm.protocol.rerank import (
     ScoreRequest,
     ScoreResponse,
 )
-from servelm.service.deployments import Deployments
 from servelm.service.rerank import (
     PreparedScores,
     ScoreQuery,
-    ScoreService,
     cohere_answer,
     jina_answer,
     ovms_answer,
@@ -43,9 +42,9 @@ from servelm.service.rerank import (
 R = TypeVar("R", bound=BaseModel)
 
 
-def build_rerank_router(deployments: Deployments) -> APIRouter:
+def build_rerank_router(state: AppState) -> APIRouter:
     router = APIRouter()
-    service = ScoreService(deployments)
+    service, deployments, metrics = state.services.scores, state.deployments, state.metrics
 
     async def score(request: Request, q: ScoreQuery) -> tuple[PreparedScores, list[float]] | None:
         """The scores of a request for this caller (its access, its place in the queue, its tokens per minute, its
@@ -61,10 +60,8 @@ def build_rerank_router(deployments: Deployments) -> APIRouter:
             scores = await run_unless_disconnected(request, asyncio.ensure_future(service.run(prepared, caller)))
         if scores is None:
             return None
-        metrics = getattr(request.app.state, "metrics", None)
-        if metrics is not None:
-            kind = "cross_encoder" if prepared.embedder.cross_encoder else "cosine"
-            metrics.scored.labels(prepared.model, kind).inc(len(prepared.pairs))
+        kind = "cross_encoder" if prepared.embedder.cross_encoder else "cosine"
+        metrics.scored.labels(prepared.model, kind).inc(len(prepared.pairs))
         return prepared, scores
 
     def add(paths: tuple[str, ...], name: str, model: type[R], query: Callable[[R], ScoreQuery],

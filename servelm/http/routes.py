@@ -23,16 +23,16 @@ from servelm.http.limits import admit, bounded, limits_of, streamed
 from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import caller_of, charge_tokens
+from servelm.http.state import AppState
 from servelm.http.streams import SSE, Framing, frames
 from servelm.http.tracing import describe_generation
+from servelm.metrics import Metrics
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.common import ModelCard, ModelList
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.base import GeneratingService, P, Req
 from servelm.service.catalog import ModelCatalog, ModelStatus
-from servelm.service.chat import ChatService
-from servelm.service.completions import CompletionService
 from servelm.service.content_filter import FilterEvents
 from servelm.service.deployments import Deployment, Deployments, TextDeployment
 from servelm.service.embeddings import EmbeddingService
@@ -76,11 +76,12 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future[T]) -> 
     return None
 
 
-async def generate(request: Request, req: Req, service: GeneratingService[Req, P], framing: Framing = SSE) -> Response:
+async def generate(state: AppState, request: Request, req: Req, service: GeneratingService[Req, P],
+                   framing: Framing = SSE) -> Response:
     """A text-generating request: prepared off the event loop, then streamed (SSE, or DJL's jsonlines) or answered
     whole."""
     check_access(request.scope, service.deployments, req.model)  # a key's deployments: else 404
-    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope))
+    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope, state))
     gens = prepared.generations
     # the deployment's queue and the caller's share of it (429 queue_full), the key's tokens per minute (429 tokens)
     dep = prepared.deployment
@@ -112,22 +113,21 @@ async def generate(request: Request, req: Req, service: GeneratingService[Req, P
     return JSONResponse(result.model_dump(mode="json"), headers=deployment_header(prepared.deployment.name))
 
 
-def request_context(scope: Scope) -> RequestContext:
-    """Who sent the request, as the services see it: the API key's digest (nothing of the key itself)."""
+def request_context(scope: Scope, state: AppState | None = None) -> RequestContext:
+    """Who sent the request, as the services see it: the API key's digest (nothing of the key itself), and the
+    app's settings from its state (without one, a caller that reads only the owner: no timings, no filter counts)."""
     key = current_key(scope)
     limits = limits_of(scope)
-    app = scope.get("app")
     return RequestContext(owner=key.digest.hex() if key is not None else "",
                           max_batch_prompts=limits.max_batch_prompts if limits is not None else 128,
-                          timings=bool(app is not None and getattr(app.state, "timings", False)),
-                          on_filtered=_filtered(scope), min_priority=key.priority_floor if key is not None else None)
+                          timings=state is not None and state.timings,
+                          on_filtered=_filtered(scope, state.metrics if state is not None else None),
+                          min_priority=key.priority_floor if key is not None else None)
 
 
-def _filtered(scope: Scope) -> FilterEvents:
+def _filtered(scope: Scope, metrics: Metrics | None) -> FilterEvents:
     """What a content filter's block leaves: a count in /metrics, and a note (never the content) for the access
     log (http/middleware.py)."""
-    app = scope.get("app")
-    metrics = getattr(app.state, "metrics", None) if app is not None else None
 
     def note(deployment: str, direction: str, categories: Sequence[str]) -> None:
         if metrics is not None:
@@ -183,21 +183,20 @@ def _cards(deployments: Deployments, catalog: ModelCatalog | None) -> list[tuple
     return cards
 
 
-def build_router(deployments: Deployments, chat: ChatService, catalog: ModelCatalog | None = None) -> APIRouter:
+def build_router(state: AppState) -> APIRouter:
     router = APIRouter()
-    completions = CompletionService(deployments)
-    embeddings = EmbeddingService(deployments)
+    deployments, catalog, services = state.deployments, state.catalog, state.services
 
     @router.post("/v1/chat/completions", openapi_extra=doc(request=ChatCompletionRequest, response=ChatCompletion,
                                                            streams="text/event-stream"))
     async def chat_completions(request: Request) -> Response:
         # prepared off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
-        return await generate(request, await parse_body(request, ChatCompletionRequest), chat)
+        return await generate(state, request, await parse_body(request, ChatCompletionRequest), services.chat)
 
     @router.post("/v1/completions", openapi_extra=doc(request=CompletionRequest, response=Completion,
                                                       streams="text/event-stream"))
     async def legacy_completions(request: Request) -> Response:
-        return await generate(request, await parse_body(request, CompletionRequest), completions)
+        return await generate(state, request, await parse_body(request, CompletionRequest), services.completions)
 
     @router.get("/v1/models", openapi_extra=doc(response=ModelList))
     @router.get("/v3/models", openapi_extra=doc(response=ModelList))
@@ -216,7 +215,7 @@ def build_router(deployments: Deployments, chat: ChatService, catalog: ModelCata
 
     @router.post("/v1/embeddings", openapi_extra=doc(request=EmbeddingRequest, response=EmbeddingResponse))
     async def create_embeddings(request: Request) -> Response:
-        return await embed(request, await parse_body(request, EmbeddingRequest), embeddings)
+        return await embed(request, await parse_body(request, EmbeddingRequest), services.embeddings)
 
     @router.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -230,7 +229,7 @@ def build_router(deployments: Deployments, chat: ChatService, catalog: ModelCata
             parts = {d.name: d.memory for d in deployments.all() if d.memory}
             body["memory"] = {"budget_bytes": RUNTIME_BYTES + sum(sum(p.values()) for p in parts.values()),
                               "runtime_bytes": RUNTIME_BYTES, "deployments": parts}
-            for name, report in getattr(request.app.state, "health_reports", {}).items():  # e.g. the batch store's
+            for name, report in state.health_reports.items():  # e.g. the batch store's
                 body[name] = report()
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -25,17 +25,19 @@ from typing import Any, Literal
 import uvicorn
 
 from servelm.http.connections import guarded_protocol
+from servelm.http.state import state_of
 
 STARTUP_FAILURE = 3  # uvicorn's own exit status when the server could not start (the port is taken, …)
 DRAIN_MARGIN = 0.5  # seconds before the shutdown timeout at which streams still running are ended with an event
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the app (app.state.drain) when its shutdown began and how long requests have."""
+    """uvicorn's server, telling the app (its AppState's drain) when its shutdown began and how long requests have."""
 
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
         super().__init__(config)
-        self._drain = getattr(getattr(app, "state", None), "drain", None)
+        state = state_of(app)
+        self._drain = state.drain if state is not None else None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self._drain is not None:
