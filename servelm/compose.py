@@ -23,7 +23,7 @@ from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, Engi
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Engine
 from servelm.engine.pacing import StepPacer
-from servelm.engine.runner import ModelRunner
+from servelm.engine.runner import ModelInfo, ModelVocabulary, ServedRunner
 from servelm.engine.spill import SpillStore
 from servelm.models import resolve_model_source
 from servelm.service.adapters import AdaptedEngine, Adapters
@@ -44,11 +44,10 @@ EMBEDDING_CONTEXT_BYTES = 128 << 20  # an embedding context's own buffers, at mo
 
 def build_deployment(
     name: str,
-    runner: ModelRunner,
+    runner: ServedRunner,
     fingerprint_source: str = "",
     prefix_cache: bool = True,
     chat_template: str | None = None,
-    engine: Engine | None = None,
     speculative: bool = True,
     spill: SpillStore | None = None,
     itl_target_s: float = 0.0,
@@ -60,92 +59,109 @@ def build_deployment(
     max_loras: int = 8,
     grammars: Grammars | None = None,
 ) -> tuple[TextDeployment, Engine]:
-    """Wrap a model runner in a LocalEngine and describe it as a deployment (the engine is not started). An
-    `engine` given serves instead (servelm/ray's ingress: its runner holds only the vocabulary). A LocalEngine's
-    deployment takes LoRA adapters (at most `max_loras` loaded). `grammars` given: the runner's vocabulary's, built
-    before (GrammarPool's)."""
-    from servelm.chat.markers import ControlMarkers, ControlToken
-    from servelm.chat.template import CHATML_END
-    from servelm.chat.tools import detect_style
+    """Wrap a runner in a LocalEngine and describe it as a deployment with its model (the engine is not started),
+    with LoRA adapters (at most `max_loras` loaded). `grammars` given: its model's vocabulary's, built before
+    (GrammarPool's)."""
     from servelm.engine.local import LocalEngine
 
-    grammars = grammars or Grammars(runner.token_table(), runner.eog_ids, runner.tokenize_text,
-                                    limits=grammar_limits or GrammarLimits())
-    local = engine is None
-    engine = engine or LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative,
-                                   spill=spill, pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None,
-                                   priority_aging_s=priority_aging_s)
-    template = template_of(name, runner, chat_template)
-    template_source = template.source if template.origin != "fallback" else None
+    model = runner.model
+    grammars = grammars or grammars_of(model, grammar_limits or GrammarLimits())
+    engine = LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative, spill=spill,
+                         pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None, priority_aging_s=priority_aging_s)
+    adapters = Adapters(engine, max_loras)
     exactness = runner.exactness
-    deployment = TextDeployment(
-        name=name,
-        engine=engine,
-        template=template,
-        template_stops=(CHATML_END,) if template.origin == "fallback" else (),
-        facts=ModelFacts(quantization=runner.quantization, trained_context=runner.trained_context,
+    deployment = text_deployment(
+        name, model, AdaptedEngine(engine, adapters), grammars,
+        fingerprint=_fingerprint(fingerprint_source or model.description), context_window=runner.context_window,
+        max_choices=runner.num_slots, placement=getattr(runner, "placement", ""),
+        facts=ModelFacts(quantization=model.quantization, trained_context=model.trained_context,
                          exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
-        vocab=RunnerVocabulary(runner, grammars),
-        context_window=runner.context_window,
-        max_choices=runner.num_slots,
-        fingerprint=_fingerprint(fingerprint_source or runner.description),
-        grammars=grammars,
-        tool_style=detect_style(template_source),
-        fim_tokens=runner.fim_tokens,
-        reasoning=reasoning_of(reasoning_markers, template_source),
-        placement=getattr(runner, "placement", ""),
+        chat_template=chat_template, special_tokens_in_content=special_tokens_in_content,
+        reasoning_markers=reasoning_markers,
     )
-    if local:
-        assert isinstance(engine, LocalEngine)
-        deployment.adapters = Adapters(engine, max_loras)
-        deployment.engine = AdaptedEngine(engine, deployment.adapters)
+    deployment.adapters = adapters
     projector = getattr(runner, "projector", None)  # a vision projector: images in prompts
     if projector is not None:
         deployment.images = ImageInput(projector, image_sources)
     deployment.memory = {
-        "weights": runner.weights_bytes, "kv_cache": runner.kv_cells * runner.kv_cell_bytes,
+        "weights": model.weights_bytes, "kv_cache": runner.kv_cells * runner.kv_cell_bytes,
         "logits": (runner.max_step_tokens + 1) * runner.vocab_size * 4, "grammar_cache": grammars.limits.cache_bytes,
         "prefix_cache_ram": spill.ram_bytes if spill is not None else 0,
         "image_embeddings": projector.kept_bytes_max if projector is not None else 0,
     }
-    controls = runner.control_tokens()
-    if controls is not None and not special_tokens_in_content:
-        deployment.markers = ControlMarkers([ControlToken(*c) for c in controls])
-        deployment.bos_id = runner.bos_id
     return deployment, engine
 
 
-def template_of(name: str, runner: ModelRunner, file_template: str | None) -> ChatTemplate:
+def text_deployment(name: str, model: ModelInfo, engine: Engine, grammars: Grammars, *, fingerprint: str,
+                    context_window: int, max_choices: int, facts: ModelFacts, placement: str,
+                    chat_template: str | None = None, special_tokens_in_content: bool = False,
+                    reasoning_markers: str = "auto") -> TextDeployment:
+    """A text deployment of a model (its vocabulary, chat template and control tokens) that `engine` serves: a
+    LocalEngine on its runner (build_deployment), or servelm/ray's ingress's replicas, whose model the ingress loads
+    vocabulary-only. The rest (context window, choices, facts, placement) is the executor's, given."""
+    from servelm.chat.markers import ControlMarkers, ControlToken
+    from servelm.chat.template import CHATML_END
+    from servelm.chat.tools import detect_style
+
+    template = template_of(name, model, chat_template)
+    template_source = template.source if template.origin != "fallback" else None
+    controls = None if special_tokens_in_content else model.control_tokens()
+    return TextDeployment(
+        name=name,
+        engine=engine,
+        template=template,
+        template_stops=(CHATML_END,) if template.origin == "fallback" else (),
+        facts=facts,
+        vocab=ServiceVocabulary(model, grammars),
+        context_window=context_window,
+        max_choices=max_choices,
+        fingerprint=fingerprint,
+        grammars=grammars,
+        tool_style=detect_style(template_source),
+        fim_tokens=model.fim_tokens,
+        reasoning=reasoning_of(reasoning_markers, template_source),
+        placement=placement,
+        markers=ControlMarkers([ControlToken(*c) for c in controls]) if controls is not None else None,
+        bos_id=model.bos_id if controls is not None else None,
+    )
+
+
+def grammars_of(model: ModelInfo, limits: GrammarLimits) -> Grammars:
+    """A model's vocabulary's Grammars (constrained output over its tokens)."""
+    return Grammars(model.token_table(), model.eog_ids, model.tokenize_text, limits=limits)
+
+
+def template_of(name: str, model: ModelInfo, file_template: str | None) -> ChatTemplate:
     """A deployment's chat template: --chat-template's file, else the model file's, else llama.cpp's built-in one
     for the model's architecture, else ChatML (the last two with a start-up warning)."""
     from servelm.chat.template import BuiltinTemplate, ChatTemplate
 
     if file_template:
-        return ChatTemplate(file_template, bos_token=runner.bos_token, eos_token=runner.eos_token, origin="file")
-    if runner.chat_template:
-        return ChatTemplate(runner.chat_template, bos_token=runner.bos_token, eos_token=runner.eos_token)
-    builtin = runner.builtin_template()
+        return ChatTemplate(file_template, bos_token=model.bos_token, eos_token=model.eos_token, origin="file")
+    if model.chat_template:
+        return ChatTemplate(model.chat_template, bos_token=model.bos_token, eos_token=model.eos_token)
+    builtin = model.builtin_template()
     if builtin is not None:
         log.warning("%s: the model file has no chat template (tokenizer.chat_template); using llama.cpp's built-in "
                     "%r template for its architecture (give --chat-template to use another)", name, builtin)
-        return BuiltinTemplate(builtin, runner.apply_builtin_template)
+        return BuiltinTemplate(builtin, model.apply_builtin_template)
     log.warning("%s: the model file has no chat template (tokenizer.chat_template) and llama.cpp has none for its "
                 "architecture; using ChatML, whose end marker <|im_end|> also stops answers. Give --chat-template "
                 "with the model's own template", name)
-    return ChatTemplate(None, bos_token=runner.bos_token, eos_token=runner.eos_token)
+    return ChatTemplate(None, bos_token=model.bos_token, eos_token=model.eos_token)
 
 
 class _Tokenize:
-    """A pooled Grammars' tokenize function: the runner it serves now; none while the Grammars waits in the pool
-    (its runner closed)."""
+    """A pooled Grammars' tokenize function: the model it serves now; none while the Grammars waits in the pool
+    (its model closed)."""
 
     def __init__(self) -> None:
-        self.runner: Callable[[bytes], list[int]] | None = None
+        self.model: Callable[[bytes], list[int]] | None = None
 
     def __call__(self, data: bytes) -> list[int]:
-        if self.runner is None:
+        if self.model is None:
             raise RuntimeError("the model of these grammars is unloaded")
-        return self.runner(data)
+        return self.model(data)
 
 
 class GrammarPool:
@@ -163,26 +179,26 @@ class GrammarPool:
         self._idle: OrderedDict[tuple[str, GrammarLimits], tuple[Grammars, _Tokenize]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def take(self, runner: ModelRunner, limits: GrammarLimits) -> tuple[Grammars, _PoolReturn]:
-        """The runner's vocabulary's Grammars (one kept, else a new one), and the closer that gives it back."""
-        table = runner.token_table()
+    def take(self, model: ModelInfo, limits: GrammarLimits) -> tuple[Grammars, _PoolReturn]:
+        """The model's vocabulary's Grammars (one kept, else a new one), and the closer that gives it back."""
+        table = model.token_table()
         digest = hashlib.sha256()
         for token in table:
             digest.update(len(token).to_bytes(4, "little"))
             digest.update(token)
-        for t in runner.eog_ids:
+        for t in model.eog_ids:
             digest.update(int(t).to_bytes(8, "little", signed=True))
         key = (digest.hexdigest(), limits)
         with self._lock:
             kept = self._idle.pop(key, None)
         grammars, tokenize = kept or (None, _Tokenize())
-        tokenize.runner = runner.tokenize_text
+        tokenize.model = model.tokenize_text
         if grammars is None:
-            grammars = Grammars(table, runner.eog_ids, tokenize, limits=limits)
+            grammars = Grammars(table, model.eog_ids, tokenize, limits=limits)
         return grammars, _PoolReturn(self, key, grammars, tokenize)
 
     def give_back(self, key: tuple[str, GrammarLimits], grammars: Grammars, tokenize: _Tokenize) -> None:
-        tokenize.runner = None
+        tokenize.model = None
         if grammars.cached_bytes() > self.KEPT_CACHE_BYTES:
             return
         with self._lock:
@@ -224,25 +240,25 @@ def build_embedding_deployment(name: str, model: EmbeddingModel, fingerprint_sou
     return deployment, embedder
 
 
-class RunnerVocabulary:
-    """A llama.cpp model's vocabulary as the services use it (service/deployments.Vocabulary): tokenizing by the
-    runner, control tokens and token texts from the grammars' table (one spelling for both)."""
+class ServiceVocabulary:
+    """A model's vocabulary as the services use it (service/deployments.Vocabulary): tokenizing by the model,
+    control tokens and token texts from the grammars' table (one spelling for both)."""
 
-    def __init__(self, runner: ModelRunner, grammars: Grammars) -> None:
-        self._runner, self._grammars = runner, grammars
-        self.size = runner.vocab_size
+    def __init__(self, model: ModelInfo, grammars: Grammars) -> None:
+        self._model, self._grammars = model, grammars
+        self.size = model.vocab_size
         self.max_token_bytes = max((len(b) for b in grammars.spelled), default=1) or 1
 
     def tokenize(self, text: str) -> list[int]:
-        ids = self._runner.tokenize(text, add_special=True, parse_special=True)
-        bos = self._runner.bos_token
+        ids = self._model.tokenize(text, add_special=True, parse_special=True)
+        bos = self._model.bos_token
         # a template that writes the BOS token itself must not get a second one from the tokenizer
         if bos and len(ids) > 1 and ids[0] == ids[1] and text.startswith(bos):
             ids = ids[1:]
         return ids
 
     def tokenize_bare(self, text: str, special: bool) -> list[int]:
-        return self._runner.tokenize(text, add_special=False, parse_special=special)
+        return self._model.tokenize(text, add_special=False, parse_special=special)
 
     def special_id(self, text: str) -> int | None:
         return self._grammars.special_id(text)
@@ -431,7 +447,7 @@ def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Deploymen
         context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
         kv_cache_type=e.kv_cache_type, gpu_layers=e.n_gpu_layers, main_gpu=e.main_gpu,
     )
-    grammars, give_back = GRAMMARS.take(runner, grammar_limits(e))
+    grammars, give_back = GRAMMARS.take(runner.model, grammar_limits(e))
     runners.extend((give_back, runner))  # closed in this order: the grammars detached before the runner goes
     template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
     deployment, engine = build_deployment(
@@ -471,12 +487,12 @@ def _build_vllm(spec: DeploymentSpec, deployments: list[Deployment], workers: li
                           dtype=v.dtype, extra=dict(v.engine_args))
     log.info("loading %s into vLLM for %r", options.model, spec.name)
     engine = VllmEngine.create(options)
-    tok = engine.tokenizer
+    tok: ModelVocabulary = engine.tokenizer  # a Hugging Face tokenizer (engine/hf_vocab.py): its template, BOS, EOS
     deployment = TextDeployment(
         name=spec.name,
         engine=engine,
         template=ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token),
-        vocab=tok,
+        vocab=engine.tokenizer,
         context_window=engine.context_window,
         max_choices=engine.max_num_seqs,
         fingerprint=_fingerprint(f"vllm:{options.model}"),

@@ -27,45 +27,40 @@ class Exactness:
         return f"NOT exact: {self.reason}"
 
 
-class ModelRunner(Protocol):
-    vocab_size: int
-    context_window: int  # the most positions one sequence may use: each slot's KV stream holds that many
-    kv_cells: int  # num_slots * context_window
-    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, a stream each
-    max_step_tokens: int  # tokens one step may carry
-    max_rows: int  # tokens one sequence may read in one step
-    call_cost_rows: float  # a forward call's own cost in rows' time (engine/speculate.py weighs drafts by it)
-    lone_row_from: int | None  # from here on a lone single row is read with its previous position (two rows' cost)
-    kv_cell_bytes: int  # one KV cell's size
-    forward_calls: int  # forward passes (llama_decode calls) made since start
-    eog_ids: np.ndarray  # end-of-generation tokens
+class ModelVocabulary(Protocol):
+    """What any text model's tokenizer gives the wiring, whichever engine runs it: its chat template, BOS and EOS,
+    and token texts. LlamaModel and FakeModel (runners/) implement it, and so does engine/hf_vocab's HfTokenizer
+    (vLLM's)."""
+
     chat_template: str | None
     bos_token: str
     eos_token: str
-    description: str
-    fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
-    trained_context: int  # the context the model was trained for
-    weights_bytes: int  # the model's weights in memory
-    exactness: Exactness  # what the start-up self-check found (runners/selfcheck.py)
-
-    @property
-    def decode_seconds(self) -> float:
-        """llama.cpp's time computing the forward passes since start (the runner's own work and waits excluded)."""
-        ...
-
-    @property
-    def state_fingerprint(self) -> str:
-        """What save_seq's states depend on (the model file, the cache type, the build, the fences)."""
-        ...
-
-    @property
-    def quantization(self) -> str:
-        """The model file's type (Q4_K_M, F16, …)."""
-        ...
 
     @property
     def bos_id(self) -> int | None:
         """The BOS token the tokenizer puts first (None when the model asks for none)."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's text as raw bytes; special (control) tokens render as nothing."""
+        ...
+
+
+class ModelInfo(ModelVocabulary, Protocol):
+    """A loaded model as the wiring reads it (compose.py, ray/ingress.py): its vocabulary, templates and metadata,
+    apart from any executor (a vocabulary-only load has no context at all). A runner exposes its own as
+    `runner.model`; the engine never reads it."""
+
+    vocab_size: int
+    eog_ids: np.ndarray  # end-of-generation tokens
+    description: str
+    fim_tokens: tuple[int, int, int] | None  # fill-in-the-middle (prefix, suffix, middle) tokens, if any
+    trained_context: int  # the context the model was trained for
+    weights_bytes: int  # the model's weights in memory
+
+    @property
+    def quantization(self) -> str:
+        """The model file's type (Q4_K_M, F16, …)."""
         ...
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
@@ -76,10 +71,6 @@ class ModelRunner(Protocol):
 
     def apply_builtin_template(self, name: str, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
         """(role, text) messages rendered by a built-in template."""
-        ...
-
-    def token_bytes(self, token: int) -> bytes:
-        """The token's text as raw bytes; special (control) tokens render as nothing."""
         ...
 
     def tokenize_text(self, data: bytes) -> list[int]:
@@ -93,6 +84,32 @@ class ModelRunner(Protocol):
 
     def token_table(self) -> list[bytes]:
         """Every token's bytes, for grammar masks; control tokens as b"\\xff" followed by their text."""
+        ...
+
+
+class ModelRunner(Protocol):
+    """The executor as the engine drives it (engine/local.py, output.py): the forward pass over a StepPlan, its
+    shape limits, the KV cells' save, images, LoRA adapters and the counters the engine reports. Nothing else: a
+    model's vocabulary and metadata are ModelInfo's (runner.model), read by the wiring."""
+
+    vocab_size: int
+    context_window: int  # the most positions one sequence may use: each slot's KV stream holds that many
+    num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, a stream each
+    max_step_tokens: int  # tokens one step may carry
+    max_rows: int  # tokens one sequence may read in one step
+    call_cost_rows: float  # a forward call's own cost in rows' time (engine/speculate.py weighs drafts by it)
+    lone_row_from: int | None  # from here on a lone single row is read with its previous position (two rows' cost)
+    kv_cell_bytes: int  # one KV cell's size
+    forward_calls: int  # forward passes (llama_decode calls) made since start
+    eog_ids: np.ndarray  # end-of-generation tokens
+
+    @property
+    def decode_seconds(self) -> float:
+        """llama.cpp's time computing the forward passes since start (the runner's own work and waits excluded)."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The token's text as raw bytes (the model's, for detokenizing); special (control) tokens render as nothing."""
         ...
 
     def encode_media(self, media: MediaChunk) -> None:
@@ -118,11 +135,25 @@ class ModelRunner(Protocol):
         ...
 
     def save_seq(self, slot: int) -> bytes:
-        """The slot's cells as bytes load_seq takes back (a Save op; engine/spill.py)."""
+        """The slot's cells as bytes a Restore op takes back (a Save op, or the prefix cache written at a stop)."""
         ...
 
-    def load_seq(self, slot: int, data: bytes) -> None:
-        """Replace the slot's cells by a state save_seq made."""
+
+class ServedRunner(ModelRunner, Protocol):
+    """A runner as the wiring builds and serves it (compose.py): the engine's protocol, and its model, what its
+    start-up self-check found, what its saved states depend on, its KV cells, and its close."""
+
+    kv_cells: int  # num_slots * context_window
+    exactness: Exactness  # what the start-up self-check found (runners/selfcheck.py)
+
+    @property
+    def model(self) -> ModelInfo:
+        """The model it computes with (its vocabulary, templates and metadata)."""
+        ...
+
+    @property
+    def state_fingerprint(self) -> str:
+        """What save_seq's states depend on (the model file, the cache type, the build, the fences)."""
         ...
 
     def close(self) -> None: ...

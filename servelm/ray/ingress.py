@@ -124,17 +124,17 @@ class Ingress:
 
     def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo,
                     runners: list[Closer]) -> Deployment:
-        from servelm.compose import build_deployment, grammar_limits
-        from servelm.runners.llamacpp import LlamaCppRunner
+        from servelm.compose import grammar_limits, grammars_of, text_deployment
+        from servelm.runners.llamacpp import LlamaModel
 
         path = resolve_model_source(spec.model, spec.kind)
-        runner = LlamaCppRunner(path, num_slots=spec.engine.max_num_seqs, vocab_only=True)
-        runners.append(runner)
+        model = LlamaModel(path, vocab_only=True)  # the replicas compute: the ingress tokenizes, and needs no weights
+        runners.append(model)
 
         def tokenize_input(text: str) -> list[int]:  # an embedding input: the model's own special tokens, none parsed
-            return runner.tokenize(text, add_special=True, parse_special=False)
+            return model.tokenize(text, add_special=True, parse_special=False)
 
-        embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input, runner.tokenize_pair) if info.embedding else None
+        embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input, model.tokenize_pair) if info.embedding else None
         deployment: Deployment
         if spec.kind in ("embedding", "rerank"):
             assert embedder is not None and info.embedding is not None  # an embedding replica always has one
@@ -142,15 +142,12 @@ class Ingress:
                                     embedder=embedder, placement=info.placement)
         else:
             template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
-            text, _ = build_deployment(spec.name, runner, chat_template=template, engine=RemoteEngine(replicas),
-                                       grammar_limits=grammar_limits(spec.engine),
-                                       special_tokens_in_content=spec.special_tokens_in_content,
-                                       reasoning_markers=spec.reasoning_markers)
-            text.context_window = info.context_window  # the replicas' (their KV cache bounds it)
-            text.facts = info.facts  # and their self-check's finding
-            text.placement = info.placement
-            text.max_choices = info.max_choices
-            text.fingerprint = info.fingerprint
+            text = text_deployment(
+                spec.name, model, RemoteEngine(replicas), grammars_of(model, grammar_limits(spec.engine)),
+                fingerprint=info.fingerprint, context_window=info.context_window,  # the replicas' (their KV cache's)
+                max_choices=info.max_choices, facts=info.facts, placement=info.placement,  # and their self-check's
+                chat_template=template, special_tokens_in_content=spec.special_tokens_in_content,
+                reasoning_markers=spec.reasoning_markers)
             text.embedder = embedder
             text.content_filter = content_filter_of(spec.content_filter)
             replicas.adapters = text.adapters = ReplicaAdapters(replicas, spec.loras, spec.engine.max_loras)

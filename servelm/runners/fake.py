@@ -30,58 +30,27 @@ class FakeKVError(AssertionError):
     pass
 
 
-class FakeRunner:
-    def __init__(
-        self,
-        *,
-        vocab_size: int = 64,
-        num_slots: int = 4,
-        max_step_tokens: int = 32,
-        context_window: int = 128,
-        max_rows: int = 63,
-        step_delay: float = 0.0,
-        fim_tokens: tuple[int, int, int] | None = None,
-        projector: FakeProjector | None = None,
-    ) -> None:
+class FakeModel:
+    """The fake model's vocabulary, template and metadata (engine/runner.py's ModelInfo): token t is the letter
+    chr(ord('a') + t % 26), EOS renders as nothing."""
+
+    def __init__(self, *, vocab_size: int = 64, trained_context: int = 128,
+                 fim_tokens: tuple[int, int, int] | None = None) -> None:
         self.vocab_size = vocab_size
-        self.num_slots = num_slots
-        self.max_step_tokens = max_step_tokens
-        self.context_window = context_window
-        self.kv_cells = num_slots * context_window
-        self.adapters: dict[str, int] = {}  # fake LoRA adapters: name → the shift of every logits row
-        self.max_rows = max_rows
-        self.call_cost_rows = 1.5
-        self.lone_row_from: int | None = None  # it reads a lone row alone
-        self.kv_cell_bytes = 64
-        self.forward_calls = 0
-        self.decode_seconds = 0.0  # none: the fake computes nothing (its step counts as the runner's own work)
         self.bos_id = None
-        self.step_delay = step_delay
         self.fim_tokens = fim_tokens  # fill-in-the-middle (prefix, suffix, middle) tokens, if the model has them
         self.eog_ids = np.array([EOS], dtype=np.int64)
-        self.chat_template = (
+        self.chat_template: str | None = (
             "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}"
         )
         self.bos_token = ""
         self.eos_token = "</s>"
         self.description = "fake"
-        self.state_fingerprint = "fake-model"
         self.quantization = "F32"
         self.weights_bytes = 0
-        self.trained_context = context_window
-        self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
-        self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
-        # slots a Copy wrote or read since the last forward pass: llama.cpp makes a copy between streams at its next
-        # decode, so a Save of its destination or a Restore into either slot before then reads or loses wrong cells
-        self.copied_to: set[int] = set()
-        self.copied_from: set[int] = set()
-        self.steps: list[StepPlan] = []
-        self.max_cells_seen = 0
-        self.projector = projector  # reads images (FakeProjector); None: a text-only model
-        self.encoded: list[str] = []  # the media chunks' keys, in the order they were encoded
+        self.trained_context = trained_context
 
-    # -- text -------------------------------------------------------------------------------------
     def control_tokens(self) -> None:
         """The fake model's markers are plain text: it makes no control-token distinction."""
         return None
@@ -104,6 +73,51 @@ class FakeRunner:
 
     def token_table(self) -> list[bytes]:
         return [b"\xff</s>" if t == EOS else self.token_bytes(t) for t in range(self.vocab_size)]
+
+
+class FakeRunner:
+    """The fake executor on a FakeModel (`model`: its own, of `vocab_size` and `fim_tokens`, unless given)."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 64,
+        num_slots: int = 4,
+        max_step_tokens: int = 32,
+        context_window: int = 128,
+        max_rows: int = 63,
+        step_delay: float = 0.0,
+        fim_tokens: tuple[int, int, int] | None = None,
+        projector: FakeProjector | None = None,
+        model: FakeModel | None = None,
+    ) -> None:
+        self.model = model or FakeModel(vocab_size=vocab_size, trained_context=context_window, fim_tokens=fim_tokens)
+        self.vocab_size = self.model.vocab_size
+        self.eog_ids = self.model.eog_ids
+        self.token_bytes = self.model.token_bytes
+        self.num_slots = num_slots
+        self.max_step_tokens = max_step_tokens
+        self.context_window = context_window
+        self.kv_cells = num_slots * context_window
+        self.adapters: dict[str, int] = {}  # fake LoRA adapters: name → the shift of every logits row
+        self.max_rows = max_rows
+        self.call_cost_rows = 1.5
+        self.lone_row_from: int | None = None  # it reads a lone row alone
+        self.kv_cell_bytes = 64
+        self.forward_calls = 0
+        self.decode_seconds = 0.0  # none: the fake computes nothing (its step counts as the runner's own work)
+        self.step_delay = step_delay
+        self.state_fingerprint = "fake-model"
+        self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
+        self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
+        # slots a Copy wrote or read since the last forward pass: llama.cpp makes a copy between streams at its next
+        # decode, so a Save of its destination or a Restore into either slot before then reads or loses wrong cells
+        self.copied_to: set[int] = set()
+        self.copied_from: set[int] = set()
+        self.steps: list[StepPlan] = []
+        self.max_cells_seen = 0
+        self.projector = projector  # reads images (FakeProjector); None: a text-only model
+        self.encoded: list[str] = []  # the media chunks' keys, in the order they were encoded
 
     def next_token(self, token: int) -> int:
         if token == END_TOKEN:

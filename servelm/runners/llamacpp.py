@@ -1,9 +1,10 @@
-"""LlamaCppRunner: the only module that touches llama.cpp (through llama-cpp-python's ctypes C API).
+"""LlamaModel and LlamaCppRunner: the only module that touches llama.cpp (through llama-cpp-python's ctypes C API).
 
-One model, one context with `num_slots` sequences, each with a KV stream of its own (a non-unified cache, as
-long as the context window) and flash attention on. Each step is one llama_decode call where llama.cpp allows it,
-over a batch whose buffers are numpy arrays we own, filled with vector operations. Every C pointer is created and
-freed here.
+A LlamaModel is the model file loaded (weights, vocabulary, templates, metadata; or the vocabulary alone). A
+LlamaCppRunner computes with one: one context with `num_slots` sequences, each with a KV stream of its own (a
+non-unified cache, as long as the context window) and flash attention on. Each step is one llama_decode call where
+llama.cpp allows it, over a batch whose buffers are numpy arrays we own, filled with vector operations. Every C
+pointer is created and freed here.
 
 A sequence's logits are bitwise the same whatever shares its steps, however its prompt is chunked, and whether
 its prefix was read or copied from the cache (docs/exactness.md). ggml's CPU flash attention has three kernels: a
@@ -318,11 +319,12 @@ def placement(model: Any, gpu_layers: int | None, main_gpu: int | None) -> str:
 
 
 def _free(owner: LlamaCppRunner | LlamaCppEmbedder) -> None:
-    """Free an owner's llama.cpp context, then its model if it owns one; a second call does nothing."""
+    """Free an owner's llama.cpp context, then the weights if it loaded them itself (an embedder's; a runner's are
+    its LlamaModel's); a second call does nothing."""
     if owner._ctx:
         C.llama_free(owner._ctx)
         owner._ctx = None
-    if owner._model:
+    if isinstance(owner, LlamaCppEmbedder) and owner._model:
         C.llama_model_free(owner._model)
         owner._model = None
 
@@ -340,93 +342,36 @@ def _gguf_tensor_count(path: str | Path) -> int | None:
     return int.from_bytes(head[8:16], "little")
 
 
-class LlamaCppRunner:
+class LlamaModel:
+    """A model file loaded by llama.cpp: the weights pointer, the vocabulary, the chat templates and the metadata
+    (engine/runner.py's ModelInfo, what the wiring reads). `vocab_only` loads the vocabulary and metadata alone, no
+    weights (servelm/ray's ingress tokenizes with it); a LlamaCppRunner computes with a model loaded whole, and closes
+    it with its context."""
+
     def __init__(
         self,
         model_path: str | Path,
         *,
-        num_slots: int = 16,
-        context_window: int | None = 2048,  # None: the model's trained context, within kv_budget_mib
-        kv_budget_mib: int = 768,
-        max_step_tokens: int = 256,
-        threads: int | None = None,
-        verbose: bool = False,
-        vocab_only: bool = False,  # the tokenizer and metadata only: no weights, no context (servelm/ray's ingress)
-        mmproj: str | Path | None = None,  # a vision projector GGUF for this model: images in prompts
-        kv_cache_type: str = "f16",  # f16, q8_0 or q4_0 (_KV_TYPES)
+        vocab_only: bool = False,
         repack: bool = True,  # llama.cpp's repacked weight buffers (faster; Q4_K's rounds by rows: load_exact)
-        pair_rows: bool = False,  # every call at least two rows and two logits rows (see the module's docstring)
         gpu_layers: int | None = None,  # layers on the GPU (None or -1: all, where llama.cpp finds a GPU)
         main_gpu: int | None = None,  # the one GPU the model goes on (None: across every GPU llama.cpp finds)
+        verbose: bool = False,
     ) -> None:
         _silence_llama_logs(verbose)
         C.llama_backend_init()
+        self.path = Path(model_path)
+        self.vocab_only, self.repack, self.gpu_layers, self.main_gpu = vocab_only, repack, gpu_layers, main_gpu
         mparams = _model_params(vocab_only=vocab_only, repack=repack, gpu_layers=0 if vocab_only else gpu_layers,
                                 main_gpu=None if vocab_only else main_gpu)
-        self.repack = repack
-        self.fence = Fence(repack, 2 if pair_rows else 1)
         self._progress = mparams.progress_callback = _load_progress(model_path)  # kept alive as long as self
         self._model: Any = C.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load the model file {model_path}")
         self._vocab = C.llama_model_get_vocab(self._model)
         self.vocab_size = int(C.llama_vocab_n_tokens(self._vocab))
-        train_ctx = int(C.llama_model_n_ctx_train(self._model))
-        self.trained_context = train_ctx
-        self.kv_cache_type = kv_cache_type
-        self.kv_cell_bytes = 0 if vocab_only else self._cell_bytes()  # a vocabulary-only model has no layers
+        self.trained_context = int(C.llama_model_n_ctx_train(self._model))
         self.weights_bytes = int(C.llama_model_size(self._model))
-        self.placement = "" if vocab_only else placement(self._model, gpu_layers, main_gpu)
-        if context_window is None and vocab_only:
-            context_window = train_ctx or 2048
-        elif context_window is None:
-            context_window = self._budgeted_context(train_ctx, num_slots, kv_budget_mib, Path(model_path).name)
-        self.context_window = min(context_window, train_ctx) if train_ctx else context_window
-        self.num_slots = num_slots
-        self.kv_cells = num_slots * self.context_window
-        self.max_step_tokens = max(max_step_tokens, num_slots)
-        self.max_rows = MAX_ROWS
-        self.call_cost_rows = CALL_COST_ROWS
-        self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
-        self._capacity = self.max_step_tokens + PAD_ROOM  # a call's tokens, a shape fence's pads included
-        self.exactness = Exactness(False, checked=False)  # load_exact checks it
-        self.forward_calls = 0  # llama_decode calls since start
-        self._adapters: dict[str, Any] = {}  # LoRA adapters by name: llama.cpp's llama_adapter_lora pointers
-        self._applied: tuple[tuple[str, float], ...] = ()  # the adapters set on the context now
-        self._lock = threading.Lock()  # a step, or an adapter's load or free: never two at once
-
-        n_threads = threads or os.cpu_count() or 1
-        self.projector: Projector | None = None
-        if mmproj is not None and not vocab_only:
-            try:
-                self.projector = Projector(mmproj, self._model, threads=n_threads, verbose=verbose)
-            except Exception:
-                C.llama_model_free(self._model)
-                raise
-            # an image whose positions attend both ways is one micro-batch: as many as fit a step's batch
-            self.projector.max_whole = self.max_step_tokens
-        cparams = C.llama_context_default_params()
-        stream = -(-max(self.context_window, 1) // _CELL_PAD) * _CELL_PAD
-        self._window = (self.context_window, stream)  # as asked, and a stream's cells
-        cparams.n_ctx = stream * num_slots
-        cparams.n_batch = self._capacity
-        cparams.n_ubatch = self._capacity
-        cparams.n_seq_max = num_slots
-        cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
-        # a sliding-window layer's cache as long as the others': its cells stay in position order (a window-sized
-        # ring would place them where the window left room), and a cached prefix keeps what a later turn reads
-        cparams.swa_full = True
-        cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED  # also what a quantized V cache needs
-        cparams.type_k = cparams.type_v = _KV_TYPES[kv_cache_type][0]
-        cparams.n_threads = n_threads
-        cparams.n_threads_batch = n_threads
-        cparams.no_perf = False  # its compute time: decode_seconds (the engine's phase breakdown)
-        self._ctx = None if vocab_only else C.llama_init_from_model(self._model, cparams)
-        if not self._ctx and not vocab_only:
-            self.close()
-            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
-        self._mem = C.llama_get_memory(self._ctx) if self._ctx else None
-
         self.eog_ids = np.array([t for t in range(self.vocab_size) if C.llama_vocab_is_eog(self._vocab, t)], dtype=np.int64)
         self._pieces = [self._piece(t) for t in range(self.vocab_size)]
         self.chat_template = self._meta("tokenizer.chat_template")
@@ -436,50 +381,13 @@ class LlamaCppRunner:
         fim = (C.llama_vocab_fim_pre(self._vocab), C.llama_vocab_fim_suf(self._vocab), C.llama_vocab_fim_mid(self._vocab))
         # fill-in-the-middle tokens
         self.fim_tokens: tuple[int, int, int] | None = None if -1 in fim else (int(fim[0]), int(fim[1]), int(fim[2]))
-        self.description = self._meta("general.name") or Path(model_path).stem
-        self._model_fingerprint = "" if vocab_only else self._state_fingerprint(Path(model_path))
-        self._init_batch(self._capacity)
+        self.description = self._meta("general.name") or self.path.stem
 
-    @property
-    def state_fingerprint(self) -> str:
-        """What a saved sequence state depends on: the model's fingerprint and the fences its cells were computed
-        under (they round the cells otherwise)."""
-        if not self._model_fingerprint:
-            return ""
-        rows = f"|{self.fence.min_rows}x{self.fence.multiple}" if self.fence.shape else ""
-        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}{rows}".encode()).hexdigest()
+    def placement(self) -> str:
+        """Where its layers are, in words (module-level placement())."""
+        return placement(self._model, self.gpu_layers, self.main_gpu)
 
-    @property
-    def pair_rows(self) -> bool:
-        return self.fence.pair
-
-    def set_pair_rows(self, on: bool) -> None:
-        self.set_fence(Fence(self.repack, 2 if on else 1))
-
-    def set_fence(self, fence: Fence) -> None:
-        """The rows rule of `fence` from the next step on (its weights' repacking is the load's: load_exact reloads
-        for another). A stream's rows stay below flash attention's tiled kernel with a fence's pads among them."""
-        if fence.repack != self.repack:
-            raise ValueError("a fence's repacking is chosen at load: reload the model for another")
-        self.fence = fence
-        self.lone_row_from = 0 if fence.min_rows > 1 else LONE_ROW_FROM
-        self.max_rows = MAX_ROWS // fence.multiple * fence.multiple
-        asked, cells = self._window  # a sequence's last position leaves room in its stream for the pads after it
-        self.context_window = min(asked, cells - max(fence.min_rows, fence.multiple) + 1) if fence.shape else asked
-
-    def _state_fingerprint(self, path: Path) -> str:
-        """What a saved sequence state depends on: the model file (its size, first and last MiB), the cache's type,
-        the context's layout and llama.cpp's build. A state saved under another fingerprint is never loaded."""
-        h = hashlib.sha256()
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
-        h.update(f"{size}|{self.kv_cache_type}|{self.context_window}|{self.num_slots}|{C.__version__}".encode())
-        return h.hexdigest()
-
-    def _cell_bytes(self) -> int:
+    def cell_bytes(self, kv_cache_type: str) -> int:
         """One KV cell's size: keys and values of every layer in the cache's type (a sliding-window layer's cache is
         as long as the others', so it counts the same)."""
         n_embd, n_head = int(C.llama_model_n_embd(self._model)), max(1, int(C.llama_model_n_head(self._model)))
@@ -487,25 +395,21 @@ class LlamaCppRunner:
         k_len = int(self._meta(f"{arch}.attention.key_length") or n_embd // n_head)
         v_len = int(self._meta(f"{arch}.attention.value_length") or k_len)
         n_kv = int(C.llama_model_n_head_kv(self._model))
-        _, block, block_bytes = _KV_TYPES[self.kv_cache_type]
+        _, block, block_bytes = _KV_TYPES[kv_cache_type]
         per_layer = (-(-n_kv * k_len // block) + -(-n_kv * v_len // block)) * block_bytes
         return int(C.llama_model_n_layer(self._model)) * per_layer
 
-    def _budgeted_context(self, trained: int, slots: int, budget_mib: int, name: str) -> int:
-        """The context window a KV budget holds for `slots` streams: the trained context, or less (a multiple of
-        256, at least 256); the start-up log says which and why."""
-        fits = (budget_mib << 20) // max(1, slots * self.kv_cell_bytes)
-        window = trained if trained and trained <= fits else max(_CELL_PAD, fits // _CELL_PAD * _CELL_PAD)
-        total = slots * -(-window // _CELL_PAD) * _CELL_PAD * self.kv_cell_bytes
-        if trained and window < trained:
-            log.info("%s: context window %d of the model's %d tokens: %d streams x %d cells x %d bytes = %d MiB, "
-                     "within --kv-budget-mib %d (raise it, or lower --max-num-seqs, for a longer one; "
-                     "--context-window sets it outright)", name, window, trained, slots, window, self.kv_cell_bytes,
-                     total >> 20, budget_mib)
-        else:
-            log.info("%s: context window %d tokens (the model's own): %d streams x %d bytes a cell = %d MiB of KV "
-                     "cache", name, window, slots, self.kv_cell_bytes, total >> 20)
-        return window
+    def file_fingerprint(self, *more: str) -> str:
+        """The model file's fingerprint (its size, first and last MiB) with `more` (what else a saved state depends
+        on: the runner's cache type and layout, llama.cpp's build)."""
+        h = hashlib.sha256()
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+        h.update("|".join((str(size), *more)).encode())
+        return h.hexdigest()
 
     # -- metadata and text ------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
@@ -604,6 +508,143 @@ class LlamaCppRunner:
         bos = int(C.llama_vocab_bos(self._vocab))
         return bos if self.add_bos and bos >= 0 else None
 
+    def close(self) -> None:
+        if self._model:
+            C.llama_model_free(self._model)
+            self._model = None
+
+
+class LlamaCppRunner:
+    """The executor (engine/runner.py's ModelRunner) on a LlamaModel: the context with its KV streams, the batches,
+    the KV operations and the LoRA adapters. Given a path it loads its model (repack, gpu_layers, main_gpu and
+    verbose are that load's); either way it owns `model`, and close() frees both."""
+
+    def __init__(
+        self,
+        model: LlamaModel | str | Path,
+        *,
+        num_slots: int = 16,
+        context_window: int | None = 2048,  # None: the model's trained context, within kv_budget_mib
+        kv_budget_mib: int = 768,
+        max_step_tokens: int = 256,
+        threads: int | None = None,
+        verbose: bool = False,
+        mmproj: str | Path | None = None,  # a vision projector GGUF for this model: images in prompts
+        kv_cache_type: str = "f16",  # f16, q8_0 or q4_0 (_KV_TYPES)
+        repack: bool = True,  # llama.cpp's repacked weight buffers (faster; Q4_K's rounds by rows: load_exact)
+        pair_rows: bool = False,  # every call at least two rows and two logits rows (see the module's docstring)
+        gpu_layers: int | None = None,  # layers on the GPU (None or -1: all, where llama.cpp finds a GPU)
+        main_gpu: int | None = None,  # the one GPU the model goes on (None: across every GPU llama.cpp finds)
+    ) -> None:
+        if not isinstance(model, LlamaModel):
+            model = LlamaModel(model, repack=repack, gpu_layers=gpu_layers, main_gpu=main_gpu, verbose=verbose)
+        elif model.vocab_only:
+            raise ValueError("a runner computes: give it a model loaded with its weights, not its vocabulary alone")
+        self.model = model
+        self.repack = model.repack
+        self.fence = Fence(self.repack, 2 if pair_rows else 1)
+        self.vocab_size = model.vocab_size
+        self.eog_ids = model.eog_ids
+        self.token_bytes = model.token_bytes
+        train_ctx = model.trained_context
+        self.kv_cache_type = kv_cache_type
+        self.kv_cell_bytes = model.cell_bytes(kv_cache_type)
+        self.placement = model.placement()
+        if context_window is None:
+            context_window = self._budgeted_context(train_ctx, num_slots, kv_budget_mib, model.path.name)
+        self.context_window = min(context_window, train_ctx) if train_ctx else context_window
+        self.num_slots = num_slots
+        self.kv_cells = num_slots * self.context_window
+        self.max_step_tokens = max(max_step_tokens, num_slots)
+        self.max_rows = MAX_ROWS
+        self.call_cost_rows = CALL_COST_ROWS
+        self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
+        self._capacity = self.max_step_tokens + PAD_ROOM  # a call's tokens, a shape fence's pads included
+        self.exactness = Exactness(False, checked=False)  # load_exact checks it
+        self.forward_calls = 0  # llama_decode calls since start
+        self._adapters: dict[str, Any] = {}  # LoRA adapters by name: llama.cpp's llama_adapter_lora pointers
+        self._applied: tuple[tuple[str, float], ...] = ()  # the adapters set on the context now
+        self._lock = threading.Lock()  # a step, or an adapter's load or free: never two at once
+
+        n_threads = threads or os.cpu_count() or 1
+        self.projector: Projector | None = None
+        self._ctx: Any = None
+        if mmproj is not None:
+            try:
+                self.projector = Projector(mmproj, model._model, threads=n_threads, verbose=verbose)
+            except Exception:
+                model.close()
+                raise
+            # an image whose positions attend both ways is one micro-batch: as many as fit a step's batch
+            self.projector.max_whole = self.max_step_tokens
+        cparams = C.llama_context_default_params()
+        stream = -(-max(self.context_window, 1) // _CELL_PAD) * _CELL_PAD
+        self._window = (self.context_window, stream)  # as asked, and a stream's cells
+        cparams.n_ctx = stream * num_slots
+        cparams.n_batch = self._capacity
+        cparams.n_ubatch = self._capacity
+        cparams.n_seq_max = num_slots
+        cparams.kv_unified = False  # a stream per sequence: its cells its own, in position order
+        # a sliding-window layer's cache as long as the others': its cells stay in position order (a window-sized
+        # ring would place them where the window left room), and a cached prefix keeps what a later turn reads
+        cparams.swa_full = True
+        cparams.flash_attn_type = C.LLAMA_FLASH_ATTN_TYPE_ENABLED  # also what a quantized V cache needs
+        cparams.type_k = cparams.type_v = _KV_TYPES[kv_cache_type][0]
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.no_perf = False  # its compute time: decode_seconds (the engine's phase breakdown)
+        self._ctx = C.llama_init_from_model(model._model, cparams)
+        if not self._ctx:
+            self.close()
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        self._mem = C.llama_get_memory(self._ctx)
+        # what a saved sequence state depends on: the model file, the cache's type, the context's layout and
+        # llama.cpp's build (a state saved under another fingerprint is never loaded)
+        self._model_fingerprint = model.file_fingerprint(kv_cache_type, str(self.context_window), str(num_slots),
+                                                         C.__version__)
+        self._init_batch(self._capacity)
+
+    @property
+    def state_fingerprint(self) -> str:
+        """What a saved sequence state depends on: the model's fingerprint and the fences its cells were computed
+        under (they round the cells otherwise)."""
+        rows = f"|{self.fence.min_rows}x{self.fence.multiple}" if self.fence.shape else ""
+        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}{rows}".encode()).hexdigest()
+
+    @property
+    def pair_rows(self) -> bool:
+        return self.fence.pair
+
+    def set_pair_rows(self, on: bool) -> None:
+        self.set_fence(Fence(self.repack, 2 if on else 1))
+
+    def set_fence(self, fence: Fence) -> None:
+        """The rows rule of `fence` from the next step on (its weights' repacking is the load's: load_exact reloads
+        for another). A stream's rows stay below flash attention's tiled kernel with a fence's pads among them."""
+        if fence.repack != self.repack:
+            raise ValueError("a fence's repacking is chosen at load: reload the model for another")
+        self.fence = fence
+        self.lone_row_from = 0 if fence.min_rows > 1 else LONE_ROW_FROM
+        self.max_rows = MAX_ROWS // fence.multiple * fence.multiple
+        asked, cells = self._window  # a sequence's last position leaves room in its stream for the pads after it
+        self.context_window = min(asked, cells - max(fence.min_rows, fence.multiple) + 1) if fence.shape else asked
+
+    def _budgeted_context(self, trained: int, slots: int, budget_mib: int, name: str) -> int:
+        """The context window a KV budget holds for `slots` streams: the trained context, or less (a multiple of
+        256, at least 256); the start-up log says which and why."""
+        fits = (budget_mib << 20) // max(1, slots * self.kv_cell_bytes)
+        window = trained if trained and trained <= fits else max(_CELL_PAD, fits // _CELL_PAD * _CELL_PAD)
+        total = slots * -(-window // _CELL_PAD) * _CELL_PAD * self.kv_cell_bytes
+        if trained and window < trained:
+            log.info("%s: context window %d of the model's %d tokens: %d streams x %d cells x %d bytes = %d MiB, "
+                     "within --kv-budget-mib %d (raise it, or lower --max-num-seqs, for a longer one; "
+                     "--context-window sets it outright)", name, window, trained, slots, window, self.kv_cell_bytes,
+                     total >> 20, budget_mib)
+        else:
+            log.info("%s: context window %d tokens (the model's own): %d streams x %d bytes a cell = %d MiB of KV "
+                     "cache", name, window, slots, self.kv_cell_bytes, total >> 20)
+        return window
+
     # -- the batch --------------------------------------------------------------------------------
     def _init_batch(self, size: int) -> None:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)
@@ -628,7 +669,7 @@ class LlamaCppRunner:
                 raise ValueError("the file holds no tensors (an adapter with nothing to apply)")
             _log_capture = []
             try:
-                adapter = C.llama_adapter_lora_init(self._model, str(path).encode())
+                adapter = C.llama_adapter_lora_init(self.model._model, str(path).encode())
                 said = b"".join(_log_capture).decode(errors="replace")
             finally:
                 _log_capture = None
@@ -870,9 +911,11 @@ class LlamaCppRunner:
         C.llama_memory_clear(self._mem, True)
 
     def close(self) -> None:
+        """The projector, the context, then the model; a second call does nothing."""
         if self.projector is not None:
             self.projector.close()
         _free(self)
+        self.model.close()
 
 
 def on_a_passing_thread(fn: Callable[[LlamaCppRunner], str], runner: LlamaCppRunner) -> str:
@@ -904,8 +947,6 @@ def load_exact(model_path: str | Path, fences: tuple[Fence, ...] | None = None, 
     model reads images never). A model that passes none is served as loaded, its `exactness` saying why it is not
     exact."""
     runner = LlamaCppRunner(model_path, **kwargs)
-    if runner._ctx is None:
-        return runner
     log.info("%s runs on %s", Path(model_path).name, runner.placement)
     first = ""
     for fence in fences or FENCES:
@@ -968,8 +1009,8 @@ class LlamaCppEmbedder:
         self._ctx: Any = None
         self._model: Any = None  # set only when this embedder owns the model
         if share is not None:
-            model = share._model
-            self.description = share.description
+            model = share.model._model
+            self.description = share.model.description
             self.placement = share.placement
         elif model_path is None:
             raise ValueError("an embedder needs a model file or a runner to share")

@@ -12,11 +12,11 @@ from servelm.chat.template import CHATML_END, BuiltinTemplate, TemplateError
 from servelm.compose import build_deployment
 from servelm.engine.types import SamplingParams
 from servelm.protocol.chat import ChatCompletionRequest
-from servelm.runners.fake import FakeRunner
+from servelm.runners.fake import FakeModel, FakeRunner
 from servelm.service.params import EndpointParams, sampling_params
 
 
-class _Builtin(FakeRunner):
+class _Builtin(FakeModel):
     def builtin_template(self) -> str | None:
         return "turns"
 
@@ -36,8 +36,8 @@ def test_the_model_files_template_is_used_as_it_is():
 
 
 def test_without_one_llama_cpps_built_in_template_for_the_architecture_renders(caplog):
-    runner = _Builtin()
-    runner.chat_template = None
+    runner = FakeRunner(model=_Builtin())
+    runner.model.chat_template = None
     with caplog.at_level(logging.WARNING):
         dep, _ = build_deployment("m", runner)
     assert dep.template.origin == "builtin:turns" and dep.template_stops == ()
@@ -50,7 +50,7 @@ def test_without_one_llama_cpps_built_in_template_for_the_architecture_renders(c
 
 def test_with_neither_chatml_is_used_and_its_end_marker_stops_every_answer(caplog):
     runner = FakeRunner()
-    runner.chat_template = None
+    runner.model.chat_template = None
     with caplog.at_level(logging.WARNING):
         dep, _ = build_deployment("m", runner)
     assert dep.template.origin == "fallback" and "using ChatML" in caplog.text

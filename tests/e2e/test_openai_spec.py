@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from servelm.config import embedded_model_path
-from servelm.runners.llamacpp import LlamaCppRunner
+from servelm.runners.llamacpp import LlamaModel
 from tests.openai_spec import assert_conforms, sse_chunks
 
 from .helpers import MODEL
@@ -110,7 +110,7 @@ def test_completions_and_embeddings_and_models_follow_the_spec(base_url, extra):
 def test_echo_scores_each_prompt_token_with_its_true_logprob(base_url):
     """lm-evaluation-harness's loglikelihood: echo, logprobs N, max_tokens 1. A token outside the top N (or the
     top 20) still has its true value; the model's own greedy tokens score what it gave them when generating."""
-    vocab = LlamaCppRunner(embedded_model_path(), vocab_only=True)  # the server's tokenizer, without weights
+    vocab = LlamaModel(embedded_model_path(), vocab_only=True)  # the server's tokenizer, without weights
     tokens = vocab.tokenize("Paris is the capital of France. The capital of Italy is, as everyone knows,",
                             add_special=True, parse_special=False)
     gen = post(base_url, "/v1/completions", {"model": MODEL, "prompt": tokens, "max_tokens": 12, "temperature": 0,

@@ -42,7 +42,7 @@ async def _run(engine: LocalEngine, rid: str, constraint=None) -> str:
 
 async def test_an_engines_steps_are_split_into_its_phases() -> None:
     runner = FakeRunner(num_slots=2, max_step_tokens=16, step_delay=0.003)
-    grammars = Grammars(runner.token_table(), list(runner.eog_ids), runner.tokenize_text)
+    grammars = Grammars(runner.model.token_table(), list(runner.eog_ids), runner.model.tokenize_text)
     engine = LocalEngine(runner, grammars=grammars)
     engine.start()
     try:

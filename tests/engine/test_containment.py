@@ -144,7 +144,7 @@ async def test_a_grammar_that_fails_mid_answer_fails_its_request_with_a_client_e
     from servelm.errors import ConstraintFailed
 
     runner = FakeRunner(num_slots=6, max_step_tokens=32, step_delay=0.002)
-    grammars = Grammars(runner.token_table(), list(runner.eog_ids), runner.tokenize_text)
+    grammars = Grammars(runner.model.token_table(), list(runner.eog_ids), runner.model.tokenize_text)
     engine = LocalEngine(runner, grammars=grammars)
     engine.start()
     try:

@@ -16,7 +16,7 @@ from servelm.runners.fake import FakeRunner
 @pytest.fixture
 def setup():
     runner = FakeRunner(num_slots=4, max_step_tokens=16, step_delay=0.002)
-    grammars = Grammars(runner.token_table(), list(runner.eog_ids), runner.tokenize_text)
+    grammars = Grammars(runner.model.token_table(), list(runner.eog_ids), runner.model.tokenize_text)
     eng = LocalEngine(runner, grammars=grammars)
     eng.start()
     yield eng, grammars, runner

@@ -56,11 +56,11 @@ def test_anthropic_messages_past_the_bound_are_400_in_anthropics_shape(fake_serv
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(fake_server, monkeypatch):
     """The rendered text's bytes bound its tokens from below (the longest token's bytes): 200 KB of text on a
     128-token model is refused without the tokenizer ever seeing it."""
-    from servelm.runners.fake import FakeRunner
+    from servelm.runners.fake import FakeModel
 
     calls = []
-    original = FakeRunner.tokenize
-    monkeypatch.setattr(FakeRunner, "tokenize", lambda self, text, **kw: calls.append(len(text)) or original(self, text, **kw))
+    original = FakeModel.tokenize
+    monkeypatch.setattr(FakeModel, "tokenize", lambda self, text, **kw: calls.append(len(text)) or original(self, text, **kw))
     r = httpx.post(fake_server.base_url + "/v1/chat/completions", timeout=30, json={
         "model": "fake-model", "max_tokens": 3, "messages": [{"role": "user", "content": "x" * 200_000}]})
     err = r.json()["error"]

@@ -19,7 +19,7 @@ def letters(tokens):
 
 
 def expected_tokens(runner: FakeRunner, prompt_text: str, n: int) -> list[int]:
-    last = runner.tokenize(prompt_text, add_special=True, parse_special=True)[-1]
+    last = runner.model.tokenize(prompt_text, add_special=True, parse_special=True)[-1]
     out = []
     for _ in range(n):
         last = runner.next_token(last)

@@ -31,7 +31,7 @@ def after(runner: FakeRunner, last: int, n: int) -> list[int]:
 
 
 def tok(runner: FakeRunner, text: str) -> list[int]:
-    return runner.tokenize(text, add_special=True, parse_special=True)
+    return runner.model.tokenize(text, add_special=True, parse_special=True)
 
 
 def completion_text(runner: FakeRunner, prompt_ids: list[int], n: int) -> str:
@@ -211,13 +211,13 @@ def test_echo_with_suffix_is_rejected(fake_server_factory):
 def test_use_raw_prompt_tokenizes_without_additions(fake_server, monkeypatch):
     runner = fake_server.runner
     calls = []
-    real = runner.tokenize
+    real = runner.model.tokenize
 
     def spy(text, *, add_special, parse_special):
         calls.append((text, add_special, parse_special))
         return real(text, add_special=add_special, parse_special=parse_special)
 
-    monkeypatch.setattr(runner, "tokenize", spy)
+    monkeypatch.setattr(runner.model, "tokenize", spy)
     raw = post(fake_server, prompt="hey", use_raw_prompt=True, max_tokens=1, temperature=0).json()
     assert ("hey", False, False) in calls and not any(c[1] for c in calls if c[0] == "hey")
     calls.clear()

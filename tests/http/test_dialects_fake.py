@@ -23,7 +23,7 @@ def letters(tokens):
 
 
 def expected(runner: FakeRunner, prompt_text: str, n: int) -> str:
-    last = runner.tokenize(prompt_text, add_special=True, parse_special=True)[-1]
+    last = runner.model.tokenize(prompt_text, add_special=True, parse_special=True)[-1]
     out = []
     for _ in range(n):
         last = runner.next_token(last)

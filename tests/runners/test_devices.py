@@ -11,7 +11,7 @@ import pytest
 
 from servelm.config import embedded_embedding_model_path, embedded_model_path
 from servelm.runners import llamacpp
-from servelm.runners.llamacpp import Device, LlamaCppEmbedder, LlamaCppRunner, devices, gpus, placement
+from servelm.runners.llamacpp import Device, LlamaCppEmbedder, LlamaCppRunner, LlamaModel, devices, gpus, placement
 
 pytestmark = pytest.mark.skipif(bool(gpus()), reason="these check the CPU-only case; a GPU machine has scripts/gpu_check.sh")
 
@@ -53,16 +53,16 @@ def test_the_placement_names_the_gpu_and_its_share_of_the_layers(monkeypatch):
     """What a GPU machine reports, with llama.cpp's device list stood in for (the model is the CPU's)."""
     h100 = Device("CUDA0", "NVIDIA H100 80GB HBM3", "gpu", 80 << 30, 80 << 30)
     monkeypatch.setattr(llamacpp, "gpus", lambda: [h100])
-    r = LlamaCppRunner(embedded_model_path(), num_slots=1, context_window=64, max_step_tokens=16, gpu_layers=0)
+    m = LlamaModel(embedded_model_path(), gpu_layers=0)
     try:
-        layers = r._meta("llama.block_count")
+        layers = m._meta("llama.block_count")
         assert layers is not None
         every = int(layers) + 1  # llama.cpp counts the output layer as one
-        assert placement(r._model, -1, None) == f"CUDA0 (NVIDIA H100 80GB HBM3): {every} of {every} layers"
-        assert placement(r._model, 10, 0) == f"CUDA0 (NVIDIA H100 80GB HBM3): 10 of {every} layers, the rest on the CPU"
-        assert placement(r._model, 0, None) == "CPU"
+        assert placement(m._model, -1, None) == f"CUDA0 (NVIDIA H100 80GB HBM3): {every} of {every} layers"
+        assert placement(m._model, 10, 0) == f"CUDA0 (NVIDIA H100 80GB HBM3): 10 of {every} layers, the rest on the CPU"
+        assert placement(m._model, 0, None) == "CPU"
     finally:
-        r.close()
+        m.close()
 
 
 def test_serve_refuses_a_main_gpu_it_has_not_got_in_one_line(tmp_path):

@@ -143,7 +143,7 @@ def test_a_lora_adapters_call_is_two_rows_so_any_chunking_reads_the_same(tmp_pat
     r = runner(embedded_model_path())
     try:
         r.load_adapter("a", str(adapter))
-        prompt = tuple(r.tokenize("The harbour records list every ship that came in, with its cargo.",
+        prompt = tuple(r.model.tokenize("The harbour records list every ship that came in, with its cargo.",
                                   add_special=True, parse_special=True))
 
         def last_row(size: int, adapters: tuple) -> np.ndarray:
