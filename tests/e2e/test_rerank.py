@@ -53,7 +53,8 @@ def test_the_score_is_the_cosine_of_the_embeddings(base_url):
 
 
 def test_cohere_and_ovms_shapes(base_url):
-    r = cohere.ClientV2(api_key="none", base_url=base_url).rerank(model=EMBED, query=QUERY, documents=DOCS, top_n=2)
+    with cohere.ClientV2(api_key="none", base_url=base_url) as client:  # its connection closed at the end
+        r = client.rerank(model=EMBED, query=QUERY, documents=DOCS, top_n=2)
     assert [x.index for x in r.results] == [1, 3]
     ovms = post(base_url, "/v3/rerank", {"model": EMBED, "query": QUERY, "documents": DOCS}).json()
     assert [x["index"] for x in ovms["results"]][:2] == [1, 3] and "document" not in ovms["results"][0]
