@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -42,20 +43,23 @@ def receiver() -> Iterator[OtlpReceiver]:
     r.stop()
 
 
-def traced_client(base_url: str) -> tuple[openai.OpenAI, InMemorySpanExporter]:
-    """The openai client over an httpx client whose requests are OpenTelemetry client spans (W3C traceparent sent)."""
+@contextmanager
+def traced_client(base_url: str) -> Iterator[tuple[openai.OpenAI, InMemorySpanExporter]]:
+    """The openai client over an httpx client whose requests are OpenTelemetry client spans (W3C traceparent sent);
+    closed (its connections with it) at the end of the block."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     http = httpx.Client(timeout=120)
     HTTPXClientInstrumentor().instrument_client(http, tracer_provider=provider)
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, http_client=http), exporter
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, http_client=http) as client:
+        yield client, exporter
 
 
 def test_a_traced_request_joins_the_callers_trace_with_the_genai_attributes(receiver, tmp_path_factory):
     endpoint = receiver.start_http()
-    with own_server(tmp_path_factory, "--otlp-traces-endpoint", endpoint, "--log-format", "json") as srv:
-        client, exporter = traced_client(srv.base_url)
+    with own_server(tmp_path_factory, "--otlp-traces-endpoint", endpoint, "--log-format", "json") as srv, \
+            traced_client(srv.base_url) as (client, exporter):
         reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, seed=3)
         (client_span,) = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.CLIENT]
         trace_id = f"{client_span.context.trace_id:032x}"
@@ -105,8 +109,7 @@ def test_a_traced_request_joins_the_callers_trace_with_the_genai_attributes(rece
 def test_grpc_and_captured_content(receiver, tmp_path_factory):
     endpoint = receiver.start_grpc()
     with own_server(tmp_path_factory, "--otlp-traces-endpoint", endpoint, "--otlp-protocol", "grpc",
-                    "--otlp-capture-content", "--no-embedding-model") as srv:
-        client, exporter = traced_client(srv.base_url)
+                    "--otlp-capture-content", "--no-embedding-model") as srv, traced_client(srv.base_url) as (client, exporter):
         reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0)
         trace_id = f"{exporter.get_finished_spans()[-1].context.trace_id:032x}"
         span = receiver.wait_for(lambda s: s.trace_id == trace_id and s.kind == SERVER_KIND)
