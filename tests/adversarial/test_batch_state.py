@@ -183,7 +183,7 @@ def _damaged_later(directory: Path) -> BatchStore:
     """A store that passed its start-up check, whose disk then fails: a garbage page under its connection."""
     stored(directory, 2)
     store = BatchStore(directory)
-    store._db.close()
+    store.close()  # its connection and the state directory's lock
     _garbage_page(store.db_path, every=True)
     store._db = sqlite3.connect(store.db_path, check_same_thread=False, isolation_level=None)
     return store
@@ -211,7 +211,7 @@ def test_damage_met_while_serving_is_a_503_in_the_envelope_and_health_says_so(tm
     assert report["status"] == "damaged" and str(db) in report["error"]
     logged = [r for r in caplog.records if str(db) in r.getMessage()]
     assert len(logged) == 1, "logged once, with the file, not at every request"
-    store._db.close()
+    store.close()  # its connection and the state directory's lock
 
 
 # -- finding 11: a key's rate limits pace its batch lines ------------------------------------------------
@@ -329,4 +329,4 @@ async def test_the_batch_runner_outlives_a_damaged_store(tmp_path, monkeypatch, 
         await runner.stop()
     assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
     assert store.health()["status"] == "damaged"
-    store._db.close()
+    store.close()  # its connection and the state directory's lock
