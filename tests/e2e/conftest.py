@@ -21,7 +21,7 @@ from . import ray_mode
 from .helpers import MODEL, RunningServer, client_for, wait_idle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 180.0  # the start-up self-check's passes: seconds on a quiet machine, a minute or more on a busy one
 
 
 def _free_port() -> int:
