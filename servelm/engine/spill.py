@@ -342,7 +342,7 @@ def write_state(directory: Path, fingerprint: str, scope: str, tokens: tuple[int
     path = directory / f"{name}{SUFFIX}"
     tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")  # no other writer's
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # its owner's alone
             f.write(MAGIC + len(header).to_bytes(8, "little") + header)
             f.write(data)
         os.replace(tmp, path)

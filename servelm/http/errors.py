@@ -97,6 +97,9 @@ def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     loc = err["loc"]
     names = _field_names(model) | ({loc[-1]} if kind == "extra_forbidden" and loc and isinstance(loc[-1], str) else set())
     param = _param(loc, frozenset(names))
+    if not param and kind == "value_error":  # a rule over several fields (a model validator): in its own words
+        message = str(err["msg"]).removeprefix("Value error, ")
+        return _bad_request(f"{message[:1].upper()}{message[1:]}.", None, "invalid_value")
     if not param:
         return _bad_request("The request body must be a JSON object.", None, "invalid_type")
     if kind == "extra_forbidden":

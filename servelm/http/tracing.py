@@ -88,13 +88,15 @@ def describe_generation(trace: RequestTrace, req: Any, operation: str, prepared:
     attributes: dict[str, Any] = {f"gen_ai.request.{name}": getattr(params, field) for field, name in _SAMPLING.items()}
     attributes.update({
         "gen_ai.operation.name": operation, "gen_ai.provider.name": PROVIDER, "gen_ai.request.model": model,
-        "gen_ai.response.model": deployment, "gen_ai.request.stop_sequences": list(params.stop) or None,
+        "gen_ai.response.model": deployment,
         "gen_ai.request.stream": prepared.stream, "servelm.priority": gens[0].priority,
         "servelm.lora": [name for name, _ in gens[0].adapters] or None,
     })
     trace.span.set_attributes({k: _plain(v) for k, v in attributes.items() if v is not None})
-    if trace.capture_content:
+    if trace.capture_content:  # request text: the prompt, and the stop strings
         trace.span.set_attribute("gen_ai.input.messages", _input_messages(req))
+        if params.stop:
+            trace.span.set_attribute("gen_ai.request.stop_sequences", _plain(list(params.stop)))
 
 
 def _plain(v: Any) -> Any:

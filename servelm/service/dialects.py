@@ -79,7 +79,7 @@ AZURE_CHAT_PARAMS = frozenset({
     "messages", "model", "frequency_penalty", "presence_penalty", "max_tokens", "temperature", "top_p", "stop",
     "stream", "seed", "response_format", "tools", "tool_choice",
 })
-EXTRA_PARAMETER_MODES = ("error", "ignore", "pass-through")
+EXTRA_PARAMETER_MODES = ("error", "ignore", "drop", "pass-through")  # drop: Azure AI inference's word for ignore
 _API_VERSION = re.compile(r"^(\d{4})-(\d{2})-(\d{2})(-preview)?$")
 
 
@@ -132,7 +132,7 @@ def azure_chat_body(body: dict[str, Any], mode: str | None, params: frozenset[st
     """Apply the `extra-parameters` header: the body to validate, and the extra parameters dropped.
 
     `pass-through`: everything goes to our ChatCompletionRequest (our extensions work; unknown names are
-    422s there). `error`: any extra parameter is a 422. `ignore` and no header: extras are dropped (and the
+    422s there). `error`: any extra parameter is a 422. `ignore` (`drop`) and no header: extras are dropped (and the
     caller lists them in a response header)."""
     if mode is not None and mode not in EXTRA_PARAMETER_MODES:
         raise InvalidParameter(f"Invalid value for the extra-parameters header: {mode!r}; expected one of "

@@ -104,6 +104,8 @@ class ScoreService:
                     "server does not cut documents: shorten it or raise the bound.", "max_tokens_per_doc")
         lefts = left * len(right) if len(left) == 1 else left
         if embedder.cross_encoder:
+            for i, text in enumerate(left):  # a query too long alone is the query's fault, not its document's
+                _fits(embedder.tokenize(text), left_param if len(left) == 1 else f"{left_param}[{i}]", embedder)
             inputs = [_fits(embedder.tokenize_pair(q, d), f"{right_param}[{i}]", embedder)
                       for i, (q, d) in enumerate(zip(lefts, right, strict=True))]
             return PreparedScores(dep.name, embedder, inputs, [(i, i) for i in range(len(inputs))])

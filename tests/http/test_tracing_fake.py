@@ -126,7 +126,19 @@ def test_the_attributes_are_the_parameters_that_run_whatever_the_api_calls_them(
     responses, messages, completion = (s.attributes for s in server_spans(spans, 3))
     assert responses["gen_ai.request.max_tokens"] == 4 and responses["gen_ai.request.temperature"] == 0.5
     assert messages["gen_ai.request.max_tokens"] == 5 and messages["gen_ai.request.top_k"] == 3
-    assert "zz" in messages["gen_ai.request.stop_sequences"]
     # left out: the defaults that ran (legacy completions' max_tokens is 16, as OpenAI's)
     assert completion["gen_ai.request.max_tokens"] == 16 and completion["gen_ai.request.temperature"] == 1.0
     assert completion["gen_ai.request.choice.count"] == 1
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_stop_strings_are_request_text_in_a_trace_only_with_content(fake_server_factory, receiver, capture):
+    tracing = Tracing(TraceSettings(receiver.start_http(), capture_content=capture))
+    spans = InMemorySpanExporter()
+    tracing.provider.add_span_processor(SimpleSpanProcessor(spans))
+    server = fake_server_factory(tracing=tracing)
+    r = httpx.post(server.base_url + "/v1/messages", timeout=10,
+                   json={"model": server.model, "messages": HI, "max_tokens": 3, "stop_sequences": ["my stop"]})
+    assert r.status_code == 200
+    stops = server_spans(spans, 1)[0].attributes.get("gen_ai.request.stop_sequences")
+    assert (stops is not None and "my stop" in stops) if capture else stops is None

@@ -143,7 +143,7 @@ def test_extra_parameters_error_names_every_one_ignore_drops_them_pass_through_k
     assert dialects.azure_chat_body(body, "pass-through") == (body, [])
     assert dialects.azure_chat_body({"messages": []}, "error") == ({"messages": []}, [])
     with pytest.raises(InvalidParameter) as bad:
-        dialects.azure_chat_body(body, "drop")
+        dialects.azure_chat_body(body, "discard")
     assert bad.value.param == "extra-parameters"
 
 
