@@ -104,9 +104,8 @@ class ScoreService:
                     "server does not cut documents: shorten it or raise the bound.", "max_tokens_per_doc")
         lefts = left * len(right) if len(left) == 1 else left
         if embedder.cross_encoder:
-            for i, text in enumerate(left):  # a query too long alone is the query's fault, not its document's
-                _fits(embedder.tokenize(text), left_param if len(left) == 1 else f"{left_param}[{i}]", embedder)
-            inputs = [_fits(embedder.tokenize_pair(q, d), f"{right_param}[{i}]", embedder)
+            wheres = [left_param if len(left) == 1 else f"{left_param}[{i}]" for i in range(len(lefts))]
+            inputs = [_fits_pair(embedder, q, d, wheres[i], f"{right_param}[{i}]")
                       for i, (q, d) in enumerate(zip(lefts, right, strict=True))]
             return PreparedScores(dep.name, embedder, inputs, [(i, i) for i in range(len(inputs))])
         texts: dict[str, int] = {}
@@ -188,6 +187,15 @@ def score_answer(_: ScoreRequest, p: PreparedScores, scores: list[float]) -> Sco
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _fits_pair(embedder: Embedder, left: str, right: str, left_where: str, right_where: str) -> list[int]:
+    """A cross-encoder's pair, within the context; too long, it is the left text's fault when that alone is (only
+    then is it tokenized alone)."""
+    ids = embedder.tokenize_pair(left, right)
+    if len(ids) > embedder.context_window:
+        _fits(embedder.tokenize(left), left_where, embedder)
+    return _fits(ids, right_where, embedder)
 
 
 def _fits(ids: list[int], where: str, embedder: Embedder) -> list[int]:
