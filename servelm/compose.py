@@ -25,16 +25,17 @@ from servelm.engine.base import Engine
 from servelm.engine.pacing import StepPacer
 from servelm.engine.runner import ModelInfo, ModelVocabulary, ServedRunner
 from servelm.engine.spill import SpillStore
+from servelm.engine.wrappers.adapted import AdaptedEngine
 from servelm.models import resolve_model_source
-from servelm.service.adapters import AdaptedEngine, Adapters
-from servelm.service.content_filter import check_guard
-from servelm.service.deployments import Deployment, Deployments, ModelFacts, TextDeployment
 from servelm.service.media import ImageInput, ImageSources
+from servelm.service.registry.adapters import Adapters
+from servelm.service.registry.deployments import Deployment, Deployments, ModelFacts, TextDeployment
+from servelm.service.safety.content_filter import check_guard
 
 if TYPE_CHECKING:
     from servelm.chat.template import ChatTemplate
     from servelm.engine.embedding import EmbeddingEngine, EmbeddingModel
-    from servelm.service.policy import ContentFilter
+    from servelm.service.safety.policy import ContentFilter
 
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
@@ -241,7 +242,7 @@ def build_embedding_deployment(name: str, model: EmbeddingModel, fingerprint_sou
 
 
 class ServiceVocabulary:
-    """A model's vocabulary as the services use it (service/deployments.Vocabulary): tokenizing by the model,
+    """A model's vocabulary as the services use it (service/registry/deployments.Vocabulary): tokenizing by the model,
     control tokens and token texts from the grammars' table (one spelling for both)."""
 
     def __init__(self, model: ModelInfo, grammars: Grammars) -> None:
@@ -280,8 +281,8 @@ def reasoning_of(setting: str, template_source: str | None) -> ReasoningMarkers 
 
 def content_filter_of(spec: ContentFilterSpec | None) -> ContentFilter | None:
     """A deployment's content policy from its config (its lists read, its guard's template read)."""
-    from servelm.service.blocklist import Blocklist
-    from servelm.service.policy import LLAMA_GUARD_LABELS, LLAMA_GUARD_TEMPLATE, ContentFilter, Guard, GuardLabel, Rule
+    from servelm.service.safety.blocklist import Blocklist
+    from servelm.service.safety.policy import LLAMA_GUARD_LABELS, LLAMA_GUARD_TEMPLATE, ContentFilter, Guard, GuardLabel, Rule
 
     if spec is None:
         return None

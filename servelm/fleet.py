@@ -1,9 +1,9 @@
 """Models loaded when a request names them and unloaded when idle: the server's ModelCatalog
-(service/catalog.py).
+(service/registry/catalog.py).
 
 Its models are the GGUF files of `--models-dir` (each a deployment named by its stem) and the config file's
 deployments with `load = "on-demand"`. A model is loaded by compose.build on a worker thread while its first
-requests wait (service/catalog.ModelCatalog.use), added to the app's Deployments, and removed from them before
+requests wait (service/registry/catalog.ModelCatalog.use), added to the app's Deployments, and removed from them before
 its engine stops. Its engine's stop writes its prefix cache to its `--prefix-cache-dir` (engine/spill.py), and
 the next load indexes those files, so a conversation resumed after a wake reads its history from disk.
 
@@ -35,8 +35,8 @@ from servelm.config import DeploymentSpec, EngineSettings
 from servelm.errors import InvalidParameter, ModelNotFound, ServiceUnavailable
 from servelm.gguf_header import NotGGUF, open_regular, read_metadata
 from servelm.metrics import ModelCounts
-from servelm.service.catalog import ModelStatus, Status
-from servelm.service.deployments import Deployments
+from servelm.service.registry.catalog import ModelStatus, Status
+from servelm.service.registry.deployments import Deployments
 
 log = logging.getLogger("servelm.fleet")
 MiB = 1 << 20
@@ -269,7 +269,7 @@ class Fleet:
         if models_dir is not None:  # before the server starts: no loop to block yet
             self._scanned(self._scan())
 
-    # -- the catalog (service/catalog.ModelCatalog) --
+    # -- the catalog (service/registry/catalog.ModelCatalog) --
 
     def statuses(self) -> dict[str, ModelStatus]:
         return {m.name: ModelStatus(m.status, m.reason) for m in self._models.values()}

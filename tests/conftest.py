@@ -17,8 +17,8 @@ from servelm.http.limits import Drain
 from servelm.http.server import make_server
 from servelm.http.state import state_of
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.media import ImageSources
+from servelm.service.registry.deployments import Deployments, TextDeployment
 
 
 @contextmanager

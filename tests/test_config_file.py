@@ -11,7 +11,7 @@ from servelm.__main__ import _serve_parser, settings_from_args
 from servelm.config import ConfigFile, embedded_model_path, load_config_file
 from servelm.errors import ModelNotFound
 from servelm.models import resolve_model_source
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.registry.deployments import Deployment, Deployments
 
 TOML = """
 [server]

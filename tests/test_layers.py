@@ -53,13 +53,38 @@ def test_engine_sees_no_protocol_no_http_no_pydantic():
 
 
 def test_service_does_not_reach_into_the_engine_internals_or_runners():
-    allowed_engine = {"servelm.engine.base", "servelm.engine.types"}
+    allowed_engine = ("servelm.engine.base", "servelm.engine.types", "servelm.engine.wrappers")
     for m, p in modules():
         if starts(m, "servelm.service", "servelm.protocol", "servelm.chat"):
             for i in imports_of(p):
                 assert not starts(i, "servelm.runners", "servelm.http"), (m, i)
                 if starts(i, "servelm.engine"):
-                    assert i in allowed_engine, (m, i)
+                    assert starts(i, *allowed_engine), (m, i)
+
+
+def test_engine_wrappers_see_only_the_engine_protocol():
+    """engine/wrappers/: Engines around another, knowing the engine only by its protocol and value types (and
+    servelm.tracing, a leaf, for the traced one)."""
+    for m, p in modules():
+        if starts(m, "servelm.engine.wrappers"):
+            mine = [i for i in imports_of(p) if starts(i, "servelm")]
+            assert all(i == "servelm" or starts(i, "servelm.engine.base", "servelm.engine.types",
+                                                 "servelm.engine.wrappers", "servelm.errors") for i in mine), (m, mine)
+
+
+def test_service_rooms():
+    """service/registry/ holds deployments and their lifecycle, service/safety/ the content-filter pipeline: neither
+    imports an endpoint service. The registry reaches only the data a deployment carries (its policy, its image
+    input); the safety pipeline reaches the registry and the rendering of messages into a prompt (its guard's)."""
+    rooms = {"servelm.service.registry": ("servelm.service.registry", "servelm.service.safety.policy",
+                                          "servelm.service.media"),
+             "servelm.service.safety": ("servelm.service.safety", "servelm.service.registry",
+                                        "servelm.service.messages")}
+    for m, p in modules():
+        for room, allowed in rooms.items():
+            if starts(m, room):
+                service = [i for i in imports_of(p) if starts(i, "servelm.service")]
+                assert all(starts(i, *allowed) for i in service), (m, service)
 
 
 def test_leaves_import_nothing_of_servelm():

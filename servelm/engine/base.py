@@ -53,7 +53,7 @@ class AdapterInUse(RuntimeError):
 
 
 class EngineWrapper:
-    """An Engine around another (service/admission.py's QueuedEngine, service/metered.py's MeteredEngine): a
+    """An Engine around another (engine/wrappers/admission.py's QueuedEngine, engine/wrappers/metered.py's MeteredEngine): a
     subclass makes generate its own; the rest is the inner engine's."""
 
     def __init__(self, inner: Engine) -> None:

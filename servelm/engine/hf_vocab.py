@@ -67,7 +67,7 @@ def template_source(value: Any) -> str | None:
 
 
 class HfTokenizer:
-    """What the service layer needs of the Hugging Face tokenizer vLLM uses for the model (service/deployments'
+    """What the service layer needs of the Hugging Face tokenizer vLLM uses for the model (service/registry/deployments'
     Vocabulary), and what the wiring reads of a model's tokenizer (engine/runner.py's ModelVocabulary)."""
 
     def __init__(self, tok: Any) -> None:

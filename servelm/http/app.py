@@ -11,6 +11,9 @@ from fastapi import FastAPI
 from servelm import __version__
 from servelm.batch.runner import BatchRunner
 from servelm.engine.base import Engine
+from servelm.engine.wrappers.admission import QueuedEngine
+from servelm.engine.wrappers.metered import MeteredEngine
+from servelm.engine.wrappers.traced import TracedEngine
 from servelm.http import errors, limits, openapi
 from servelm.http.agents import build_agent_router
 from servelm.http.asgi import ErrorBoundary
@@ -28,12 +31,9 @@ from servelm.http.routes import build_router
 from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
 from servelm.metrics import Metrics
-from servelm.service.admission import QueuedEngine
-from servelm.service.catalog import ModelCatalog
-from servelm.service.deployments import Deployments, TextDeployment
-from servelm.service.metered import MeteredEngine
+from servelm.service.registry.catalog import ModelCatalog
+from servelm.service.registry.deployments import Deployments, TextDeployment
 from servelm.service.store import MemoryStore, ResponseStore
-from servelm.service.traced import TracedEngine
 from servelm.tracing import FLUSH_TIMEOUT, Tracing
 
 

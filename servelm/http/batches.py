@@ -27,7 +27,7 @@ from servelm.errors import ClientError, InvalidParameter, NotFound, PayloadTooLa
 from servelm.http.asgi import ASGIApp, Message
 from servelm.http.auth import BATCH_OWNER
 from servelm.http.routes import request_context
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.dialects import DjlRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
-from servelm.service.deployments import Deployments
 from servelm.service.dialects import (
     EXTRA_PARAMETER_MODES,
     azure_chat_body,
@@ -37,6 +36,7 @@ from servelm.service.dialects import (
     route_model,
     sagemaker_target,
 )
+from servelm.service.registry.deployments import Deployments
 
 log = logging.getLogger("servelm.http")
 M = TypeVar("M", bound=BaseModel)

@@ -15,12 +15,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from servelm.engine.wrappers.admission import Admission, WaitingQueue
 from servelm.errors import PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import BATCH_OWNER, AuthMiddleware, current_key
 from servelm.http.ratelimit import RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
 from servelm.keys import KeySpec
-from servelm.service.admission import Admission, WaitingQueue
 
 SCOPE_LIMITS = "servelm.limits"
 UPLOAD_PATHS = frozenset({"/v1/files", "/files"})  # multipart uploads, bounded by max_file_bytes

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from servelm.metrics import CONTENT_TYPE, EngineGauges, Metrics
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 
 
 def engine_gauges(deployments: Deployments) -> Iterator[EngineGauges]:

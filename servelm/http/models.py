@@ -16,9 +16,9 @@ from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import KEYS_ON, allowed, current_key
 from servelm.http.limits import is_json
-from servelm.service.adapters import AdapterNotFound, AdapterRegistry, check_scale
-from servelm.service.catalog import ModelCatalog, parse_keep_alive
-from servelm.service.deployments import Deployments, TextDeployment
+from servelm.service.registry.adapters import AdapterNotFound, AdapterRegistry, check_scale
+from servelm.service.registry.catalog import ModelCatalog, parse_keep_alive
+from servelm.service.registry.deployments import Deployments, TextDeployment
 
 _AZURE_PATH = re.compile(r"^/openai/deployments/([^/]+)/")
 _ROUTING_HEADERS = (b"azureml-model-deployment", b"x-amzn-sagemaker-target-model")

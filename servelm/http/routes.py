@@ -32,11 +32,11 @@ from servelm.protocol.common import ModelCard, ModelList
 from servelm.protocol.completions import Completion, CompletionRequest
 from servelm.protocol.embeddings import EmbeddingRequest, EmbeddingResponse
 from servelm.service.base import GeneratingService, P, Req
-from servelm.service.catalog import ModelCatalog, ModelStatus
-from servelm.service.content_filter import FilterEvents
-from servelm.service.deployments import Deployment, Deployments, TextDeployment
 from servelm.service.embeddings import EmbeddingService
 from servelm.service.params import RequestContext
+from servelm.service.registry.catalog import ModelCatalog, ModelStatus
+from servelm.service.registry.deployments import Deployment, Deployments, TextDeployment
+from servelm.service.safety.content_filter import FilterEvents
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")

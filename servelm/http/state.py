@@ -11,12 +11,12 @@ from typing import Any
 from servelm.http.limits import Drain
 from servelm.metrics import Metrics
 from servelm.service.anthropic import MessagesService
-from servelm.service.catalog import ModelCatalog
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
-from servelm.service.deployments import Deployments
 from servelm.service.dialects import NativeService
 from servelm.service.embeddings import EmbeddingService
+from servelm.service.registry.catalog import ModelCatalog
+from servelm.service.registry.deployments import Deployments
 from servelm.service.rerank import ScoreService
 from servelm.service.responses import ResponsesService
 from servelm.service.store import ResponseStore

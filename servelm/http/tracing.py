@@ -5,7 +5,7 @@ ended when the last byte of the answer (a stream's too) is sent.
 
 `describe_generation` names a generating request's span and adds its request attributes by the GenAI semantic
 conventions, read from the engine's parameters the service prepared (whatever the API called them); the
-answer's (id, finish reasons, usage) come from the engine's outputs (service/traced.py)."""
+answer's (id, finish reasons, usage) come from the engine's outputs (engine/wrappers/traced.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from servelm.models import resolve_model_source
 from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaAdapters, ReplicaSet
 from servelm.ray.replica import ReplicaInfo
 from servelm.ray.served_by import ReplicaHeader
-from servelm.service.deployments import Deployment, Deployments
+from servelm.service.registry.deployments import Deployment, Deployments
 from servelm.service.store import StoreLimits
 from servelm.tracing import TraceSettings, Tracing
 

@@ -31,7 +31,7 @@ from servelm.engine.types import EngineStats, GenerationOutput, GenerationReques
 from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
 from servelm.ray.replica import EmbeddingInfo, ReplicaStats
 from servelm.ray.served_by import end_call, note_call, note_replica
-from servelm.service.adapters import Adapter, AdapterNotFound, AdapterRegistry
+from servelm.service.registry.adapters import Adapter, AdapterNotFound, AdapterRegistry
 
 log = logging.getLogger("servelm.ray")
 

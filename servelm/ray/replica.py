@@ -35,8 +35,8 @@ from servelm.engine.embedding import EmbeddingStats
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 from servelm.errors import InvalidParameter, ServiceUnavailable
 from servelm.fleet import free
-from servelm.service.adapters import Adapters
-from servelm.service.deployments import Deployment, ModelFacts, TextDeployment, all_alive
+from servelm.service.registry.adapters import Adapters
+from servelm.service.registry.deployments import Deployment, ModelFacts, TextDeployment, all_alive
 from servelm.tracing import RequestTrace, TraceSettings, Tracing
 
 if TYPE_CHECKING:

@@ -9,9 +9,9 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel
 
 from servelm.engine.types import GenerationRequest
-from servelm.service.content_filter import Screening
-from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.params import RequestContext
+from servelm.service.registry.deployments import Deployments, TextDeployment
+from servelm.service.safety.content_filter import Screening
 
 
 class Prepared(Protocol):

@@ -36,8 +36,6 @@ from servelm.protocol.chat import (
 )
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.service.choices import Collector, SeqResult, streams_live
-from servelm.service.content_filter import PromptText, Screening, choice_results, generate
-from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import chat_logprobs, vllm_prompt_logprobs
 from servelm.service.media import ModalityNotSupported, Piece
 from servelm.service.messages import image_parts, prompt_ids, template_messages
@@ -50,6 +48,8 @@ from servelm.service.params import (
     request_priority,
     sampling_params,
 )
+from servelm.service.registry.deployments import Deployments, TextDeployment
+from servelm.service.safety.content_filter import PromptText, Screening, choice_results, generate
 from servelm.service.structured import ToolPlan, plan_output
 
 

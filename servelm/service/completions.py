@@ -16,8 +16,6 @@ from servelm.errors import InvalidParameter, ServerError
 from servelm.protocol.common import PromptTokensDetails, Usage
 from servelm.protocol.completions import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from servelm.service.choices import Collector, SeqResult, streams_live
-from servelm.service.content_filter import PromptText, Screening, choice_results, generate
-from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.logprobs import legacy_logprobs, vllm_prompt_logprobs
 from servelm.service.params import (
     EndpointParams,
@@ -28,6 +26,8 @@ from servelm.service.params import (
     request_priority,
     sampling_params,
 )
+from servelm.service.registry.deployments import Deployments, TextDeployment
+from servelm.service.safety.content_filter import PromptText, Screening, choice_results, generate
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 

@@ -24,9 +24,9 @@ from servelm.protocol.dialects import DjlDetails, DjlOutput, DjlOutputs, DjlRequ
 from servelm.service.base import Translated
 from servelm.service.choices import Collector, SeqResult
 from servelm.service.completions import CompletionService, PreparedCompletion
-from servelm.service.content_filter import generate
-from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.params import RequestContext
+from servelm.service.registry.deployments import Deployments, TextDeployment
+from servelm.service.safety.content_filter import generate
 
 # -- model routing --------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import numpy as np
 from servelm.engine.base import Embedder
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.embeddings import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
 

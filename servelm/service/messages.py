@@ -11,8 +11,8 @@ from servelm.chat.tools import HERMES, tool_response_text
 from servelm.engine.types import MediaChunk, MediaSpan
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart
-from servelm.service.deployments import TextDeployment
 from servelm.service.media import Piece
+from servelm.service.registry.deployments import TextDeployment
 
 
 def template_messages(req: ChatCompletionRequest, system_text: str, native: bool,

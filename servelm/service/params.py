@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from servelm.engine.types import BeamParams, SamplingParams
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.common import GenerationFields, SamplingExtras
-from servelm.service.content_filter import FilterEvents
-from servelm.service.deployments import Deployment, TextDeployment
+from servelm.service.registry.deployments import Deployment, TextDeployment
+from servelm.service.safety.content_filter import FilterEvents
 
 
 @dataclass(frozen=True)

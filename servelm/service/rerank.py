@@ -38,7 +38,7 @@ from servelm.protocol.rerank import (
     ScoreRequest,
     ScoreResponse,
 )
-from servelm.service.deployments import Deployments, TextDeployment
+from servelm.service.registry.deployments import Deployments, TextDeployment
 
 MAX_PAIRS = 1024  # query-document pairs in one request (Cohere's recommended most documents is 1,000): docs/api.md
 

@@ -22,7 +22,7 @@ from servelm.constrain.constraint import Constraint
 from servelm.constrain.grammars import JSON_OPTIONS, GrammarError, Grammars
 from servelm.errors import InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest, NamedToolChoice
-from servelm.service.deployments import TextDeployment
+from servelm.service.registry.deployments import TextDeployment
 
 
 @dataclass(frozen=True)

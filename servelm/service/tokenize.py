@@ -9,8 +9,8 @@ from servelm.errors import InvalidParameter
 from servelm.protocol.chat import ChatCompletionRequest
 from servelm.protocol.tokenize import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from servelm.service.chat import ChatService
-from servelm.service.deployments import TextDeployment
 from servelm.service.params import RequestContext
+from servelm.service.registry.deployments import TextDeployment
 
 
 class TokenizeService:

@@ -1,4 +1,4 @@
-"""Attacks on LoRA adapters (service/adapters.py, the engine's adapter frees, vLLM's load route).
+"""Attacks on LoRA adapters (service/registry/adapters.py, the engine's adapter frees, vLLM's load route).
 
 - More adapters at once than --max-loras failed every request in flight, another key's base-model streams too: an
   adapter was freed while a request that had just started on it (or one whose abort the engine had not seen yet)

@@ -15,7 +15,7 @@ from servelm.engine.spill import SUFFIX, write_state
 from servelm.errors import ContextLengthExceeded
 from servelm.runners.fake import FakeEmbedder
 from servelm.service import dialects
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from servelm.service.rerank import ScoreQuery, ScoreService
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.service.blocklist import Blocklist
+from servelm.service.safety.blocklist import Blocklist
 
 INVISIBLE = ["\u3164", "\u115f", "\u1160", "\uffa0", "\u2800", "\u180e", "\u180b", "\ufe0f", "\U000e0020",
              "\U000e0101", "\u2066", "\u202e", "\u061c", "\u17b4", "\U0001d173", "\U0001bca0", "\u034f", "\u2064"]

@@ -14,7 +14,7 @@ from servelm.compose import build_deployment, build_embedding_deployment
 from servelm.http.app import create_app
 from servelm.protocol.common import MAX_INT, MIN_INT
 from servelm.runners.fake import FakeEmbedder, FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from tests.conftest import serving
 
 HUGE = 10**309  # the "1 followed by 309 zeros": beyond any float
@@ -114,7 +114,7 @@ def test_a_huge_priority_never_fails_the_requests_in_flight(base_url):
                                    10**400, float("inf"), True])
 def test_keep_alive_is_finite_ascii_and_within_its_bound(value):
     from servelm.errors import InvalidParameter
-    from servelm.service.catalog import parse_keep_alive
+    from servelm.service.registry.catalog import parse_keep_alive
 
     with pytest.raises(InvalidParameter) as refused:
         parse_keep_alive(value)
@@ -122,7 +122,7 @@ def test_keep_alive_is_finite_ascii_and_within_its_bound(value):
 
 
 def test_keep_alive_within_its_bound_reads_as_ollama_reads_it():
-    from servelm.service.catalog import KEEP_ALIVE_MAX_S, parse_keep_alive
+    from servelm.service.registry.catalog import KEEP_ALIVE_MAX_S, parse_keep_alive
 
     assert [parse_keep_alive(v) for v in ("5m", "1h30m", "-1", 0, KEEP_ALIVE_MAX_S, "90")] == \
         [300.0, 5400.0, -1.0, 0.0, float(KEEP_ALIVE_MAX_S), 90.0]

@@ -25,7 +25,7 @@ from servelm.http.app import create_app
 from servelm.http.limits import SecurityConfig
 from servelm.keys import key_from_table, key_spec, parse_key_file
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from tests.conftest import serving
 from tests.engine.test_scheduler import ranked, run_step, sched
 

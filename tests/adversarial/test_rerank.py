@@ -23,7 +23,7 @@ from servelm.http.app import create_app
 from servelm.http.limits import SecurityConfig
 from servelm.keys import key_spec
 from servelm.runners.fake import FakeEmbedder
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from servelm.service.rerank import MAX_PAIRS
 from tests.conftest import serving
 

@@ -16,7 +16,7 @@ from servelm.protocol.chat import ChatCompletionRequest
 from servelm.runners.fake import FakeRunner
 from servelm.runners.llamacpp import LlamaModel
 from servelm.service.chat import ChatService
-from servelm.service.deployments import Deployments, ModelFacts
+from servelm.service.registry.deployments import Deployments, ModelFacts
 
 IM_START, IM_END = 1, 2  # SmolLM2's control tokens
 

@@ -15,7 +15,7 @@ from servelm.engine import sampling
 from servelm.http.app import create_app
 from servelm.http.limits import SecurityConfig
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from tests.conftest import serving
 
 CHAT = b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3%s}'

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from servelm.service.blocklist import Blocklist
-from servelm.service.content_filter import ContentFilter, Rule
-from servelm.service.guard import Guard, GuardLabel
+from servelm.service.safety.blocklist import Blocklist
+from servelm.service.safety.content_filter import ContentFilter, Rule
+from servelm.service.safety.guard import Guard, GuardLabel
 from tests.conftest import wait_engine_idle
 
 HI = [{"role": "user", "content": "hi"}]  # answered "bcdefghijklmnopqrstuvwxyz..."

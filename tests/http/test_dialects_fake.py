@@ -11,7 +11,7 @@ import pytest
 from servelm.compose import build_deployment
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from tests.conftest import serving
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -14,7 +14,7 @@ from servelm.engine.embedding import EmbeddingEngine
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeEmbedder, FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from tests.conftest import serving
 
 EMBED = "fake-embed"

@@ -16,7 +16,7 @@ import pytest
 from servelm.compose import build_deployment
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from tests.conftest import serving
 
 REPO = Path(__file__).resolve().parents[2]

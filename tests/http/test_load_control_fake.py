@@ -224,7 +224,7 @@ def test_every_api_settles_the_charge_from_its_usage(outputs):
     # the admission counts what the engine made, whatever the API's answer calls it (completion_tokens, a Messages
     # event's output_tokens, a Responses event's): it settles alike for every API
     from servelm.engine.types import GenerationOutput
-    from servelm.service.admission import WaitingQueue
+    from servelm.engine.wrappers.admission import WaitingQueue
 
     clock = Clock()
     b = TokenBucket(60, clock)

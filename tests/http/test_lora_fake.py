@@ -1,4 +1,4 @@
-"""LoRA adapters (service/adapters.py, the runner's per-call adapter sets) over the fake runner, through the official
+"""LoRA adapters (service/registry/adapters.py, the runner's per-call adapter sets) over the fake runner, through the official
 client: vLLM's load and unload routes and their status codes, adapters listed with their parent, `model: NAME` and
 llama-server's `lora` list, the base's answers unchanged beside adapters, the prefix cache keyed by adapter,
 --max-loras LRU, and the admin key."""

@@ -18,8 +18,8 @@ from servelm.fleet import Fleet, FleetLimits, scan_models_dir
 from servelm.http.limits import SecurityConfig
 from servelm.keys import key_spec
 from servelm.runners.fake import FakeRunner
-from servelm.service.catalog import parse_keep_alive
-from servelm.service.deployments import Deployments
+from servelm.service.registry.catalog import parse_keep_alive
+from servelm.service.registry.deployments import Deployments
 
 ADMIN, USER = "sk-admin", "sk-user"
 

@@ -15,7 +15,7 @@ from servelm.compose import build_deployment, build_embedding_deployment
 from servelm.engine.embedding import EmbeddingEngine
 from servelm.http.app import create_app
 from servelm.runners.fake import FakeEmbedder, FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from servelm.service.rerank import MAX_PAIRS
 from tests.conftest import serving
 

@@ -197,7 +197,7 @@ def test_a_key_may_use_a_weighted_endpoint_only_if_it_may_use_every_deployment_b
     import random
 
     from servelm.http.auth import SCOPE_KEY, can_use
-    from servelm.service.deployments import Deployment, Deployments
+    from servelm.service.registry.deployments import Deployment, Deployments
 
     def dep(name):
         return Deployment(name=name, context_window=1, fingerprint="fp")

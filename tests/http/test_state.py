@@ -9,7 +9,7 @@ from servelm.compose import build_deployment
 from servelm.http.app import create_app
 from servelm.http.state import state_of
 from servelm.runners.fake import FakeRunner
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 
 
 def test_create_app_builds_each_service_once_over_its_deployments():

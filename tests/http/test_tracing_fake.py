@@ -13,9 +13,9 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from servelm.service.blocklist import Blocklist
-from servelm.service.content_filter import ContentFilter
-from servelm.service.guard import Guard, GuardLabel
+from servelm.service.safety.blocklist import Blocklist
+from servelm.service.safety.content_filter import ContentFilter
+from servelm.service.safety.guard import Guard, GuardLabel
 from servelm.tracing import TraceSettings, Tracing
 from tests.otlp_receiver import OtlpReceiver
 

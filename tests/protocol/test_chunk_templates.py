@@ -14,7 +14,7 @@ from servelm.compose import build_deployment
 from servelm.protocol.chat import ChatCompletionChunk, ChatCompletionRequest
 from servelm.runners.fake import FakeRunner
 from servelm.service.chat import ChatService
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 
 
 def test_json_dumps_escapes_every_character_as_pydantic_does():

@@ -12,7 +12,7 @@ from servelm.compose import build_embedding_deployment
 from servelm.errors import InvalidParameter
 from servelm.protocol.rerank import CohereRerankRequest, OvmsRerankRequest, RerankRequest, ScoreRequest
 from servelm.runners.fake import FakeEmbedder
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 from servelm.service.rerank import (
     PreparedScores,
     ScoreQuery,

@@ -16,8 +16,8 @@ from servelm.runners.fake import FakeRunner
 from servelm.service import dialects
 from servelm.service.anthropic import MessagesService
 from servelm.service.chat import ChatService
-from servelm.service.deployments import Deployments
 from servelm.service.params import RequestContext
+from servelm.service.registry.deployments import Deployments
 from servelm.service.responses import ResponsesService
 from servelm.service.store import MemoryStore
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.service.blocklist import Blocklist, BlocklistError, normalize
+from servelm.service.safety.blocklist import Blocklist, BlocklistError, normalize
 
 
 @pytest.mark.parametrize("text", ["BAD", "ＢＡＤ", "bàd", "b\u200bad", "b\u00adad", "bаd", "b4d", "a bad day", "bad!"])

@@ -18,12 +18,12 @@ from servelm.chat.template import ChatTemplate
 from servelm.constrain.constraint import Constraint
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.errors import ApiError, ServiceUnavailable
-from servelm.service.deployments import Deployments, TextDeployment
 from servelm.service.messages import prompt_ids
-from servelm.service.policy import LLAMA_GUARD_LABELS as LLAMA_GUARD_LABELS
-from servelm.service.policy import LLAMA_GUARD_TEMPLATE as LLAMA_GUARD_TEMPLATE
-from servelm.service.policy import Guard as Guard
-from servelm.service.policy import GuardLabel as GuardLabel
+from servelm.service.registry.deployments import Deployments, TextDeployment
+from servelm.service.safety.policy import LLAMA_GUARD_LABELS as LLAMA_GUARD_LABELS
+from servelm.service.safety.policy import LLAMA_GUARD_TEMPLATE as LLAMA_GUARD_TEMPLATE
+from servelm.service.safety.policy import Guard as Guard
+from servelm.service.safety.policy import GuardLabel as GuardLabel
 
 # each guard's deployment by name → (it, it with the guard's template, the answer's grammar)
 _views: weakref.WeakKeyDictionary[Guard, dict[str, tuple[TextDeployment, TextDeployment, Constraint]]] = \

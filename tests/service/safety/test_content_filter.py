@@ -7,8 +7,8 @@ import pytest
 
 from servelm.compose import content_filter_of, with_blocklist
 from servelm.config import ConfigFile, ContentFilterSpec, DeploymentSpec
-from servelm.service.content_filter import Rule
-from servelm.service.guard import GuardLabel
+from servelm.service.safety.content_filter import Rule
+from servelm.service.safety.guard import GuardLabel
 
 
 def test_a_policy_from_config(tmp_path):

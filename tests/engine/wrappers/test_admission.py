@@ -7,8 +7,8 @@ import gc
 import pytest
 
 from servelm.engine.types import GenerationOutput
+from servelm.engine.wrappers.admission import WaitingQueue
 from servelm.errors import QueueFull
-from servelm.service.admission import WaitingQueue
 
 
 def output(q: WaitingQueue, request_id: str) -> None:

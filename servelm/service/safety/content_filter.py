@@ -1,4 +1,4 @@
-"""Content filtering: a deployment's policy (service/blocklist.py's lists, service/guard.py's guard model, an
+"""Content filtering: a deployment's policy (service/safety/blocklist.py's lists, service/safety/guard.py's guard model, an
 action per category), and each request's Screening of it.
 
 - The prompt is checked before anything runs: a flagged one is a 400 `content_filter` naming the message
@@ -23,13 +23,13 @@ from typing import Any
 from servelm.engine.base import Engine
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest
 from servelm.errors import ContentFiltered
-from servelm.service import guard as guards
-from servelm.service.deployments import Deployments, TextDeployment
-from servelm.service.guard import GuardUnavailable
-from servelm.service.policy import GUARD_SEVERITY
-from servelm.service.policy import ContentFilter as ContentFilter
-from servelm.service.policy import Finding as Finding
-from servelm.service.policy import Rule as Rule
+from servelm.service.registry.deployments import Deployments, TextDeployment
+from servelm.service.safety import guard as guards
+from servelm.service.safety.guard import GuardUnavailable
+from servelm.service.safety.policy import GUARD_SEVERITY
+from servelm.service.safety.policy import ContentFilter as ContentFilter
+from servelm.service.safety.policy import Finding as Finding
+from servelm.service.safety.policy import Rule as Rule
 
 # (deployment, direction "input" or "output", the categories that blocked): for /metrics and the access log
 FilterEvents = Callable[[str, str, Sequence[str]], None]

@@ -14,11 +14,11 @@ from servelm.chat.template import ChatTemplate
 from servelm.chat.tools import HERMES, ToolStyle
 from servelm.constrain.grammars import Grammars
 from servelm.engine.base import Embedder, Engine
+from servelm.engine.wrappers.admission import WaitingQueue
 from servelm.errors import InvalidParameter, ModelNotFound
-from servelm.service.adapters import AdapterRegistry
-from servelm.service.admission import WaitingQueue
 from servelm.service.media import ImageInput
-from servelm.service.policy import ContentFilter
+from servelm.service.registry.adapters import AdapterRegistry
+from servelm.service.safety.policy import ContentFilter
 
 
 class Vocabulary(Protocol):

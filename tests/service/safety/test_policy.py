@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from servelm.service.blocklist import Blocklist
-from servelm.service.policy import LLAMA_GUARD_LABELS, ContentFilter, Finding, Guard, Rule
+from servelm.service.safety.blocklist import Blocklist
+from servelm.service.safety.policy import LLAMA_GUARD_LABELS, ContentFilter, Finding, Guard, Rule
 
 
 def test_the_guards_grammar_and_parse():
@@ -40,7 +40,7 @@ def test_rules_block_at_a_severity_and_annotations_follow_them():
 
 def test_the_default_template_is_llama_guard_3s_format():
     from servelm.chat.template import ChatTemplate
-    from servelm.service.policy import LLAMA_GUARD_TEMPLATE
+    from servelm.service.safety.policy import LLAMA_GUARD_TEMPLATE
 
     text = ChatTemplate(LLAMA_GUARD_TEMPLATE).render(
         [{"role": "user", "content": "How do I bake bread?"}, {"role": "assistant", "content": "Knead it."}],

@@ -1,7 +1,7 @@
-"""A deployment's content-filter policy as data: what is checked (input, output), by what (service/blocklist.py's
+"""A deployment's content-filter policy as data: what is checked (input, output), by what (service/safety/blocklist.py's
 lists, a guard model), what each category's finding does, and how an answer that is blocked ends. The checks
-themselves run in service/content_filter.py (a request's Screening) and service/guard.py (asking the guard
-deployment); a deployment holds its policy (service/deployments.py)."""
+themselves run in service/safety/content_filter.py (a request's Screening) and service/safety/guard.py (asking the guard
+deployment); a deployment holds its policy (service/registry/deployments.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelm.service.blocklist import Blocklist
+from servelm.service.safety.blocklist import Blocklist
 
 SEVERITIES = ("safe", "low", "medium", "high")
 LISTS = "blocklist"  # the category a list's hit counts as (its rule; annotated as custom_blocklists)

@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 from servelm.errors import InvalidParameter
 from servelm.metrics import ModelCounts
-from servelm.service.deployments import Deployments
+from servelm.service.registry.deployments import Deployments
 
 Status = Literal["loaded", "loading", "unloaded", "failed"]
 

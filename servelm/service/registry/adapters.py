@@ -1,7 +1,8 @@
 """LoRA adapters of a text deployment: the ones it knows (from --lora, `loras` in the config, or loaded by route),
 which of them are loaded in its runner (at most --max-loras; the least recently used idle one is freed first and
 loaded again when a request names it), which a request runs with (`model: NAME`, or llama-server's per-request
-`lora: [{"id", "scale"}]`), and AdaptedEngine, which holds a request's adapters loaded while it runs.
+`lora: [{"id", "scale"}]`); engine/wrappers/adapted.py's AdaptedEngine holds a request's adapters loaded while it
+runs.
 
 AdapterRegistry is what the HTTP and service layers see: names, ids and scales, choosing a request's adapters, and
 the routes' add and remove. Adapters is a local engine's; servelm/ray's ingress has its own, whose adds and removes
@@ -18,13 +19,11 @@ import math
 import os
 import stat
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
-from servelm.engine.base import AdapterHost, AdapterInUse, Engine, EngineWrapper
-from servelm.engine.types import GenerationOutput, GenerationRequest
+from servelm.engine.base import AdapterHost, AdapterInUse
 from servelm.errors import InvalidParameter, NotFound, ServiceUnavailable
 
 RETRY_AFTER_S = 2
@@ -310,20 +309,3 @@ def check_scale(scale: object) -> float:
             or abs(scale) > SCALE_BOUND:
         raise InvalidParameter(f"`scale` must be a number from {-SCALE_BOUND} to {SCALE_BOUND}.", "scale")
     return float(scale)
-
-
-class AdaptedEngine(EngineWrapper):
-    """Holds a request's LoRA adapters loaded (and counted in use) while it runs."""
-
-    def __init__(self, inner: Engine, adapters: Adapters) -> None:
-        super().__init__(inner)
-        self.adapters = adapters
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
-        held = await self.adapters.hold(request.adapters)  # none for the base model
-        try:  # closed first, so that the engine has its abort before the adapters are let go
-            async with aclosing(self.inner.generate(request)) as outputs:
-                async for out in outputs:
-                    yield out
-        finally:
-            self.adapters.release(held)
