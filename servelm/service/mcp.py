@@ -1,0 +1,257 @@
+"""Remote MCP tool servers as a request reaches them (the Responses API's `{"type": "mcp"}` tools): which servers
+it may reach, and each server's tools listed and called through the official `mcp` SDK, every step bounded.
+
+A request's `server_url` reaches a server only when its origin (scheme, host, port) is one the operator allows
+(`--allowed-mcp-servers`; none by default); any path under an allowed origin matches. A name that resolves to a
+private, loopback or link-local address is refused unless the allowed origin names that address itself (an IP
+literal, or `localhost`), so an allowed public name cannot be pointed inside the network. The SDK follows a
+redirect only within the same origin; the HTTP client follows none.
+
+Everything a server sends is bounded: the bytes of each HTTP response (a flood is cut at McpLimits.max_message_bytes),
+the time to connect, to list and to call, the number of tools and their schemas' size, and a call's output text.
+A server that hangs, floods, breaks the protocol or drops the connection fails only the request that named it, as
+McpUnavailable (424, OpenAI's `external_connector_error`), a name that is not allowed as a 400. The request's
+`headers` and `authorization` go to its server and nowhere else: never into a log line, an error or an echo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+
+from servelm.errors import ApiError, InvalidParameter
+
+log = logging.getLogger("servelm.mcp")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class McpUnavailable(ApiError):
+    """An MCP server that could not be reached, listed or called (OpenAI answers these 424)."""
+
+    status = 424
+    type = "external_connector_error"
+
+    def __init__(self, label: str, what: str) -> None:
+        super().__init__(f"Error {what} MCP server {label!r}.", param="tools", code="http_error")
+
+
+@dataclass(frozen=True)
+class McpLimits:
+    """The bounds of one response's MCP work (ServerSettings' mcp_*)."""
+
+    connect_s: float = 10.0  # to connect and agree on the protocol
+    list_s: float = 10.0  # to list the tools
+    call_s: float = 30.0  # one tool call
+    total_s: float = 120.0  # all of a response's MCP time
+    max_calls: int = 8  # tool calls a response may make
+    max_tools: int = 128  # tools a server may list (past it: 424)
+    max_schema_bytes: int = 64 << 10  # one tool's input schema, as JSON
+    max_output_bytes: int = 64 << 10  # one call's output text (past it: cut, and said)
+    max_message_bytes: int = 1 << 20  # any one HTTP response from a server
+
+
+@dataclass(frozen=True)
+class McpTool:
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+    def wire(self) -> dict[str, Any]:
+        """As an `mcp_list_tools` item lists it."""
+        return {"name": self.name, "description": self.description, "input_schema": self.input_schema,
+                "annotations": None}
+
+
+@dataclass(frozen=True)
+class McpResult:
+    output: str | None  # the call's text (its content's text parts, joined), or None when it failed
+    error: str | None  # what failed: the tool's own error, or the server's
+
+
+def origin_of(url: str) -> tuple[str, str, int] | None:
+    """A URL's origin (scheme, host, port), or None if it is not an http(s) URL with a host."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS or not parts.hostname or parts.username is not None or parts.password is not None:
+        return None
+    return scheme, parts.hostname.lower().rstrip("."), port or DEFAULT_PORTS[scheme]
+
+
+def parse_allowed(origins: tuple[str, ...]) -> frozenset[tuple[str, str, int]]:
+    """--allowed-mcp-servers' origins, each checked (a ValueError names one that is not an http(s) origin)."""
+    found = set()
+    for text in origins:
+        origin = origin_of(text)
+        if origin is None or urlsplit(text).path not in ("", "/") or urlsplit(text).query:
+            raise ValueError(f"--allowed-mcp-servers: {text!r} is not an origin such as http://127.0.0.1:8931")
+        found.add(origin)
+    return frozenset(found)
+
+
+def _named_address(host: str) -> bool:
+    """An origin whose host is an IP literal or localhost: the operator named the address itself."""
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+async def check_server_url(url: str, allowed: frozenset[tuple[str, str, int]], where: str) -> None:
+    """A request's server_url, allowed (else a 400 naming `where`): its origin is one of `allowed`, and a name
+    resolves to public addresses only."""
+    origin = origin_of(url)
+    if origin is None:
+        raise InvalidParameter(f"`{where}` must be an http(s) URL without user info.", where)
+    if origin not in allowed:
+        raise InvalidParameter(f"`{where}`: this server does not reach MCP servers at {origin[0]}://{origin[1]}:"
+                               f"{origin[2]} (the operator allows the origins in --allowed-mcp-servers).", where)
+    if _named_address(origin[1]):
+        return
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(origin[1], origin[2]), 5.0)
+    except (TimeoutError, OSError):
+        raise McpUnavailable(where, "resolving the host of") from None
+    for info in infos:
+        address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        if not address.is_global:
+            raise InvalidParameter(f"`{where}`: its host resolves to a private address, which only an allowed "
+                                   "origin naming that address may reach.", where)
+
+
+class _BoundedStream(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
+        self.inner, self.limit, self.seen = inner, limit, 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            self.seen += len(chunk)
+            if self.seen > self.limit:
+                raise httpx2.ReadError(f"an MCP server's response passed {self.limit} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _BoundedTransport(httpx2.AsyncBaseTransport):
+    """An HTTP transport whose every response body is cut past `limit` bytes (a flooding server)."""
+
+    def __init__(self, limit: int) -> None:
+        self.inner, self.limit = httpx2.AsyncHTTPTransport(), limit
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self.inner.handle_async_request(request)
+        stream = response.stream
+        assert isinstance(stream, httpx2.AsyncByteStream)
+        response.stream = _BoundedStream(stream, self.limit)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class McpSession:
+    """One request's connection to one MCP server: `async with McpSession(...) as s`, then list and call. The
+    `deadline` (time.monotonic) bounds everything; each step has its own bound too."""
+
+    def __init__(self, label: str, url: str, headers: Mapping[str, str], limits: McpLimits, deadline: float) -> None:
+        self.label, self.limits, self.deadline = label, limits, deadline
+        self._url, self._headers = url, dict(headers)
+        self._stack = AsyncExitStack()
+        self._client: Client | None = None
+
+    def _left(self, step_s: float) -> float:
+        return max(0.0, min(step_s, self.deadline - time.monotonic()))
+
+    async def __aenter__(self) -> McpSession:
+        http = httpx2.AsyncClient(headers=self._headers, transport=_BoundedTransport(self.limits.max_message_bytes),
+                                  timeout=httpx2.Timeout(self.limits.connect_s, read=self.limits.call_s),
+                                  follow_redirects=False)
+        try:
+            await self._stack.enter_async_context(http)
+            transport = streamable_http_client(self._url, http_client=http,
+                                               max_sse_event_size=self.limits.max_message_bytes)
+            client = Client(transport, cache=None)
+            async with asyncio.timeout(self._left(self.limits.connect_s)):
+                self._client = await self._stack.enter_async_context(client)
+        except BaseException as exc:
+            await self._close_quietly()
+            if isinstance(exc, Exception):
+                raise self._failed("connecting to", exc) from None
+            raise
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._close_quietly()
+
+    async def _close_quietly(self) -> None:
+        try:
+            async with asyncio.timeout(2.0):
+                await self._stack.aclose()
+        except Exception as exc:  # a server that breaks the closing harms no one else
+            log.info("MCP server %r: closing its connection: %s", self.label, type(exc).__name__)
+
+    def _failed(self, what: str, exc: BaseException) -> McpUnavailable:
+        # the exception's own text may hold the URL's query or a header echoed back: only its kind is logged
+        log.warning("MCP server %r: %s it failed (%s)", self.label, what, type(exc).__name__)
+        return McpUnavailable(self.label, "timed out " + what if isinstance(exc, TimeoutError) else what)
+
+    async def list_tools(self, allowed: tuple[str, ...] | None = None) -> list[McpTool]:
+        """The server's tools (only those named in `allowed`, when given), each bounded."""
+        assert self._client is not None
+        try:
+            async with asyncio.timeout(self._left(self.limits.list_s)):
+                listed = await self._client.list_tools()
+        except Exception as exc:
+            raise self._failed("listing the tools of", exc) from None
+        if len(listed.tools) > self.limits.max_tools:
+            raise McpUnavailable(self.label, f"with more than {self.limits.max_tools} tools from")
+        tools = []
+        for tool in listed.tools:
+            if allowed is not None and tool.name not in allowed:
+                continue
+            schema = dict(tool.input_schema or {"type": "object"})
+            if len(json.dumps(schema)) > self.limits.max_schema_bytes:
+                raise McpUnavailable(self.label, f"with a tool schema over {self.limits.max_schema_bytes} bytes from")
+            tools.append(McpTool(tool.name, tool.description or "", schema))
+        return tools
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> McpResult:
+        """One call of a tool: its text output, or its error (a tool's own error is a result, not an exception;
+        a server that fails or takes too long is McpResult(None, what failed))."""
+        assert self._client is not None
+        try:
+            async with asyncio.timeout(self._left(self.limits.call_s)):
+                result = await self._client.call_tool(name, arguments)
+        except Exception as exc:
+            return McpResult(None, str(self._failed(f"calling {name!r} on", exc)))
+        texts = [str(part.text) for part in getattr(result, "content", None) or [] if getattr(part, "type", "") == "text"]
+        text = "\n".join(texts)
+        data = text.encode()
+        if len(data) > self.limits.max_output_bytes:
+            text = data[:self.limits.max_output_bytes].decode(errors="ignore") + \
+                f"\n[output cut at {self.limits.max_output_bytes} bytes]"
+        if getattr(result, "is_error", False):
+            return McpResult(None, text or "the tool failed")
+        return McpResult(text, None)

@@ -1,0 +1,162 @@
+"""MCP servers for the tests, on 127.0.0.1: a real one built with the `mcp` SDK's own server side (run as a script:
+`python -m tests.mcp_servers http PORT` or `python -m tests.mcp_servers stdio` from the repository's root), and hostile ones that speak
+HTTP badly: one that never answers, one that floods, one that answers malformed JSON-RPC, one that drops the
+connection mid-answer. `McpHttpServer` starts the real one as a process and stops it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stdio_command(*args: str) -> list[str]:
+    """The command that runs the real server (as a module: tests/http would hide the standard library's http)."""
+    return [sys.executable, "-m", "tests.mcp_servers", *args]
+
+
+def serve(transport: str, port: int = 0) -> None:
+    from mcp.server import MCPServer
+
+    app = MCPServer("servelm-tests")
+
+    @app.tool()
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @app.tool()
+    def echo(text: str) -> str:
+        """Echo a text back."""
+        return text
+
+    @app.tool()
+    def large(size: int) -> str:
+        """A text of `size` bytes."""
+        return "x" * size
+
+    @app.tool()
+    def slow(seconds: float) -> str:
+        """Answer after `seconds`."""
+        time.sleep(seconds)
+        return "done"
+
+    @app.tool()
+    def fail(why: str) -> str:
+        """Fail with `why`."""
+        from mcp.server.mcpserver.exceptions import ToolError
+
+        raise ToolError(why)
+
+    if transport == "stdio":
+        app.run("stdio")
+    else:
+        app.run("streamable-http", host="127.0.0.1", port=port)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class McpHttpServer:
+    """The real MCP server over streamable HTTP, as a process: `.url` (http://127.0.0.1:PORT/mcp), `.origin`."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.origin = f"http://127.0.0.1:{self.port}"
+        self.url = self.origin + "/mcp"
+        self.proc = subprocess.Popen(stdio_command("http", str(self.port)), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the test MCP server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class HostileServer:
+    """An HTTP server on 127.0.0.1 that misbehaves as `kind` says: "hang" (reads the request, never answers),
+    "flood" (an endless body), "malformed" (200 with a body that is not JSON-RPC), "drop" (starts an SSE answer and
+    closes the connection). `.origin`, `.url`; `.connections` counts what it accepted."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.origin = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.url = self.origin + "/mcp"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._open.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.recv(65536)
+            if self.kind == "hang":
+                self._stop.wait()
+            elif self.kind == "flood":
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
+                chunk = b"[" * 65536
+                while not self._stop.is_set():
+                    conn.sendall(chunk)
+            elif self.kind == "malformed":
+                body = b'{"jsonrpc": "2.0", "id": "not yours", "result": [1, 2, {"oops"'
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+            elif self.kind == "drop":
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\nevent: message\r\ndata: {\"js")
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        for conn in self._open:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+@contextlib.contextmanager
+def hostile(kind: str) -> Iterator[HostileServer]:
+    server = HostileServer(kind)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
