@@ -8,6 +8,7 @@ import faulthandler
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from servelm import __version__
@@ -18,10 +19,9 @@ from servelm.logs import configure as configure_logs
 if TYPE_CHECKING:
     from pydantic.fields import FieldInfo
 
-    from servelm.config import DeploymentSpec, EndpointSpec
+    from servelm.compose import Plan
     from servelm.fleet import Fleet
-    from servelm.keys import KeySpec
-    from servelm.tracing import TraceSettings, Tracing
+    from servelm.tracing import Tracing
 
 log = logging.getLogger("servelm")
 
@@ -103,41 +103,27 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = False,
           ray_address: str | None = None) -> None:
-    from servelm.compose import build, default_specs, image_sources, with_blocklist
-    from servelm.http.app import create_app
-    from servelm.http.batches import BatchConfig
-    from servelm.http.limits import SecurityConfig
+    from servelm.compose import Plan
+    from servelm.http.app import AppOptions, create_app
     from servelm.http.server import run as run_server
-    from servelm.keys import load_keys
     from servelm.service.store import MemoryStore, StoreLimits
 
     configure_logs(settings.log_level, settings.log_format)
     try:
-        config = load_config_file(settings.config) if settings.config else None
-        keys = load_keys(settings, config.keys if config else [])  # hashed here: the keys themselves go no further
-        if config and config.deployments:
-            specs = config.deployments
-        else:  # with only --models-dir, its models are all there is
-            specs = [] if settings.models_dir and settings.model_path is None else default_specs(settings)
-        specs = with_blocklist(specs, settings.content_blocklist)
-        on_demand = [s for s in specs if s.load == "on-demand"]
-        specs = [s for s in specs if s.load == "start"]
-        if ray and any(s.mmproj for s in [*specs, *on_demand]):
+        plan = Plan.read(settings, verbose_llama=verbose_llama)  # the keys hashed here: they themselves go no further
+        if ray and any(s.mmproj for s in [*plan.specs, *plan.on_demand]):
             raise ValueError("--mmproj (images) is not served under --ray yet; serve the vision model without --ray")
         if ray:
-            return _serve_on_ray(settings, specs, on_demand, config.endpoints if config else [], keys, verbose_llama,
-                                 ray_address)
-        built = build(specs, config.endpoints if config else [], verbose_llama, image_sources(settings))
-        catalog = _fleet(settings, on_demand, verbose_llama) if on_demand or settings.models_dir else None
+            return _serve_on_ray(plan, ray_address)
+        built = plan.builder().build(plan.specs, plan.endpoints)
+        catalog = _fleet(plan) if plan.on_demand or settings.models_dir else None
     except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
         raise SystemExit(f"servelm: {exc}") from None
     limits = StoreLimits.from_settings(settings)
     try:
-        app = create_app(built.deployments, on_start=built.start, on_stop=built.stop,
-                         security=SecurityConfig.from_settings(settings, keys), timings=settings.timings,
-                         playground=settings.playground,
-                         store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
-                         batches=BatchConfig.from_settings(settings), catalog=catalog, tracing=_tracing(settings))
+        app = create_app(built.deployments, AppOptions.from_settings(settings, plan.keys), on_start=built.start,
+                         on_stop=built.stop, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
+                         catalog=catalog, tracing=_tracing(plan))
     except (ApiError, OSError) as exc:  # the --state-dir database damaged or foreign (batch/store.py), or unwritable
         built.close()
         raise SystemExit(f"servelm: {exc}") from None
@@ -153,65 +139,43 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         built.close()
 
 
-def _tracing(settings: ServerSettings) -> Tracing | None:
+def _tracing(plan: Plan) -> Tracing | None:
     """The OpenTelemetry exporter of --otlp-traces-endpoint (None: tracing off)."""
     from servelm.tracing import Tracing
 
-    found = trace_settings(settings)
+    found = plan.trace_settings()
     return Tracing(found) if found is not None else None
 
 
-def trace_settings(settings: ServerSettings) -> TraceSettings | None:
-    """--otlp-traces-endpoint and its companions as TraceSettings (None: tracing off)."""
-    from servelm.tracing import TraceSettings
-
-    if not settings.otlp_traces_endpoint:
-        return None
-    return TraceSettings(settings.otlp_traces_endpoint, settings.otlp_protocol, settings.otlp_capture_content)
-
-
-def _fleet(settings: ServerSettings, on_demand: list[DeploymentSpec], verbose_llama: bool) -> Fleet:
+def _fleet(plan: Plan) -> Fleet:
     """The models loaded when a request names them: --models-dir's and the config's on-demand deployments."""
-    from servelm.compose import build, image_sources, with_blocklist
     from servelm.fleet import Fleet, FleetLimits
 
-    images = image_sources(settings)
-    limits = FleetLimits(settings.models_max, settings.models_memory_mib << 20, settings.idle_unload_s)
-    return Fleet(on_demand, limits, models_dir=settings.models_dir, engine=settings.engine,
-                 builder=lambda spec: build(with_blocklist([spec], settings.content_blocklist), [], verbose_llama,
-                                            images))
+    settings = plan.settings
+    return Fleet(list(plan.on_demand), FleetLimits.of(settings), models_dir=settings.models_dir,
+                 engine=settings.engine, builder=plan.builder().one)
 
 
-def _serve_on_ray(settings: ServerSettings, specs: list[DeploymentSpec], on_demand: list[DeploymentSpec],
-                  endpoints: list[EndpointSpec], keys: list[KeySpec],
-                  verbose_llama: bool, address: str | None) -> None:
+def _serve_on_ray(plan: Plan, address: str | None) -> None:
     from servelm.compose import with_blocklist
-    from servelm.fleet import FleetLimits, scan_models_dir
-    from servelm.http.batches import BatchConfig
-    from servelm.http.limits import SecurityConfig
+    from servelm.fleet import scan_models_dir
 
     try:
         from servelm.ray.application import build_application, serve_on_ray
     except ImportError as exc:
         raise SystemExit(f"servelm: --ray needs Ray Serve (pip install 'servelm[ray]'): {exc}") from None
-    from servelm.service.store import StoreLimits
 
+    settings = plan.settings
     if settings.models_dir is not None:  # scanned once: under Ray each model is a deployment of the application
         found, failed = scan_models_dir(settings.models_dir, settings.engine)
         for name, reason in failed.items():
             log.warning("--models-dir: %s is not served: %s", name, reason)
-        on_demand = [*on_demand, *(s for s in found if s.mmproj is None)]
         for s in found:
             if s.mmproj is not None:
                 log.warning("--models-dir: %s is not served under --ray (images are not, yet)", s.name)
-    app = build_application(specs, endpoints, SecurityConfig.from_settings(settings, keys), verbose_llama=verbose_llama,
-                            log_level=settings.log_level, shutdown_timeout=settings.shutdown_timeout,
-                            store=StoreLimits.from_settings(settings), timings=settings.timings,
-                            playground=settings.playground, batches=BatchConfig.from_settings(settings),
-                            on_demand=with_blocklist(on_demand, settings.content_blocklist),
-                            models=FleetLimits(settings.models_max, settings.models_memory_mib << 20,
-                                               settings.idle_unload_s), tracing=trace_settings(settings))
-    serve_on_ray(app, host=settings.host, port=int(settings.port), address=address)
+        served = with_blocklist([s for s in found if s.mmproj is None], settings.content_blocklist)
+        plan = replace(plan, on_demand=(*plan.on_demand, *served))
+    serve_on_ray(build_application(plan), host=settings.host, port=int(settings.port), address=address)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,30 +12,33 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from servelm import __version__
 from servelm.chat.reasoning import THINK, ReasoningMarkers
-from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, LoraSpec, ServerSettings
+from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, LoraSpec, ServerSettings, load_config_file
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
-from servelm.engine.base import Engine
+from servelm.engine.base import Embedder, Engine
 from servelm.engine.pacing import StepPacer
 from servelm.engine.runner import ModelInfo, ModelVocabulary, ServedRunner
 from servelm.engine.spill import SpillStore
 from servelm.engine.wrappers.adapted import AdaptedEngine
+from servelm.keys import KeySpec, load_keys
 from servelm.models import resolve_model_source
 from servelm.service.media import ImageInput, ImageSources
-from servelm.service.registry.adapters import Adapters
+from servelm.service.registry.adapters import AdapterRegistry, Adapters
 from servelm.service.registry.deployments import Deployment, Deployments, ModelFacts, TextDeployment
 from servelm.service.safety.content_filter import check_guard
 
 if TYPE_CHECKING:
     from servelm.chat.template import ChatTemplate
     from servelm.engine.embedding import EmbeddingEngine, EmbeddingModel
+    from servelm.engine.local import LocalEngine
     from servelm.service.safety.policy import ContentFilter
+    from servelm.tracing import TraceSettings
 
 log = logging.getLogger("servelm")
 EMBEDDING_SEQS = 64  # inputs one embedding pass may carry
@@ -43,87 +46,130 @@ EMBEDDING_WINDOW = 2048  # most tokens per input (and per pass) of an embedding 
 EMBEDDING_CONTEXT_BYTES = 128 << 20  # an embedding context's own buffers, at most (its cache and compute graph)
 
 
-def build_deployment(
-    name: str,
-    runner: ServedRunner,
-    fingerprint_source: str = "",
-    prefix_cache: bool = True,
-    chat_template: str | None = None,
-    speculative: bool = True,
-    spill: SpillStore | None = None,
-    itl_target_s: float = 0.0,
-    priority_aging_s: float = 60.0,
-    grammar_limits: GrammarLimits | None = None,
-    special_tokens_in_content: bool = False,
-    reasoning_markers: str = "auto",
-    image_sources: ImageSources = ImageSources(),
-    max_loras: int = 8,
-    grammars: Grammars | None = None,
-) -> tuple[TextDeployment, Engine]:
-    """Wrap a runner in a LocalEngine and describe it as a deployment with its model (the engine is not started),
-    with LoRA adapters (at most `max_loras` loaded). `grammars` given: its model's vocabulary's, built before
-    (GrammarPool's)."""
+@dataclass(frozen=True)
+class DeploymentOptions:
+    """A deployment's settings as compose uses them, read once from its spec (`of`): its engine's (the defaults are
+    a test's: no inter-token target), its model's text (a chat template's text, control tokens, reasoning markers),
+    its LoRA adapters, where its images may come from, its waiting bound, priority bound and content policy."""
+
+    prefix_cache: bool = True
+    speculative: bool = True  # draft-free speculative decoding (n-grams)
+    itl_target_s: float = 0.0  # the inter-token target while prompts arrive (0: none)
+    priority_aging_s: float = 60.0
+    grammar_limits: GrammarLimits = GrammarLimits()
+    max_loras: int = 8  # LoRA adapters loaded at once
+    loras: tuple[LoraSpec, ...] = ()  # adapters loaded at start
+    chat_template: str | None = None  # a template's text (None: the model file's)
+    special_tokens_in_content: bool = False
+    reasoning_markers: str = "auto"
+    image_sources: ImageSources = ImageSources()
+    max_waiting: int | None = None  # None: the server's --max-waiting
+    min_priority: int | None = None
+    content_filter: ContentFilter | None = None
+    fingerprint_source: str = ""  # what the fingerprint is made of (its model file's name and size; "": the model's description)
+
+    @classmethod
+    def of(cls, spec: DeploymentSpec, images: ImageSources = ImageSources(), fingerprint_source: str = "") -> DeploymentOptions:
+        """A spec's options (its chat template file read, its content policy's lists read)."""
+        e = spec.engine
+        return cls(prefix_cache=e.prefix_cache, speculative=e.speculative == "ngram", itl_target_s=e.itl_target_ms / 1000,
+                   priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e), max_loras=e.max_loras,
+                   loras=tuple(spec.loras),
+                   chat_template=spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None,
+                   special_tokens_in_content=spec.special_tokens_in_content, reasoning_markers=spec.reasoning_markers,
+                   image_sources=images, max_waiting=spec.limits.max_waiting, min_priority=spec.limits.min_priority,
+                   content_filter=content_filter_of(spec.content_filter), fingerprint_source=fingerprint_source)
+
+
+@dataclass(frozen=True)
+class Executor:
+    """What serves a text deployment, as text_deployment takes it: the engine (a runner's LocalEngine behind its
+    adapters, or Ray replicas), what it says of the model it runs (fingerprint, context window, sequences decoded
+    together, the self-check's facts, placement), and its LoRA adapters, image reader, embedder and memory."""
+
+    engine: Engine
+    fingerprint: str
+    context_window: int
+    max_choices: int
+    facts: ModelFacts = ModelFacts()
+    placement: str = ""
+    adapters: AdapterRegistry | None = None
+    images: ImageInput | None = None
+    embedder: Embedder | None = None
+    memory: Mapping[str, int] = field(default_factory=dict)
+
+
+def build_deployment(name: str, runner: ServedRunner, options: DeploymentOptions = DeploymentOptions(), *,
+                     spill: SpillStore | None = None, grammars: Grammars | None = None,
+                     embedder: Embedder | None = None) -> tuple[TextDeployment, LocalEngine]:
+    """A runner's LocalEngine (not started) and the deployment it serves, built whole: its LoRA adapters (the
+    options' loaded at start), images when the runner has a projector, `embedder` answering its embeddings, `spill`
+    its prefix cache's lower tiers. `grammars` given: its model's vocabulary's, built before (GrammarPool's)."""
     from servelm.engine.local import LocalEngine
 
     model = runner.model
-    grammars = grammars or grammars_of(model, grammar_limits or GrammarLimits())
-    engine = LocalEngine(runner, prefix_cache=prefix_cache, grammars=grammars, speculative=speculative, spill=spill,
-                         pacer=StepPacer(itl_target_s) if itl_target_s > 0 else None, priority_aging_s=priority_aging_s)
-    adapters = Adapters(engine, max_loras)
+    grammars = grammars or grammars_of(model, options.grammar_limits)
+    pacer = StepPacer(options.itl_target_s) if options.itl_target_s > 0 else None
+    engine = LocalEngine(runner, prefix_cache=options.prefix_cache, grammars=grammars, speculative=options.speculative,
+                         spill=spill, pacer=pacer, priority_aging_s=options.priority_aging_s)
+    adapters = Adapters(engine, options.max_loras)
+    for lora in options.loras:
+        adapters.add_at_start(lora.name, str(lora.path), lora.scale)
     exactness = runner.exactness
-    deployment = text_deployment(
-        name, model, AdaptedEngine(engine, adapters), grammars,
-        fingerprint=_fingerprint(fingerprint_source or model.description), context_window=runner.context_window,
-        max_choices=runner.num_slots, placement=getattr(runner, "placement", ""),
-        facts=ModelFacts(quantization=model.quantization, trained_context=model.trained_context,
-                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
-        chat_template=chat_template, special_tokens_in_content=special_tokens_in_content,
-        reasoning_markers=reasoning_markers,
-    )
-    deployment.adapters = adapters
     projector = getattr(runner, "projector", None)  # a vision projector: images in prompts
-    if projector is not None:
-        deployment.images = ImageInput(projector, image_sources)
-    deployment.memory = {
+    memory = {
         "weights": model.weights_bytes, "kv_cache": runner.kv_cells * runner.kv_cell_bytes,
         "logits": (runner.max_step_tokens + 1) * runner.vocab_size * 4, "grammar_cache": grammars.limits.cache_bytes,
         "prefix_cache_ram": spill.ram_bytes if spill is not None else 0,
         "image_embeddings": projector.kept_bytes_max if projector is not None else 0,
     }
-    return deployment, engine
+    executor = Executor(
+        AdaptedEngine(engine, adapters), _fingerprint(options.fingerprint_source or model.description),
+        runner.context_window, runner.num_slots,
+        facts=ModelFacts(quantization=model.quantization, trained_context=model.trained_context,
+                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
+        placement=getattr(runner, "placement", ""), adapters=adapters, embedder=embedder, memory=memory,
+        images=ImageInput(projector, options.image_sources) if projector is not None else None,
+    )
+    return text_deployment(name, model, grammars, options, executor), engine
 
 
-def text_deployment(name: str, model: ModelInfo, engine: Engine, grammars: Grammars, *, fingerprint: str,
-                    context_window: int, max_choices: int, facts: ModelFacts, placement: str,
-                    chat_template: str | None = None, special_tokens_in_content: bool = False,
-                    reasoning_markers: str = "auto") -> TextDeployment:
-    """A text deployment of a model (its vocabulary, chat template and control tokens) that `engine` serves: a
-    LocalEngine on its runner (build_deployment), or servelm/ray's ingress's replicas, whose model the ingress loads
-    vocabulary-only. The rest (context window, choices, facts, placement) is the executor's, given."""
+def text_deployment(name: str, model: ModelInfo, grammars: Grammars, options: DeploymentOptions,
+                    executor: Executor) -> TextDeployment:
+    """A text deployment of a model (its vocabulary, chat template and control tokens, as `options` say) that
+    `executor` serves: a LocalEngine on its runner (build_deployment), or servelm/ray's ingress's replicas, whose
+    model the ingress loads vocabulary-only."""
     from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import CHATML_END
     from servelm.chat.tools import detect_style
 
-    template = template_of(name, model, chat_template)
+    template = template_of(name, model, options.chat_template)
     template_source = template.source if template.origin != "fallback" else None
-    controls = None if special_tokens_in_content else model.control_tokens()
+    controls = None if options.special_tokens_in_content else model.control_tokens()
     return TextDeployment(
         name=name,
-        engine=engine,
+        engine=executor.engine,
         template=template,
         template_stops=(CHATML_END,) if template.origin == "fallback" else (),
-        facts=facts,
+        facts=executor.facts,
         vocab=ServiceVocabulary(model, grammars),
-        context_window=context_window,
-        max_choices=max_choices,
-        fingerprint=fingerprint,
+        context_window=executor.context_window,
+        max_choices=executor.max_choices,
+        fingerprint=executor.fingerprint,
         grammars=grammars,
         tool_style=detect_style(template_source),
         fim_tokens=model.fim_tokens,
-        reasoning=reasoning_of(reasoning_markers, template_source),
-        placement=placement,
+        reasoning=reasoning_of(options.reasoning_markers, template_source),
+        placement=executor.placement,
         markers=ControlMarkers([ControlToken(*c) for c in controls]) if controls is not None else None,
         bos_id=model.bos_id if controls is not None else None,
+        adapters=executor.adapters,
+        images=executor.images,
+        embedder=executor.embedder,
+        memory=executor.memory,
+        max_waiting=options.max_waiting,
+        min_priority=options.min_priority,
+        content_filter=options.content_filter,
     )
 
 
@@ -230,14 +276,17 @@ class _PoolReturn:
 GRAMMARS = GrammarPool()
 
 
-def build_embedding_deployment(name: str, model: EmbeddingModel, fingerprint_source: str = "") -> tuple[Deployment, EmbeddingEngine]:
-    """An embedding-only deployment over an embedding model (its EmbeddingEngine is not started)."""
+def build_embedding_deployment(name: str, model: EmbeddingModel, options: DeploymentOptions = DeploymentOptions(),
+                               memory: Mapping[str, int] | None = None) -> tuple[Deployment, EmbeddingEngine]:
+    """An embedding-only deployment over an embedding model (its EmbeddingEngine is not started), built whole:
+    `memory` is what each part may take."""
     from servelm.engine.embedding import EmbeddingEngine
 
     embedder = EmbeddingEngine(model)
     deployment = Deployment(name=name, context_window=embedder.context_window,
-                            fingerprint=_fingerprint(fingerprint_source or name), embedder=embedder,
-                            placement=getattr(model, "placement", ""))
+                            fingerprint=_fingerprint(options.fingerprint_source or name), embedder=embedder,
+                            placement=getattr(model, "placement", ""), memory=memory or {},
+                            max_waiting=options.max_waiting, min_priority=options.min_priority)
     return deployment, embedder
 
 
@@ -366,11 +415,11 @@ class Closer(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Built:
     deployments: Deployments
-    workers: list[Worker] = field(default_factory=list)  # started with the app, stopped with it
-    closers: list[Closer] = field(default_factory=list)  # llama.cpp objects to close after serving, in order
+    workers: Sequence[Worker] = ()  # started with the app, stopped with it
+    closers: Sequence[Closer] = ()  # llama.cpp objects to close after serving, in order
 
     def start(self) -> None:
         for w in self.workers:
@@ -391,35 +440,132 @@ def image_sources(settings: ServerSettings) -> ImageSources:
                         settings.media_fetch_timeout)
 
 
-def build(specs: list[DeploymentSpec], endpoints: list[EndpointSpec], verbose_llama: bool = False,
-          images: ImageSources = ImageSources()) -> Built:
-    """Load every deployment's model (several models run in one server, each with its own engine)."""
-    deployments: list[Deployment] = []
-    built = Built(Deployments([]))
-    embedders: list[Closer] = []  # closed before the runners whose weights they share
-    runners: list[Closer] = []
-    try:
-        for spec in specs:
-            if spec.kind == "chat" and spec.backend == "vllm":
-                _build_vllm(spec, deployments, built.workers)
-            elif spec.kind == "chat":
-                _build_chat(spec, verbose_llama, deployments, built.workers, embedders, runners, images)
-            else:
-                _build_embedding(spec, verbose_llama, deployments, built.workers, embedders)
-    except BaseException:
-        for c in (*embedders, *runners):
-            c.close()
-        raise
-    built.closers = [*embedders, *runners]
-    aliases = {a: s.name for s in specs for a in s.aliases}
-    routes = {e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints}
-    built.deployments = Deployments(deployments, aliases=aliases, endpoints=routes)
-    try:
-        check_guards(built.deployments)
-    except BaseException:
-        built.close()
-        raise
-    return built
+@dataclass
+class _Parts:
+    """What a build has made so far: closed in reverse of need when a later model fails to load."""
+
+    deployments: list[Deployment] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
+    embedders: list[Closer] = field(default_factory=list)  # closed before the runners whose weights they share
+    runners: list[Closer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Builder:
+    """Deployment specs → their running parts (a Built): the one way every entry point loads models (`servelm
+    serve`, --ray's replicas, `servelm batch`, the models loaded on demand). Its settings are the server's:
+    llama.cpp's own log lines, where images may come from, and the --content-blocklist every chat deployment gets."""
+
+    verbose_llama: bool = False
+    images: ImageSources = ImageSources()
+    blocklist: Path | None = None
+
+    def build(self, specs: Sequence[DeploymentSpec], endpoints: Sequence[EndpointSpec] = ()) -> Built:
+        """Load every deployment's model (several models run in one server, each with its own engine)."""
+        specs = with_blocklist(list(specs), self.blocklist)
+        parts = _Parts()
+        try:
+            for spec in specs:
+                if spec.kind == "chat" and spec.backend == "vllm":
+                    self._vllm(spec, parts)
+                elif spec.kind == "chat":
+                    self._chat(spec, parts)
+                else:
+                    self._embedding(spec, parts)
+        except BaseException:
+            for c in (*parts.embedders, *parts.runners):
+                c.close()
+            raise
+        aliases = {a: s.name for s in specs for a in s.aliases}
+        routes = {e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints}
+        built = Built(Deployments(parts.deployments, aliases=aliases, endpoints=routes), parts.workers,
+                      [*parts.embedders, *parts.runners])
+        try:
+            check_guards(built.deployments)
+        except BaseException:
+            built.close()
+            raise
+        return built
+
+    def one(self, spec: DeploymentSpec) -> Built:
+        """One deployment's parts (a model loaded on demand, a Ray replica's)."""
+        return self.build([spec])
+
+    def _chat(self, spec: DeploymentSpec, parts: _Parts) -> None:
+        from servelm.engine.embedding import EmbeddingEngine
+        from servelm.runners.llamacpp import LlamaCppEmbedder, load_exact
+
+        path = resolve_model_source(spec.model, "chat")
+        e = spec.engine
+        log.info("loading %s for %r", path, spec.name)
+        runner = load_exact(
+            path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
+            context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads,
+            verbose=self.verbose_llama, mmproj=spec.mmproj, kv_cache_type=e.kv_cache_type, gpu_layers=e.n_gpu_layers,
+            main_gpu=e.main_gpu,
+        )
+        options = DeploymentOptions.of(spec, self.images, f"{path.name}:{path.stat().st_size}")
+        grammars, give_back = GRAMMARS.take(runner.model, options.grammar_limits)
+        parts.runners.extend((give_back, runner))  # closed in this order: the grammars detached before the runner goes
+        embedder = None
+        if spec.embedding_window:
+            window = min(spec.embedding_window, runner.context_window)
+            ctx = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=e.threads)
+            parts.embedders.append(ctx)
+            embedder = EmbeddingEngine(ctx)
+        deployment, engine = build_deployment(spec.name, runner, options, spill=spill_store(e, runner.state_fingerprint),
+                                              grammars=grammars, embedder=embedder)
+        parts.workers.extend((engine, embedder) if embedder is not None else (engine,))
+        parts.deployments.append(deployment)
+
+    def _vllm(self, spec: DeploymentSpec, parts: _Parts) -> None:
+        """A chat deployment on vLLM (a GPU): vLLM's engine, servelm's API. servelm's grammars do not run there, so
+        the deployment has none (constrained output and tools are a 400), and it answers no embeddings."""
+        from servelm.chat.template import ChatTemplate
+        from servelm.chat.tools import detect_style
+        from servelm.config import VllmSettings
+        from servelm.engine.vllm import VllmEngine, VllmOptions  # imports vllm itself only when it builds the engine
+
+        v = spec.vllm or VllmSettings()
+        options = VllmOptions(model=v.model or spec.model, tensor_parallel_size=v.tensor_parallel_size,
+                              gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+                              dtype=v.dtype, extra=dict(v.engine_args))
+        log.info("loading %s into vLLM for %r", options.model, spec.name)
+        engine = VllmEngine.create(options)
+        tok: ModelVocabulary = engine.tokenizer  # a Hugging Face tokenizer (engine/hf_vocab.py): its template, BOS, EOS
+        parts.deployments.append(TextDeployment(
+            name=spec.name,
+            engine=engine,
+            template=ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token),
+            vocab=engine.tokenizer,
+            context_window=engine.context_window,
+            max_choices=engine.max_num_seqs,
+            fingerprint=_fingerprint(f"vllm:{options.model}"),
+            tool_style=detect_style(tok.chat_template),
+            reasoning=reasoning_of(spec.reasoning_markers, tok.chat_template),
+            max_waiting=spec.limits.max_waiting,
+            min_priority=spec.limits.min_priority,
+            content_filter=content_filter_of(spec.content_filter),
+        ))
+        parts.workers.append(engine)
+
+    def _embedding(self, spec: DeploymentSpec, parts: _Parts) -> None:
+        from servelm.runners.llamacpp import LlamaCppEmbedder
+
+        path = resolve_model_source(spec.model, "embedding")
+        log.info("loading %s for %r", path, spec.name)
+        model = LlamaCppEmbedder(path, window=EMBEDDING_WINDOW, max_seqs=EMBEDDING_SEQS, threads=spec.engine.threads,
+                                 verbose=self.verbose_llama, pooling="rank" if spec.kind == "rerank" else None,
+                                 gpu_layers=spec.engine.n_gpu_layers, main_gpu=spec.engine.main_gpu)
+        parts.embedders.append(model)
+        log.info("%s runs on %s", path.name, model.placement)
+        size = path.stat().st_size
+        options = DeploymentOptions(max_waiting=spec.limits.max_waiting, min_priority=spec.limits.min_priority,
+                                    fingerprint_source=f"{path.name}:{size}")
+        deployment, engine = build_embedding_deployment(
+            spec.name, model, options, memory={"weights": size, "embedding_context": EMBEDDING_CONTEXT_BYTES})
+        parts.workers.append(engine)
+        parts.deployments.append(deployment)
 
 
 def spill_store(e: EngineSettings, fingerprint: str) -> SpillStore | None:
@@ -434,93 +580,43 @@ def spill_store(e: EngineSettings, fingerprint: str) -> SpillStore | None:
     return SpillStore(fingerprint, e.prefix_cache_ram_mib << 20, e.prefix_cache_dir, e.prefix_cache_disk_mib << 20)
 
 
-def _build_chat(spec: DeploymentSpec, verbose: bool, deployments: list[Deployment], workers: list[Worker],
-                embedders: list[Closer], runners: list[Closer], images: ImageSources) -> None:
-    from servelm.engine.embedding import EmbeddingEngine
-    from servelm.engine.local import LocalEngine
-    from servelm.runners.llamacpp import LlamaCppEmbedder, load_exact
+@dataclass(frozen=True)
+class Plan:
+    """What `servelm serve` (with or without --ray) and `servelm batch` run, read once from the settings and the
+    config file: the deployments loaded at start and those loaded when a request names them (each with
+    --content-blocklist), the weighted endpoints, the API keys (SHA-256 digests: the keys themselves go no
+    further) and whether llama.cpp logs. Every other part is derived from it (`builder`, `trace_settings`)."""
 
-    path = resolve_model_source(spec.model, "chat")
-    e = spec.engine
-    log.info("loading %s for %r", path, spec.name)
-    runner = load_exact(
-        path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
-        context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads, verbose=verbose, mmproj=spec.mmproj,
-        kv_cache_type=e.kv_cache_type, gpu_layers=e.n_gpu_layers, main_gpu=e.main_gpu,
-    )
-    grammars, give_back = GRAMMARS.take(runner.model, grammar_limits(e))
-    runners.extend((give_back, runner))  # closed in this order: the grammars detached before the runner goes
-    template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
-    deployment, engine = build_deployment(
-        spec.name, runner, f"{path.name}:{path.stat().st_size}", prefix_cache=e.prefix_cache, chat_template=template,
-        speculative=e.speculative == "ngram", spill=spill_store(e, runner.state_fingerprint),
-        itl_target_s=e.itl_target_ms / 1000, priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e),
-        special_tokens_in_content=spec.special_tokens_in_content,
-        reasoning_markers=spec.reasoning_markers, image_sources=images, max_loras=e.max_loras, grammars=grammars,
-    )
-    assert isinstance(deployment.adapters, Adapters) and isinstance(engine, LocalEngine)  # no engine was given
-    for lora in spec.loras:
-        deployment.adapters.add_at_start(lora.name, str(lora.path), lora.scale)
-    deployment.max_waiting = spec.limits.max_waiting
-    deployment.min_priority = spec.limits.min_priority
-    deployment.content_filter = content_filter_of(spec.content_filter)
-    workers.append(engine)
-    if spec.embedding_window:
-        window = min(spec.embedding_window, runner.context_window)
-        ctx = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=e.threads)
-        embedders.append(ctx)
-        deployment.embedder = EmbeddingEngine(ctx)
-        workers.append(deployment.embedder)
-    deployments.append(deployment)
+    settings: ServerSettings
+    specs: tuple[DeploymentSpec, ...] = ()
+    on_demand: tuple[DeploymentSpec, ...] = ()
+    endpoints: tuple[EndpointSpec, ...] = ()
+    keys: tuple[KeySpec, ...] = ()
+    verbose_llama: bool = False
 
+    @classmethod
+    def read(cls, settings: ServerSettings, *, verbose_llama: bool = False, serving: bool = True) -> Plan:
+        """The config file's deployments, else the command line's model and the embedding model (a server with only
+        --models-dir: none, its models are all there is). `serving` False (`servelm batch`): no keys, and every
+        deployment loaded at start."""
+        config = load_config_file(settings.config) if settings.config else None
+        keys = load_keys(settings, config.keys if config else []) if serving else []
+        if config and config.deployments:
+            specs = config.deployments
+        else:
+            specs = [] if serving and settings.models_dir and settings.model_path is None else default_specs(settings)
+        specs = with_blocklist(specs, settings.content_blocklist)
+        return cls(settings, specs=tuple(s for s in specs if not serving or s.load == "start"),
+                   on_demand=tuple(s for s in specs if serving and s.load == "on-demand"),
+                   endpoints=tuple(config.endpoints if config else ()), keys=tuple(keys), verbose_llama=verbose_llama)
 
-def _build_vllm(spec: DeploymentSpec, deployments: list[Deployment], workers: list[Worker]) -> None:
-    """A chat deployment on vLLM (a GPU): vLLM's engine, servelm's API. servelm's grammars do not run there, so
-    the deployment has none (constrained output and tools are a 400), and it answers no embeddings."""
-    from servelm.chat.template import ChatTemplate
-    from servelm.chat.tools import detect_style
-    from servelm.config import VllmSettings
-    from servelm.engine.vllm import VllmEngine, VllmOptions  # imports vllm itself only when it builds the engine
+    def builder(self) -> Builder:
+        return Builder(self.verbose_llama, image_sources(self.settings), self.settings.content_blocklist)
 
-    v = spec.vllm or VllmSettings()
-    options = VllmOptions(model=v.model or spec.model, tensor_parallel_size=v.tensor_parallel_size,
-                          gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
-                          dtype=v.dtype, extra=dict(v.engine_args))
-    log.info("loading %s into vLLM for %r", options.model, spec.name)
-    engine = VllmEngine.create(options)
-    tok: ModelVocabulary = engine.tokenizer  # a Hugging Face tokenizer (engine/hf_vocab.py): its template, BOS, EOS
-    deployment = TextDeployment(
-        name=spec.name,
-        engine=engine,
-        template=ChatTemplate(tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token),
-        vocab=engine.tokenizer,
-        context_window=engine.context_window,
-        max_choices=engine.max_num_seqs,
-        fingerprint=_fingerprint(f"vllm:{options.model}"),
-        tool_style=detect_style(tok.chat_template),
-        reasoning=reasoning_of(spec.reasoning_markers, tok.chat_template),
-    )
-    deployment.max_waiting = spec.limits.max_waiting
-    deployment.min_priority = spec.limits.min_priority
-    deployment.content_filter = content_filter_of(spec.content_filter)
-    workers.append(engine)
-    deployments.append(deployment)
+    def trace_settings(self) -> TraceSettings | None:
+        """--otlp-traces-endpoint and its companions as TraceSettings (None: tracing off)."""
+        from servelm.tracing import TraceSettings
 
-
-def _build_embedding(spec: DeploymentSpec, verbose: bool, deployments: list[Deployment], workers: list[Worker],
-                     embedders: list[Closer]) -> None:
-    from servelm.runners.llamacpp import LlamaCppEmbedder
-
-    path = resolve_model_source(spec.model, "embedding")
-    log.info("loading %s for %r", path, spec.name)
-    model = LlamaCppEmbedder(path, window=EMBEDDING_WINDOW, max_seqs=EMBEDDING_SEQS, threads=spec.engine.threads,
-                             verbose=verbose, pooling="rank" if spec.kind == "rerank" else None,
-                             gpu_layers=spec.engine.n_gpu_layers, main_gpu=spec.engine.main_gpu)
-    embedders.append(model)
-    log.info("%s runs on %s", path.name, model.placement)
-    deployment, engine = build_embedding_deployment(spec.name, model, f"{path.name}:{path.stat().st_size}")
-    deployment.memory = {"weights": path.stat().st_size, "embedding_context": EMBEDDING_CONTEXT_BYTES}
-    deployment.max_waiting = spec.limits.max_waiting
-    deployment.min_priority = spec.limits.min_priority
-    workers.append(engine)
-    deployments.append(deployment)
+        s = self.settings
+        return TraceSettings(s.otlp_traces_endpoint, s.otlp_protocol, s.otlp_capture_content) \
+            if s.otlp_traces_endpoint else None

@@ -58,7 +58,7 @@ ModelName = Annotated[str, AfterValidator(_printable_name)]
 
 
 class EngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid", frozen=True)
 
     max_num_seqs: int = Field(16, ge=1, le=256, description="sequences decoded together: llama.cpp sequence slots, "
                               "each with a KV stream of the context window's length")
@@ -124,7 +124,9 @@ class EngineSettings(BaseSettings):
 
 
 class ServerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid")
+    """Every setting of `servelm serve` and `servelm batch`, read once and frozen (compose.Plan carries them)."""
+
+    model_config = SettingsConfigDict(env_prefix="SERVELM_", extra="forbid", frozen=True)
 
     config: Path | None = Field(
         None, description="a TOML or YAML file declaring the deployments (several models, aliases, weighted "
@@ -378,7 +380,7 @@ class DeploymentSpec(BaseModel):
     all-minilm-l6-v2), a GGUF file's path, or a Hugging Face repo id `org/repo[:file.gguf]` (needs
     huggingface_hub and a network)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: ModelName = Field(min_length=1)
     model: str = Field(min_length=1)

@@ -2,7 +2,7 @@
 (service/registry/catalog.py).
 
 Its models are the GGUF files of `--models-dir` (each a deployment named by its stem) and the config file's
-deployments with `load = "on-demand"`. A model is loaded by compose.build on a worker thread while its first
+deployments with `load = "on-demand"`. A model is loaded by the server's compose.Builder on a worker thread while its first
 requests wait (service/registry/catalog.ModelCatalog.use), added to the app's Deployments, and removed from them before
 its engine stops. Its engine's stop writes its prefix cache to its `--prefix-cache-dir` (engine/spill.py), and
 the next load indexes those files, so a conversation resumed after a wake reads its history from disk.
@@ -30,8 +30,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from servelm.compose import Built, build
-from servelm.config import DeploymentSpec, EngineSettings
+from servelm.compose import Builder, Built
+from servelm.config import DeploymentSpec, EngineSettings, ServerSettings
 from servelm.errors import InvalidParameter, ModelNotFound, ServiceUnavailable
 from servelm.gguf_header import NotGGUF, open_regular, read_metadata
 from servelm.metrics import ModelCounts
@@ -85,6 +85,11 @@ class FleetLimits:
     models_max: int = 4
     memory_bytes: int = 0  # 0: no bound
     idle_unload_s: float = 300.0  # negative: never
+
+    @classmethod
+    def of(cls, settings: ServerSettings) -> FleetLimits:
+        """--models-max, --models-memory-mib and --idle-unload-s."""
+        return cls(settings.models_max, settings.models_memory_mib << 20, settings.idle_unload_s)
 
 
 def model_name_ok(name: str) -> bool:
@@ -249,8 +254,8 @@ class Fleet:
 
     def __init__(self, specs: list[DeploymentSpec], limits: FleetLimits = FleetLimits(), *,
                  models_dir: Path | None = None, engine: EngineSettings | None = None,
-                 builder: Callable[[DeploymentSpec], Built] = lambda spec: build([spec], [])) -> None:
-        """`builder` loads one spec's model (compose.build by default; the server's adds its content policy and
+                 builder: Callable[[DeploymentSpec], Built] = Builder().one) -> None:
+        """`builder` loads one spec's model (a default compose.Builder's; the server's adds its content policy and
         image sources; tests give a fake runner's)."""
         self.limits = limits
         self.models_dir = models_dir

@@ -74,17 +74,14 @@ class LocalLines:
     """This process's engines behind the server's own app, and the lines run through it."""
 
     def __init__(self, settings: ServerSettings, verbose_llama: bool = False) -> None:
-        from servelm.compose import build, default_specs, image_sources, with_blocklist
-        from servelm.config import load_config_file
-        from servelm.http.app import create_app
+        from servelm.compose import Plan
+        from servelm.http.app import AppOptions, create_app
         from servelm.http.batches import AppCaller
 
-        config = load_config_file(settings.config) if settings.config else None
-        specs = with_blocklist(config.deployments if config and config.deployments else default_specs(settings),
-                               settings.content_blocklist)
-        self.built = build(specs, config.endpoints if config else [], verbose_llama, image_sources(settings))
+        plan = Plan.read(settings, verbose_llama=verbose_llama, serving=False)
+        self.built = plan.builder().build(plan.specs, plan.endpoints)
         self.built.start()
-        app = create_app(self.built.deployments, playground=False)
+        app = create_app(self.built.deployments, AppOptions(playground=False))
         self.caller = AppCaller(app)
         self.width = sum(d.engine.stats().total_slots for d in self.built.deployments.generators()) or 1
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from servelm.compose import build_deployment
+from servelm.compose import DeploymentOptions, build_deployment
 from servelm.engine.local import LocalEngine
-from servelm.http.app import create_app
-from servelm.http.limits import Drain
+from servelm.http.app import AppOptions, create_app
+from servelm.http.limits import Drain, SecurityConfig
 from servelm.http.server import make_server
 from servelm.http.state import state_of
 from servelm.runners.fake import FakeRunner
@@ -74,16 +74,15 @@ def fake_server_factory() -> Iterator:
             config (http/batches.BatchConfig); catalog its models loaded on demand (servelm/fleet.Fleet); tracing its
             OpenTelemetry exporter (servelm/tracing.Tracing)."""
             runner = FakeRunner(**runner_kw)
-            deployment, engine = build_deployment("fake-model", runner, prefix_cache=prefix_cache,
-                                                  image_sources=image_sources)
-            deployment.content_filter = content_filter
-            deployment.min_priority = min_priority
+            options = DeploymentOptions(prefix_cache=prefix_cache, image_sources=image_sources,
+                                        content_filter=content_filter, min_priority=min_priority)
+            deployment, engine = build_deployment("fake-model", runner, options)
             others = [build_deployment(name, FakeRunner(**(other_runner_kw or runner_kw))) for name in extra_deployments]
             engines = [engine, *(e for _, e in others)]
             app = create_app(Deployments([deployment, *(d for d, _ in others)]),
+                             AppOptions(security=security or SecurityConfig(), batches=batches),
                              on_start=lambda: [e.start() for e in engines],
-                             on_stop=lambda: [e.stop() for e in engines], security=security, batches=batches,
-                             catalog=catalog, tracing=tracing)
+                             on_stop=lambda: [e.stop() for e in engines], catalog=catalog, tracing=tracing)
             return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment,
                               drain=state_of(app).drain)
 

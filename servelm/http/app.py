@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -30,6 +32,7 @@ from servelm.http.rerank import build_rerank_router
 from servelm.http.routes import build_router
 from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
+from servelm.keys import KeySpec
 from servelm.metrics import Metrics
 from servelm.service.registry.catalog import ModelCatalog
 from servelm.service.registry.deployments import Deployments, TextDeployment
@@ -37,15 +40,33 @@ from servelm.service.store import MemoryStore, ResponseStore
 from servelm.tracing import FLUSH_TIMEOUT, Tracing
 
 
-def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None = None,
-               on_stop: Callable[[], None] | None = None, security: SecurityConfig | None = None,
-               store: ResponseStore | None = None, timings: bool = False, playground: bool = True,
-               batches: BatchConfig | None = None, catalog: ModelCatalog | None = None,
+@dataclass(frozen=True)
+class AppOptions:
+    """The app's settings: `security` (keys, limits, CORS), `timings` (every answer carries llama-server's timings),
+    `playground` (the web page at /), `batches` (the Files and Batches API's state directory and bounds; None: those
+    routes answer 404)."""
+
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    timings: bool = False
+    playground: bool = True
+    batches: BatchConfig | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = ()) -> AppOptions:
+        """From ServerSettings and the keys load_keys(settings, …) read."""
+        return cls(SecurityConfig.from_settings(settings, keys), settings.timings, settings.playground,
+                   BatchConfig.from_settings(settings))
+
+
+def create_app(deployments: Deployments, options: AppOptions | None = None, *,
+               on_start: Callable[[], None] | None = None, on_stop: Callable[[], None] | None = None,
+               store: ResponseStore | None = None, catalog: ModelCatalog | None = None,
                tracing: Tracing | None = None) -> FastAPI:
-    """The app over these deployments; `store` keeps the Responses API's stored answers (default: in this process's
-    memory), `timings`: every answer carries llama-server's timings; `playground`: the web page at /; `batches`:
-    the Files and Batches API's state directory and bounds (None: those routes answer 404); `catalog`: models
-    loaded when a request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span per request."""
+    """The app over these deployments, as `options` say; `on_start` and `on_stop` start and stop their engines; `store`
+    keeps the Responses API's stored answers (default: in this process's memory); `catalog`: models loaded when a
+    request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span per request."""
+    options = options or AppOptions()
+    security, batches = options.security, options.batches
     runner: BatchRunner | None = None
 
     @asynccontextmanager
@@ -88,7 +109,7 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
         runner = batch_runner(app, deployments, batches)
     services = Services.build(deployments, store if store is not None else MemoryStore())
     reports = {"batch_store": runner.store.health} if runner is not None else {}  # what start-up found (no I/O)
-    state = AppState(deployments, services, metrics, drain, timings=timings, catalog=catalog, health_reports=reports)
+    state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports)
     setattr(app.state, STATE_KEY, state)
     app.include_router(build_router(state))
     app.include_router(build_models_router(catalog))  # POST /models/load, /models/unload, /models/refresh
@@ -104,18 +125,18 @@ def create_app(deployments: Deployments, *, on_start: Callable[[], None] | None 
         metrics.watch_batches(runner.store.totals)
     else:
         app.include_router(build_no_batch_router())
-    if playground:
+    if options.playground:
         app.include_router(build_playground_router())
     app.add_middleware(ErrorBoundary)  # innermost: a bug is a 500 in the envelope, and the connection stays usable
     if catalog is not None:  # inside auth and the body limits: a request waits here while its model loads
         catalog.attach(deployments)
         metrics.watch_models(catalog.counts)
         app.add_middleware(LoadOnDemand, catalog=catalog)
-    limiter = limits.install(app, security or SecurityConfig(), drain)  # auth 401, rate limits 429, body 413, deadline
+    limiter = limits.install(app, security, drain)  # auth 401, rate limits 429, body 413, deadline
     if runner is not None:  # a batch's lines wait for their key's rate limits, before they take a place in flight
-        runner.pacer = BatchPacer(limiter, (security or SecurityConfig()).keys)
+        runner.pacer = BatchPacer(limiter, security.keys)
     app.add_middleware(RequestLog, metrics=metrics)  # it sees every answer, 401/429 included
     if tracing is not None:  # around the access log, which writes the span's trace id
         app.add_middleware(Traced, tracing=tracing)
-    limits.install_cors(app, security or SecurityConfig())  # outermost: preflights need no key
+    limits.install_cors(app, security)  # outermost: preflights need no key
     return app

@@ -12,13 +12,12 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
 from typing import Any
 
-from servelm.config import DeploymentSpec, EndpointSpec
+from servelm.compose import Plan
+from servelm.config import DeploymentSpec
 from servelm.fleet import FleetLimits
-from servelm.http.batches import BatchConfig
-from servelm.http.limits import SecurityConfig
+from servelm.http.app import AppOptions
 from servelm.service.store import StoreLimits
 from servelm.tracing import TraceSettings
 
@@ -35,49 +34,44 @@ ROUTING_STATS_PERIOD_S = 1.0
 CONSTRUCTOR_TRIES = 3  # a replica that cannot start (a missing model file) fails the deployment after this many
 
 
-def build_application(specs: list[DeploymentSpec], endpoints: list[EndpointSpec],
-                      security: SecurityConfig | None = None, *, verbose_llama: bool = False,
-                      log_level: str = "info", shutdown_timeout: float = 10.0, store: StoreLimits | None = None,
-                      timings: bool = False, playground: bool = True, batches: BatchConfig | None = None,
-                      on_demand: Sequence[DeploymentSpec] = (), models: FleetLimits = FleetLimits(),
-                      tracing: TraceSettings | None = None) -> Any:
-    """The bound Ray Serve application (pass it to serve.run). `shutdown_timeout`: seconds requests in flight
-    may take to finish when the application stops (ServerSettings.shutdown_timeout). `on_demand`: deployments
-    whose replicas start without their model, loaded when a request names it within the `models` bounds.
-    `tracing`: the ingress's spans and the replicas' join one trace per request."""
+def build_application(plan: Plan) -> Any:
+    """The bound Ray Serve application of a plan (pass it to serve.run): its deployments' replicas and the ingress.
+    Its on-demand deployments' replicas start without their model, loaded when a request names it within
+    --models-max and --models-memory-mib; requests in flight may take --shutdown-timeout to finish when the
+    application stops; with --otlp-traces-endpoint the ingress's spans and the replicas' join one trace per
+    request."""
     from ray import serve
 
     from servelm.ray.ingress import IngressDeployment, IngressPlan
 
-    for s in [*specs, *on_demand]:
+    settings, tracing = plan.settings, plan.trace_settings()
+    for s in [*plan.specs, *plan.on_demand]:
         if getattr(s, "backend", "llamacpp") != "llamacpp":
             raise ValueError(f"deployment {s.name!r}: only llama.cpp deployments run under --ray for now (the "
                              "ingress tokenizes with a tokenizer-only copy of a GGUF)")
-    deployments = {s.name: model_deployment(s, verbose_llama, shutdown_timeout, tracing=tracing) for s in specs}
-    deployments.update({s.name: model_deployment(s, verbose_llama, shutdown_timeout, on_demand=True, tracing=tracing)
-                        for s in on_demand})
-    plan = IngressPlan(
-        specs=[s.model_dump(mode="json") for s in specs],
-        on_demand=[s.model_dump(mode="json") for s in on_demand],
-        models=models,
+    timeout = settings.shutdown_timeout
+    deployments = {s.name: model_deployment(s, plan.verbose_llama, timeout, tracing=tracing) for s in plan.specs}
+    deployments.update({s.name: model_deployment(s, plan.verbose_llama, timeout, on_demand=True, tracing=tracing)
+                        for s in plan.on_demand})
+    ingress_plan = IngressPlan(
+        specs=[s.model_dump(mode="json") for s in plan.specs],
+        on_demand=[s.model_dump(mode="json") for s in plan.on_demand],
+        models=FleetLimits.of(settings),
         tracing=tracing,
-        aliases={a: s.name for s in [*specs, *on_demand] for a in s.aliases},
-        endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in endpoints},
-        security=security or SecurityConfig(),
-        log_level=log_level,
-        store=store or StoreLimits(),
-        timings=timings,
-        playground=playground,
-        batches=batches,
+        aliases={a: s.name for s in [*plan.specs, *plan.on_demand] for a in s.aliases},
+        endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in plan.endpoints},
+        app=AppOptions.from_settings(settings, plan.keys),
+        log_level=settings.log_level,
+        store=StoreLimits.from_settings(settings),
     )
     ingress = serve.deployment(IngressDeployment).options(
         name=INGRESS_NAME, num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},  # its work is HTTP and tokenizing: it must not take a replica's core
         logging_config={"enable_access_log": False},  # servelm.access writes one line per request
         max_constructor_retry_count=CONSTRUCTOR_TRIES,
-        graceful_shutdown_timeout_s=shutdown_timeout,
+        graceful_shutdown_timeout_s=timeout,
     )
-    return ingress.bind(plan, deployments)
+    return ingress.bind(ingress_plan, deployments)
 
 
 def model_deployment(spec: DeploymentSpec, verbose_llama: bool = False, shutdown_timeout: float = 10.0,

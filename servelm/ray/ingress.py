@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray import serve
 
-from servelm.compose import Built, Closer, check_guards, content_filter_of
+from servelm.compose import Built, Closer, check_guards
 from servelm.config import DeploymentSpec
 from servelm.fleet import Fleet, FleetLimits
-from servelm.http.batches import BatchConfig
-from servelm.http.limits import SecurityConfig
+from servelm.http.app import AppOptions
 from servelm.models import resolve_model_source
 from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaAdapters, ReplicaSet
 from servelm.ray.replica import ReplicaInfo
@@ -47,17 +46,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class IngressPlan:
-    """What the ingress needs, sent to it by value (the keys in `security` are SHA-256 digests only)."""
+    """What the ingress needs, sent to it by value (the keys in `app.security` are SHA-256 digests only)."""
 
     specs: list[dict[str, Any]]  # DeploymentSpec, as JSON-ready dicts
     aliases: dict[str, str] = field(default_factory=dict)
     endpoints: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
+    app: AppOptions = field(default_factory=AppOptions)  # its batches' state lives on the ingress's node
     log_level: str = "info"
     store: StoreLimits = field(default_factory=StoreLimits)  # the Responses API's stored answers (a Ray actor)
-    timings: bool = False
-    playground: bool = True
-    batches: BatchConfig | None = None  # the Batch API's state (on the ingress's node; its lines go to the replicas)
     on_demand: list[dict[str, Any]] = field(default_factory=list)  # DeploymentSpecs whose models load on demand
     models: FleetLimits = field(default_factory=FleetLimits)
     tracing: TraceSettings | None = None  # OpenTelemetry: a span per request here, joined by the replica's
@@ -90,10 +86,8 @@ class Ingress:
         from servelm.ray.store import RayStore
 
         tracing = Tracing(self._plan.tracing) if self._plan.tracing is not None else None
-        app = create_app(self._deployments, on_start=self._start, on_stop=self._stop, security=self._plan.security,
-                         store=RayStore(self._plan.store), timings=self._plan.timings,
-                         playground=self._plan.playground, batches=self._plan.batches, catalog=self._catalog,
-                         tracing=tracing)
+        app = create_app(self._deployments, self._plan.app, on_start=self._start, on_stop=self._stop,
+                         store=RayStore(self._plan.store), catalog=self._catalog, tracing=tracing)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:
@@ -118,13 +112,13 @@ class Ingress:
         on_loop(replicas.broadcast("load"))
         info = on_loop(_describe(replicas))
         runners: list[Closer] = []
-        deployment = self._deployment(spec, replicas, info, runners)
-        deployment.memory = {}  # the catalog's --models-memory-mib counts the model's files and KV budget instead
+        deployment = self._deployment(spec, replicas, info, runners)  # its memory unsaid: the catalog's
+        # --models-memory-mib counts the model's files and KV budget instead
         return Built(Deployments([deployment]), workers=[_Loaded(replicas, self._sets, on_loop)], closers=runners)
 
     def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo,
                     runners: list[Closer]) -> Deployment:
-        from servelm.compose import grammar_limits, grammars_of, text_deployment
+        from servelm.compose import DeploymentOptions, Executor, grammars_of, text_deployment
         from servelm.runners.llamacpp import LlamaModel
 
         path = resolve_model_source(spec.model, spec.kind)
@@ -135,25 +129,17 @@ class Ingress:
             return model.tokenize(text, add_special=True, parse_special=False)
 
         embedder = RemoteEmbedder(replicas, info.embedding, tokenize_input, model.tokenize_pair) if info.embedding else None
-        deployment: Deployment
+        options = DeploymentOptions.of(spec)
         if spec.kind in ("embedding", "rerank"):
             assert embedder is not None and info.embedding is not None  # an embedding replica always has one
-            deployment = Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
-                                    embedder=embedder, placement=info.placement)
-        else:
-            template = spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None
-            text = text_deployment(
-                spec.name, model, RemoteEngine(replicas), grammars_of(model, grammar_limits(spec.engine)),
-                fingerprint=info.fingerprint, context_window=info.context_window,  # the replicas' (their KV cache's)
-                max_choices=info.max_choices, facts=info.facts, placement=info.placement,  # and their self-check's
-                chat_template=template, special_tokens_in_content=spec.special_tokens_in_content,
-                reasoning_markers=spec.reasoning_markers)
-            text.embedder = embedder
-            text.content_filter = content_filter_of(spec.content_filter)
-            replicas.adapters = text.adapters = ReplicaAdapters(replicas, spec.loras, spec.engine.max_loras)
-            deployment = text
-        deployment.max_waiting = spec.limits.max_waiting
-        return deployment
+            return Deployment(name=spec.name, context_window=info.context_window, fingerprint=info.fingerprint,
+                              embedder=embedder, placement=info.placement, max_waiting=options.max_waiting,
+                              min_priority=options.min_priority)
+        replicas.adapters = ReplicaAdapters(replicas, spec.loras, spec.engine.max_loras)
+        executor = Executor(  # the replicas' context window (their KV cache's), slots, self-check and placement
+            RemoteEngine(replicas), info.fingerprint, info.context_window, info.max_choices, facts=info.facts,
+            placement=info.placement, adapters=replicas.adapters, embedder=embedder)
+        return text_deployment(spec.name, model, grammars_of(model, options.grammar_limits), options, executor)
 
 
 async def _describe(replicas: ReplicaSet) -> ReplicaInfo:

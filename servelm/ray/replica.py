@@ -93,9 +93,9 @@ class ModelReplica:
         log.info("replica %s of %r is ready%s", self._id, self._spec.name, " (its model loads on demand)" if on_demand else "")
 
     def _build(self) -> None:
-        from servelm.compose import build
+        from servelm.compose import Builder
 
-        built = build([self._spec], [], self._verbose)
+        built = Builder(self._verbose).one(self._spec)
         try:
             built.start()
         except BaseException:

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from servelm.compose import build_deployment
+from servelm.compose import DeploymentOptions, build_deployment
 from servelm.engine.scheduler import AGING_SPAN
 from servelm.http.app import create_app
 from servelm.http.limits import SecurityConfig
@@ -75,7 +75,7 @@ def test_a_flood_of_urgent_requests_leaves_a_priority_0_client_its_turn():
     AGING_SPAN levels."""
     aging = 0.05
     dep, engine = build_deployment("fake-model", FakeRunner(num_slots=2, step_delay=0.005, context_window=400),
-                                   priority_aging_s=aging)
+                                   DeploymentOptions(priority_aging_s=aging))
     app = create_app(Deployments([dep]), on_start=engine.start, on_stop=engine.stop)
     flood_s = 12.0
     with serving(app) as url:

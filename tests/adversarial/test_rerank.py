@@ -19,7 +19,7 @@ import pytest
 
 from servelm.compose import build_embedding_deployment
 from servelm.engine.embedding import EmbeddingEngine
-from servelm.http.app import create_app
+from servelm.http.app import AppOptions, create_app
 from servelm.http.limits import SecurityConfig
 from servelm.keys import key_spec
 from servelm.runners.fake import FakeEmbedder
@@ -36,8 +36,9 @@ def server(delay: float, security: SecurityConfig):
     """A reranker and an embedding model, each pass taking `delay` seconds (four inputs a pass)."""
     rerank, reranker = build_embedding_deployment(RERANK, FakeEmbedder(cross_encoder=True, delay=delay))
     embed, embedder = build_embedding_deployment(EMBED, FakeEmbedder(dim=8, delay=delay))
-    app = create_app(Deployments([rerank, embed]), on_start=lambda: [w.start() for w in (reranker, embedder)],
-                     on_stop=lambda: [w.stop() for w in (reranker, embedder)], security=security)
+    app = create_app(Deployments([rerank, embed]), AppOptions(security=security),
+                     on_start=lambda: [w.start() for w in (reranker, embedder)],
+                     on_stop=lambda: [w.stop() for w in (reranker, embedder)])
     return serving(app)
 
 

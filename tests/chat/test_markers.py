@@ -8,7 +8,7 @@ import random
 import pytest
 
 from servelm.chat.markers import ControlMarkers, ControlToken
-from servelm.compose import grammars_of, text_deployment
+from servelm.compose import DeploymentOptions, Executor, grammars_of, text_deployment
 from servelm.config import embedded_model_path
 from servelm.constrain.grammars import GrammarLimits
 from servelm.engine.local import LocalEngine
@@ -16,7 +16,7 @@ from servelm.protocol.chat import ChatCompletionRequest
 from servelm.runners.fake import FakeRunner
 from servelm.runners.llamacpp import LlamaModel
 from servelm.service.chat import ChatService
-from servelm.service.registry.deployments import Deployments, ModelFacts
+from servelm.service.registry.deployments import Deployments
 
 IM_START, IM_END = 1, 2  # SmolLM2's control tokens
 
@@ -29,9 +29,8 @@ def model():
 
 
 def service(model, **kw) -> ChatService:
-    deployment = text_deployment("m", model, LocalEngine(FakeRunner()), grammars_of(model, GrammarLimits()),
-                                 fingerprint="fp", context_window=8192, max_choices=1, facts=ModelFacts(), placement="",
-                                 **kw)  # its engine is never started: prepare only
+    deployment = text_deployment("m", model, grammars_of(model, GrammarLimits()), DeploymentOptions(**kw),
+                                 Executor(LocalEngine(FakeRunner()), "fp", 8192, 1))  # never started: prepare only
     return ChatService(Deployments([deployment]))
 
 

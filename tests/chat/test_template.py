@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from servelm.chat.template import CHATML_END, BuiltinTemplate, TemplateError
-from servelm.compose import build_deployment
+from servelm.compose import DeploymentOptions, build_deployment
 from servelm.engine.types import SamplingParams
 from servelm.protocol.chat import ChatCompletionRequest
 from servelm.runners.fake import FakeModel, FakeRunner
@@ -59,7 +59,7 @@ def test_with_neither_chatml_is_used_and_its_end_marker_stops_every_answer(caplo
 
 
 def test_a_template_file_wins_over_the_model_files():
-    dep, _ = build_deployment("m", FakeRunner(), chat_template="{{ messages[0]['content'] }}")
+    dep, _ = build_deployment("m", FakeRunner(), DeploymentOptions(chat_template="{{ messages[0]['content'] }}"))
     assert dep.template.origin == "file" and dep.template.render([{"role": "user", "content": "q"}]) == "q"
 
 

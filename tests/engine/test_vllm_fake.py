@@ -216,7 +216,7 @@ def test_vllm_settings_are_validated(deployment, message):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_without_vllm_a_vllm_deployment_says_how_to_install_it():
     with pytest.raises(RuntimeError, match=r"pip install 'servelm\[vllm\]'"):
-        compose.build([DeploymentSpec(name="gpu", model="org/model", engine="vllm")], [])
+        compose.Builder().build([DeploymentSpec(name="gpu", model="org/model", engine="vllm")], [])
 
 
 def test_the_core_never_imports_vllm():
@@ -232,9 +232,9 @@ def test_the_core_never_imports_vllm():
 
 @pytest.fixture
 def vllm_server(monkeypatch):
-    """compose.build over a vLLM deployment whose AsyncLLM is the fake, served by uvicorn."""
+    """compose.Builder().build over a vLLM deployment whose AsyncLLM is the fake, served by uvicorn."""
     monkeypatch.setattr(VllmEngine, "create", classmethod(lambda cls, options: fake_engine("hi there")))
-    built = compose.build([DeploymentSpec(name="gpu", model="org/model", engine="vllm")], [])
+    built = compose.Builder().build([DeploymentSpec(name="gpu", model="org/model", engine="vllm")], [])
     app = create_app(built.deployments, on_start=built.start, on_stop=built.stop)
     with serving(app) as url:
         yield url

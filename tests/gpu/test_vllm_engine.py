@@ -54,7 +54,7 @@ class Served:
 def served() -> Iterator[Served]:
     spec = DeploymentSpec(name="gpu", model=MODEL, engine="vllm", vllm=VllmSettings(
         gpu_memory_utilization=0.5, max_model_len=2048, engine_args={"enforce_eager": True}))
-    built = compose.build([spec], [])
+    built = compose.Builder().build([spec], [])
     loops: list[asyncio.AbstractEventLoop] = []
     started = threading.Event()
 

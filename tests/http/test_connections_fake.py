@@ -12,7 +12,7 @@ import pytest
 
 from servelm.compose import build_deployment
 from servelm.engine import sampling
-from servelm.http.app import create_app
+from servelm.http.app import AppOptions, create_app
 from servelm.http.limits import SecurityConfig
 from servelm.runners.fake import FakeRunner
 from servelm.service.registry.deployments import Deployments
@@ -46,8 +46,8 @@ def guarded():
     """A fake server with short connection bounds: headers in 1 s, at most 8 connections."""
     runner = FakeRunner()
     deployment, engine = build_deployment("fake-model", runner)
-    app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop,
-                     security=SecurityConfig(cors_allow_origins=("https://app.example",)))
+    app = create_app(Deployments([deployment]), AppOptions(SecurityConfig(cors_allow_origins=("https://app.example",))),
+                     on_start=engine.start, on_stop=engine.stop)
     with serving(app, header_timeout=1.0, max_connections=8) as url:
         yield url
 

@@ -39,10 +39,10 @@ class Served:
 def served():
     chat_model = FakeEmbedder(dim=8)
     model = FakeEmbedder(dim=16, context_window=32, max_batch_tokens=64, max_batch_seqs=4)
-    chat, engine = build_deployment(CHAT, FakeRunner())
-    chat.embedder = EmbeddingEngine(chat_model)
+    chat_embedder = EmbeddingEngine(chat_model)
+    chat, engine = build_deployment(CHAT, FakeRunner(), embedder=chat_embedder)
     embed, embedder = build_embedding_deployment(EMBED, model)
-    workers = [engine, chat.embedder, embedder]
+    workers = [engine, chat_embedder, embedder]
     app = create_app(Deployments([chat, embed]), on_start=lambda: [w.start() for w in workers],
                      on_stop=lambda: [w.stop() for w in workers])
     with serving(app) as base_url:

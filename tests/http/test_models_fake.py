@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -43,7 +44,7 @@ class FakeBuilder:
         if spec.name in self.fail:
             raise ValueError(f"{spec.model}: not a GGUF file llama.cpp can load")
         deployment, engine = build_deployment(spec.name, FakeRunner(step_delay=self.step_delay))
-        deployment.memory = {"weights": 4 << 20}
+        deployment = replace(deployment, memory={"weights": 4 << 20})
         self.loads.append(spec.name)
         return Built(Deployments([deployment]), workers=[engine])
 

@@ -11,7 +11,7 @@ import httpx
 
 from servelm.__main__ import settings_from_args
 from servelm.compose import build_deployment
-from servelm.http.app import create_app
+from servelm.http.app import AppOptions, create_app
 from servelm.http.limits import SecurityConfig
 from servelm.keys import key_spec
 from servelm.runners.fake import FakeRunner
@@ -44,7 +44,7 @@ def test_with_keys_the_page_is_open_and_the_api_is_not(fake_server_factory):
 
 def test_no_playground_is_a_404_at_the_root():
     deployment, engine = build_deployment("fake-model", FakeRunner())
-    app = create_app(Deployments([deployment]), on_start=engine.start, on_stop=engine.stop, playground=False)
+    app = create_app(Deployments([deployment]), AppOptions(playground=False), on_start=engine.start, on_stop=engine.stop)
     with serving(app) as url:
         r = httpx.get(url + "/", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["message"]

@@ -26,12 +26,12 @@ DOCS = ["dogs run far", "a cat dog", "zzz", "cats sit"]
 
 @pytest.fixture(scope="module")
 def base_url():
-    chat, engine = build_deployment(CHAT, FakeRunner())
-    chat.embedder = EmbeddingEngine(FakeEmbedder(dim=8))
+    chat_embedder = EmbeddingEngine(FakeEmbedder(dim=8))
+    chat, engine = build_deployment(CHAT, FakeRunner(), embedder=chat_embedder)
     embed, embedder = build_embedding_deployment(EMBED, FakeEmbedder(dim=16, context_window=32, max_batch_tokens=64))
     rerank, reranker = build_embedding_deployment(RERANK, FakeEmbedder(cross_encoder=True, context_window=24,
                                                                        max_batch_tokens=64))
-    workers = [engine, chat.embedder, embedder, reranker]
+    workers = [engine, chat_embedder, embedder, reranker]
     app = create_app(Deployments([chat, embed, rerank]), on_start=lambda: [w.start() for w in workers],
                      on_stop=lambda: [w.stop() for w in workers])
     with serving(app) as url:

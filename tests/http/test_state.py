@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from servelm.compose import build_deployment
-from servelm.http.app import create_app
+from servelm.http.app import AppOptions, create_app
 from servelm.http.state import state_of
 from servelm.runners.fake import FakeRunner
 from servelm.service.registry.deployments import Deployments
@@ -14,7 +14,7 @@ from servelm.service.registry.deployments import Deployments
 
 def test_create_app_builds_each_service_once_over_its_deployments():
     deployment, _ = build_deployment("fake-model", FakeRunner())
-    app = create_app(Deployments([deployment]), timings=True, playground=False)
+    app = create_app(Deployments([deployment]), AppOptions(timings=True, playground=False))
     state = state_of(app)
     assert state is not None and state.timings and state.catalog is None and dict(state.health_reports) == {}
     s = state.services

@@ -10,7 +10,7 @@ import httpx
 import pydantic_core
 import pytest
 
-from servelm.compose import build_deployment
+from servelm.compose import DeploymentOptions, build_deployment
 from servelm.protocol.chat import ChatCompletionChunk, ChatCompletionRequest
 from servelm.runners.fake import FakeRunner
 from servelm.service.chat import ChatService
@@ -39,7 +39,7 @@ def test_every_streamed_chunk_is_what_its_model_serializes_to(fake_server, extra
 @pytest.mark.parametrize("name", ["a \"model\" é", "servelm:text-of-the-chunk"])  # the second: the template's mark
 @pytest.mark.parametrize("extra", [{}, {"stream_options": {"include_usage": True}}, {"n": 3}])
 def test_the_wire_stream_is_the_model_stream_serialized(extra, name):
-    deployment, engine = build_deployment(name, FakeRunner(context_window=256), prefix_cache=False)
+    deployment, engine = build_deployment(name, FakeRunner(context_window=256), DeploymentOptions(prefix_cache=False))
     service = ChatService(Deployments([deployment]))
     req = ChatCompletionRequest(model=deployment.name, messages=[{"role": "user", "content": "hi"}], max_tokens=40,
                                 stream=True, temperature=1.0, seed=11, **extra)

@@ -67,13 +67,15 @@ def ray_server() -> Iterator[RayServer]:
 
 
 @contextlib.contextmanager
-def ray_app(specs: list, *, node_cpus: int = 1, **app: Any) -> Iterator[RayServer]:
-    """servelm's Ray Serve application over `specs` (build_application's other arguments in `app`) on a fresh
+def ray_app(specs: list, *, node_cpus: int = 1, on_demand: tuple = (), **settings: Any) -> Iterator[RayServer]:
+    """servelm's Ray Serve application over `specs` and `on_demand` (the server's `settings` by name) on a fresh
     two-node local cluster, ready once the first deployment reports all its replicas' slots."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    from servelm.compose import Plan
+    from servelm.config import ServerSettings
     from servelm.ray.application import APP_NAME, build_application
 
     node = {**NODE, "num_cpus": node_cpus}
@@ -86,7 +88,8 @@ def ray_app(specs: list, *, node_cpus: int = 1, **app: Any) -> Iterator[RayServe
         ray.init(address=cluster.address)
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        serve.run(build_application(specs, [], **app), name=APP_NAME, route_prefix="/")
+        plan = Plan(ServerSettings(**settings), specs=tuple(specs), on_demand=tuple(on_demand))
+        serve.run(build_application(plan), name=APP_NAME, route_prefix="/")
         server = RayServer(f"http://127.0.0.1:{port}", cluster, loop)
         first = specs[0]
         _wait_ready(server, first.name, (first.num_replicas or 1) * first.engine.max_num_seqs)

@@ -47,8 +47,6 @@ def reranker(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(loras, receiver, reranker) -> Iterator[RayServer]:
     from servelm.config import DeploymentSpec, EngineSettings, LoraSpec
-    from servelm.fleet import FleetLimits
-    from servelm.tracing import TraceSettings
 
     base = DeploymentSpec(name=MODEL, model="smollm2", num_replicas=2, engine=EngineSettings(**ENGINE),
                           loras=[LoraSpec(name="two", path=Path(loras[0]))])
@@ -57,8 +55,8 @@ def server(loras, receiver, reranker) -> Iterator[RayServer]:
     # the ingress and the replicas send their spans every 0.2 s (the SDK reads it; Ray's workers inherit it)
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"
     try:
-        with ray_app([base, ranker], node_cpus=2, on_demand=[later], models=FleetLimits(idle_unload_s=-1),
-                     tracing=TraceSettings(receiver.start_http())) as s:
+        with ray_app([base, ranker], node_cpus=2, on_demand=[later], idle_unload_s=-1,
+                     otlp_traces_endpoint=receiver.start_http()) as s:
             yield s
     finally:
         del os.environ["OTEL_BSP_SCHEDULE_DELAY"]

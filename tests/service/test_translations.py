@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from servelm.compose import build_deployment
+from servelm.compose import DeploymentOptions, build_deployment
 from servelm.errors import InvalidParameter, NotFound
 from servelm.protocol.anthropic import CountTokensRequest, MessagesRequest
 from servelm.protocol.responses import ResponsesRequest
@@ -26,7 +26,7 @@ ALICE, BOB = RequestContext(owner="a" * 64), RequestContext(owner="b" * 64)
 
 @pytest.fixture
 def chat() -> Iterator[ChatService]:
-    deployment, engine = build_deployment("fake-model", FakeRunner(context_window=256), prefix_cache=False)
+    deployment, engine = build_deployment("fake-model", FakeRunner(context_window=256), DeploymentOptions(prefix_cache=False))
     engine.start()
     try:
         yield ChatService(Deployments([deployment]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -61,10 +61,11 @@ class ModelFacts:
     exactness: str = ""  # the self-check's words: "exact (fences: …)", or why not
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, frozen=True)
 class Deployment:
     """A model served by name: what every deployment has, and the embedder of one that answers /v1/embeddings.
-    One that generates text is a TextDeployment."""
+    One that generates text is a TextDeployment. Built whole (servelm/compose.py) and never changed: a registry
+    that wraps its engine makes a new one (dataclasses.replace)."""
 
     name: str
     context_window: int  # most tokens one sequence may use: prompt plus completion
@@ -76,11 +77,11 @@ class Deployment:
     queue: WaitingQueue = field(default_factory=WaitingQueue)  # what waits for it now (http/limits.admit)
     # the most memory each part of it may take, in bytes (/health adds them up): the weights, the KV cache, the
     # step's logits rows, the grammar cache, the prefix cache's RAM tier, kept image embeddings, an embedding context
-    memory: dict[str, int] = field(default_factory=dict)
+    memory: Mapping[str, int] = field(default_factory=dict)
     placement: str = ""  # where its model's layers run: "CPU", or the GPU and how many of them ("": not known)
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, frozen=True)
 class TextDeployment(Deployment):
     """A deployment that generates text: its engine, chat template and vocabulary, and what shapes its output."""
 
