@@ -82,7 +82,7 @@ class DeploymentOptions:
 
 
 @dataclass(frozen=True)
-class Executor:
+class Serving:
     """What serves a text deployment, as text_deployment takes it: the engine (a runner's LocalEngine behind its
     adapters, or Ray replicas), what it says of the model it runs (fingerprint, context window, sequences decoded
     together, the self-check's facts, placement), and its LoRA adapters, image reader, embedder and memory."""
@@ -123,7 +123,7 @@ def build_deployment(name: str, runner: ServedRunner, options: DeploymentOptions
         "prefix_cache_ram": spill.ram_bytes if spill is not None else 0,
         "image_embeddings": projector.kept_bytes_max if projector is not None else 0,
     }
-    executor = Executor(
+    serving = Serving(
         AdaptedEngine(engine, adapters), _fingerprint(options.fingerprint_source or model.description),
         runner.context_window, runner.num_slots,
         facts=ModelFacts(quantization=model.quantization, trained_context=model.trained_context,
@@ -131,14 +131,14 @@ def build_deployment(name: str, runner: ServedRunner, options: DeploymentOptions
         placement=getattr(runner, "placement", ""), adapters=adapters, embedder=embedder, memory=memory,
         images=ImageInput(projector, options.image_sources) if projector is not None else None,
     )
-    return text_deployment(name, model, grammars, options, executor), engine
+    return text_deployment(name, model, grammars, options, serving), engine
 
 
 def text_deployment(name: str, model: ModelInfo, grammars: Grammars, options: DeploymentOptions,
-                    executor: Executor) -> TextDeployment:
+                    serving: Serving) -> TextDeployment:
     """A text deployment of a model (its vocabulary, chat template and control tokens, as `options` say) that
-    `executor` serves: a LocalEngine on its runner (build_deployment), or servelm/ray's ingress's replicas, whose
-    model the ingress loads vocabulary-only."""
+    `serving` says serves it: a LocalEngine on its runner (build_deployment), or servelm/ray's ingress's replicas,
+    whose model the ingress loads vocabulary-only."""
     from servelm.chat.markers import ControlMarkers, ControlToken
     from servelm.chat.template import CHATML_END
     from servelm.chat.tools import detect_style
@@ -148,25 +148,25 @@ def text_deployment(name: str, model: ModelInfo, grammars: Grammars, options: De
     controls = None if options.special_tokens_in_content else model.control_tokens()
     return TextDeployment(
         name=name,
-        engine=executor.engine,
+        engine=serving.engine,
         template=template,
         template_stops=(CHATML_END,) if template.origin == "fallback" else (),
-        facts=executor.facts,
+        facts=serving.facts,
         vocab=ServiceVocabulary(model, grammars),
-        context_window=executor.context_window,
-        max_choices=executor.max_choices,
-        fingerprint=executor.fingerprint,
+        context_window=serving.context_window,
+        max_choices=serving.max_choices,
+        fingerprint=serving.fingerprint,
         grammars=grammars,
         tool_style=detect_style(template_source),
         fim_tokens=model.fim_tokens,
         reasoning=reasoning_of(options.reasoning_markers, template_source),
-        placement=executor.placement,
+        placement=serving.placement,
         markers=ControlMarkers([ControlToken(*c) for c in controls]) if controls is not None else None,
         bos_id=model.bos_id if controls is not None else None,
-        adapters=executor.adapters,
-        images=executor.images,
-        embedder=executor.embedder,
-        memory=executor.memory,
+        adapters=serving.adapters,
+        images=serving.images,
+        embedder=serving.embedder,
+        memory=serving.memory,
         max_waiting=options.max_waiting,
         min_priority=options.min_priority,
         content_filter=options.content_filter,

@@ -138,11 +138,18 @@ def _whole(name: str, value: str) -> int:
         raise ValueError(f"{name} must be a whole number, not {value!r}") from None
 
 
-class _KeySettings(Protocol):
-    api_key: list[str]
-    api_key_file: Path | None
-    monitor_key: list[str]
-    admin_key: list[str]
+class _KeySettings(Protocol):  # read-only: ServerSettings is frozen
+    @property
+    def api_key(self) -> list[str]: ...
+
+    @property
+    def api_key_file(self) -> Path | None: ...
+
+    @property
+    def monitor_key(self) -> list[str]: ...
+
+    @property
+    def admin_key(self) -> list[str]: ...
 
 
 def load_keys(settings: _KeySettings, tables: Sequence[Mapping[str, Any]] = ()) -> list[KeySpec]:

@@ -118,7 +118,7 @@ class Ingress:
 
     def _deployment(self, spec: DeploymentSpec, replicas: ReplicaSet, info: ReplicaInfo,
                     runners: list[Closer]) -> Deployment:
-        from servelm.compose import DeploymentOptions, Executor, grammars_of, text_deployment
+        from servelm.compose import DeploymentOptions, Serving, grammars_of, text_deployment
         from servelm.runners.llamacpp import LlamaModel
 
         path = resolve_model_source(spec.model, spec.kind)
@@ -136,10 +136,10 @@ class Ingress:
                               embedder=embedder, placement=info.placement, max_waiting=options.max_waiting,
                               min_priority=options.min_priority)
         replicas.adapters = ReplicaAdapters(replicas, spec.loras, spec.engine.max_loras)
-        executor = Executor(  # the replicas' context window (their KV cache's), slots, self-check and placement
+        serving = Serving(  # the replicas' context window (their KV cache's), slots, self-check and placement
             RemoteEngine(replicas), info.fingerprint, info.context_window, info.max_choices, facts=info.facts,
             placement=info.placement, adapters=replicas.adapters, embedder=embedder)
-        return text_deployment(spec.name, model, grammars_of(model, options.grammar_limits), options, executor)
+        return text_deployment(spec.name, model, grammars_of(model, options.grammar_limits), options, serving)
 
 
 async def _describe(replicas: ReplicaSet) -> ReplicaInfo:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from servelm.chat.markers import ControlMarkers, ControlToken
-from servelm.compose import DeploymentOptions, Executor, grammars_of, text_deployment
+from servelm.compose import DeploymentOptions, Serving, grammars_of, text_deployment
 from servelm.config import embedded_model_path
 from servelm.constrain.grammars import GrammarLimits
 from servelm.engine.local import LocalEngine
@@ -30,7 +30,7 @@ def model():
 
 def service(model, **kw) -> ChatService:
     deployment = text_deployment("m", model, grammars_of(model, GrammarLimits()), DeploymentOptions(**kw),
-                                 Executor(LocalEngine(FakeRunner()), "fp", 8192, 1))  # never started: prepare only
+                                 Serving(LocalEngine(FakeRunner()), "fp", 8192, 1))  # never started: prepare only
     return ChatService(Deployments([deployment]))
 
 
