@@ -7,6 +7,7 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -159,6 +160,16 @@ class ServerSettings(BaseSettings):
                                  "(decoded bytes; a larger one is a 400 naming its part)")
     media_fetch_timeout: float = Field(5.0, gt=0, description="seconds an image URL fetch may take (an unreachable "
                                        "one is a 400)")
+    allowed_mcp_servers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins (http://127.0.0.1:8931, scheme://host:port) of the MCP servers a "
+        "Responses API request's mcp tool may reach (any path under one); repeatable, or comma-separated in "
+        "SERVELM_ALLOWED_MCP_SERVERS; none by default",
+    )
+    mcp_max_calls: int = Field(8, ge=0, le=64, description="MCP tool calls one response may run (after them the "
+                               "model must answer)")
+    mcp_call_timeout: float = Field(30.0, gt=0, le=600, description="seconds one MCP tool call (or connecting to a "
+                                    "server, or listing its tools) may take; past it the call fails")
+    mcp_timeout: float = Field(120.0, gt=0, le=3600, description="seconds all of one response's MCP work may take")
     content_blocklist: Path | None = Field(
         None, description="a file of terms (one a line; `re:` before a regular expression) blocked in the prompts "
         "and answers of every chat deployment: a prompt is a 400 content_filter, an answer stops with finish_reason "
@@ -272,11 +283,26 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(0, ge=0, description="seconds a request may take before it is stopped and "
                                    "answered 504 (a stream ends with an error event); 0: no deadline")
 
-    @field_validator("api_key", "monitor_key", "admin_key", "lora", "cors_allow_origins", "allowed_media_domains", mode="before")
+    @field_validator("api_key", "monitor_key", "admin_key", "lora", "cors_allow_origins", "allowed_media_domains",
+                     "allowed_mcp_servers", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("allowed_mcp_servers")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for text in value:
+            try:
+                parts = urlsplit(text)
+                parts.port  # noqa: B018  (a port out of range raises)
+            except ValueError:
+                parts = urlsplit("")
+            if parts.scheme.lower() not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+                    or parts.query or parts.fragment or parts.username is not None:
+                raise ValueError(f"{text!r} is not an origin such as http://127.0.0.1:8931")
         return value
     header_timeout: float = Field(10.0, ge=0, description="seconds a request's headers may take to arrive (a "
                                   "client sending them a byte at a time is cut off); 0: no limit")

@@ -25,6 +25,7 @@ def stdio_command(*args: str) -> list[str]:
 
 def serve(transport: str, port: int = 0) -> None:
     from mcp.server import MCPServer
+    from mcp_types import ToolAnnotations
 
     app = MCPServer("servelm-tests")
 
@@ -48,6 +49,19 @@ def serve(transport: str, port: int = 0) -> None:
         """Answer after `seconds`."""
         time.sleep(seconds)
         return "done"
+
+    bumped = [0]
+
+    @app.tool()
+    def bump() -> int:
+        """Count one more call, and say how many there were."""
+        bumped[0] += 1
+        return bumped[0]
+
+    @app.tool(annotations=ToolAnnotations(read_only_hint=True))
+    def bumps() -> int:
+        """How many times bump ran."""
+        return bumped[0]
 
     @app.tool()
     def fail(why: str) -> str:

@@ -34,6 +34,7 @@ from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
 from servelm.keys import KeySpec
 from servelm.metrics import Metrics
+from servelm.service.hosted_mcp import McpSettings
 from servelm.service.registry.catalog import ModelCatalog
 from servelm.service.registry.deployments import Deployments, TextDeployment
 from servelm.service.store import MemoryStore, ResponseStore
@@ -50,12 +51,13 @@ class AppOptions:
     timings: bool = False
     playground: bool = True
     batches: BatchConfig | None = None
+    mcp: McpSettings = field(default_factory=McpSettings)  # the MCP servers Responses requests may reach
 
     @classmethod
     def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = ()) -> AppOptions:
         """From ServerSettings and the keys load_keys(settings, …) read."""
         return cls(SecurityConfig.from_settings(settings, keys), settings.timings, settings.playground,
-                   BatchConfig.from_settings(settings))
+                   BatchConfig.from_settings(settings), McpSettings.from_settings(settings))
 
 
 def create_app(deployments: Deployments, options: AppOptions | None = None, *,
@@ -107,7 +109,7 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
     drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     if batches is not None:
         runner = batch_runner(app, deployments, batches)
-    services = Services.build(deployments, store if store is not None else MemoryStore())
+    services = Services.build(deployments, store if store is not None else MemoryStore(), options.mcp)
     reports = {"batch_store": runner.store.health} if runner is not None else {}  # what start-up found (no I/O)
     state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports)
     setattr(app.state, STATE_KEY, state)

@@ -15,6 +15,7 @@ from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
 from servelm.service.dialects import NativeService
 from servelm.service.embeddings import EmbeddingService
+from servelm.service.hosted_mcp import McpSettings
 from servelm.service.registry.catalog import ModelCatalog
 from servelm.service.registry.deployments import Deployments
 from servelm.service.rerank import ScoreService
@@ -40,14 +41,14 @@ class Services:
     tokens: TokenizeService
 
     @classmethod
-    def build(cls, deployments: Deployments, store: ResponseStore) -> Services:
-        """`store` keeps the Responses API's stored answers."""
+    def build(cls, deployments: Deployments, store: ResponseStore, mcp: McpSettings = McpSettings()) -> Services:
+        """`store` keeps the Responses API's stored answers; `mcp`: the MCP servers its requests may reach."""
         chat = ChatService(deployments)
         completions = CompletionService(deployments)
         return cls(chat=chat, completions=completions,
                    ovms_completions=CompletionService(deployments, default_max_tokens=None),
                    native=NativeService(completions), embeddings=EmbeddingService(deployments),
-                   scores=ScoreService(deployments), responses=ResponsesService(chat, store),
+                   scores=ScoreService(deployments), responses=ResponsesService(chat, store, mcp),
                    messages=MessagesService(chat), tokens=TokenizeService(chat))
 
 

@@ -19,6 +19,17 @@ from servelm.protocol.common import (
     WireModel,
 )
 
+# bounds of an MCP tool's fields (service/mcp.py bounds what its server sends)
+MAX_URL = 2048
+MAX_DESCRIPTION = 4096
+MAX_HEADERS = 32
+MAX_HEADER_NAME = 256
+MAX_HEADER_VALUE = 8192
+MAX_ID = 256
+MAX_REASON = 4096
+McpLabel = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+McpName = Annotated[str, Field(min_length=1, max_length=128)]
+
 
 # -- input items -------------------------------------------------------------------------------------------
 class InputText(WireModel):
@@ -85,6 +96,29 @@ class ReasoningItemIn(WireModel):
     status: str | None = None
 
 
+class McpApprovalResponseItem(WireModel):
+    """The client's answer to an mcp_approval_request of the previous response: run that call, or do not."""
+
+    type: Literal["mcp_approval_response"]
+    approval_request_id: Annotated[str, Field(max_length=MAX_ID)]
+    approve: bool
+    reason: Annotated[str, Field(max_length=MAX_REASON)] | None = None
+    id: str | None = None
+
+
+class McpItemIn(WireModel):
+    """An earlier response's MCP item, resent (mcp_list_tools, mcp_call, mcp_approval_request): a call with its output
+    is shown to the model again as a tool call and its result; the others are not."""
+
+    model_config = WireModel.model_config | {"extra": "allow"}
+    type: Literal["mcp_list_tools", "mcp_call", "mcp_approval_request"]
+    id: str | None = None
+    server_label: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
 def _item_tag(value: Any) -> str:
     if isinstance(value, dict):
         return str(value.get("type", "message"))
@@ -95,9 +129,13 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItemIn, Tag("reasoning")],
+    | Annotated[ReasoningItemIn, Tag("reasoning")]
+    | Annotated[McpApprovalResponseItem, Tag("mcp_approval_response")]
+    | Annotated[McpItemIn, Tag("mcp_list_tools")] | Annotated[McpItemIn, Tag("mcp_call")]
+    | Annotated[McpItemIn, Tag("mcp_approval_request")],
     Discriminator(_item_tag, custom_error_type="invalid_item",
-                  custom_error_message="an input item is a message, function_call, function_call_output or reasoning"),
+                  custom_error_message="an input item is a message, function_call, function_call_output, reasoning, "
+                                       "mcp_approval_response or an earlier response's MCP item"),
 ]
 
 
@@ -118,13 +156,44 @@ class HostedTool(WireModel):
     type: str
 
 
+class McpToolFilter(WireModel):
+    tool_names: Annotated[list[McpName], Field(max_length=MAX_TOOLS)] | None = None
+    read_only: bool | None = None
+
+
+class McpApprovalFilter(WireModel):
+    always: McpToolFilter | None = None
+    never: McpToolFilter | None = None
+
+
+class McpTool(WireModel):
+    """A remote MCP server whose tools the model may call, run by this server (service/mcp.py)."""
+
+    type: Literal["mcp"]
+    server_label: McpLabel
+    server_url: Annotated[str, Field(max_length=MAX_URL)] | None = None
+    server_description: Annotated[str, Field(max_length=MAX_DESCRIPTION)] | None = None
+    connector_id: str | None = None
+    headers: Annotated[dict[Annotated[str, Field(max_length=MAX_HEADER_NAME)],
+                            Annotated[str, Field(max_length=MAX_HEADER_VALUE)]],
+                       Field(max_length=MAX_HEADERS)] | None = None
+    authorization: Annotated[str, Field(max_length=MAX_HEADER_VALUE)] | None = None
+    allowed_tools: Annotated[list[McpName], Field(max_length=MAX_TOOLS)] | McpToolFilter | None = None
+    require_approval: Literal["always", "never"] | McpApprovalFilter | None = None
+
+    def __repr__(self) -> str:  # its headers and authorization are the client's secrets: never in a log or trace
+        return f"McpTool(server_label={self.server_label!r})"
+
+    __str__ = __repr__
+
+
 def _tool_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "function" if kind == "function" else "hosted"
+    return kind if kind in ("function", "mcp") else "hosted"
 
 
 ToolParam = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[HostedTool, Tag("hosted")],
+    Annotated[FunctionTool, Tag("function")] | Annotated[McpTool, Tag("mcp")] | Annotated[HostedTool, Tag("hosted")],
     Discriminator(_tool_tag),
 ]
 
@@ -132,6 +201,12 @@ ToolParam = Annotated[
 class FunctionChoice(WireModel):
     type: Literal["function"]
     name: str
+
+
+class McpChoice(WireModel):
+    type: Literal["mcp"]
+    server_label: McpLabel
+    name: McpName | None = None
 
 
 class AllowedTools(WireModel):
@@ -170,7 +245,7 @@ class ResponsesRequest(SamplingExtras):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     text: TextParam | None = None
     tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedTools | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | McpChoice | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: PositiveCount | None = None
     reasoning: ReasoningParam | None = None
@@ -223,7 +298,42 @@ class ReasoningOut(ResponseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallOut | ReasoningOut
+class McpListedTool(ResponseModel):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    annotations: dict[str, Any] | None = None
+
+
+class McpListToolsOut(ResponseModel):
+    type: Literal["mcp_list_tools"] = "mcp_list_tools"
+    id: str
+    server_label: str
+    tools: list[McpListedTool] = []
+    error: str | None = None
+
+
+class McpCallOut(ResponseModel):
+    type: Literal["mcp_call"] = "mcp_call"
+    id: str
+    server_label: str
+    name: str
+    arguments: str = ""
+    output: str | None = None
+    error: dict[str, Any] | None = None  # an MCPToolExecutionError, MCPProtocolError or HTTPError
+    status: Literal["in_progress", "completed", "incomplete", "calling", "failed"] = "completed"
+    approval_request_id: str | None = None
+
+
+class McpApprovalRequestOut(ResponseModel):
+    type: Literal["mcp_approval_request"] = "mcp_approval_request"
+    id: str
+    server_label: str
+    name: str
+    arguments: str = ""
+
+
+OutputItem = OutputMessage | FunctionCallOut | ReasoningOut | McpListToolsOut | McpCallOut | McpApprovalRequestOut
 
 
 class InputTokensDetails(ResponseModel):

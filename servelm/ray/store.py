@@ -26,6 +26,9 @@ class StoreActor:
     def delete(self, owner: str, response_id: str) -> bool:
         return self.store.delete(owner, response_id)
 
+    def claim(self, owner: str, key: str) -> bool:
+        return self.store.claim(owner, key)
+
 
 class RayStore:
     """A ResponseStore whose entries live in the shared actor (created by the first replica that asks). Called
@@ -45,3 +48,7 @@ class RayStore:
     def delete(self, owner: str, response_id: str) -> bool:
         deleted: bool = ray.get(self._actor.delete.remote(owner, response_id))
         return deleted
+
+    def claim(self, owner: str, key: str) -> bool:
+        first: bool = ray.get(self._actor.claim.remote(owner, key))
+        return first

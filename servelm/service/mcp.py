@@ -68,17 +68,14 @@ class McpTool:
     name: str
     description: str
     input_schema: dict[str, Any]
-
-    def wire(self) -> dict[str, Any]:
-        """As an `mcp_list_tools` item lists it."""
-        return {"name": self.name, "description": self.description, "input_schema": self.input_schema,
-                "annotations": None}
+    read_only: bool = False  # the server says the tool changes nothing (its readOnlyHint)
 
 
 @dataclass(frozen=True)
 class McpResult:
     output: str | None  # the call's text (its content's text parts, joined), or None when it failed
     error: str | None  # what failed: the tool's own error, or the server's
+    server_failed: bool = False  # the server (not the tool) failed: unreachable, too slow, broken
 
 
 def origin_of(url: str) -> tuple[str, str, int] | None:
@@ -95,12 +92,12 @@ def origin_of(url: str) -> tuple[str, str, int] | None:
 
 
 def parse_allowed(origins: tuple[str, ...]) -> frozenset[tuple[str, str, int]]:
-    """--allowed-mcp-servers' origins, each checked (a ValueError names one that is not an http(s) origin)."""
+    """--allowed-mcp-servers' origins (config.py checks their form; a ValueError names one that is no origin)."""
     found = set()
     for text in origins:
         origin = origin_of(text)
         if origin is None or urlsplit(text).path not in ("", "/") or urlsplit(text).query:
-            raise ValueError(f"--allowed-mcp-servers: {text!r} is not an origin such as http://127.0.0.1:8931")
+            raise ValueError(f"{text!r} is not an origin such as http://127.0.0.1:8931")
         found.add(origin)
     return frozenset(found)
 
@@ -234,7 +231,9 @@ class McpSession:
             schema = dict(tool.input_schema or {"type": "object"})
             if len(json.dumps(schema)) > self.limits.max_schema_bytes:
                 raise McpUnavailable(self.label, f"with a tool schema over {self.limits.max_schema_bytes} bytes from")
-            tools.append(McpTool(tool.name, tool.description or "", schema))
+            hints = tool.annotations
+            tools.append(McpTool(tool.name, tool.description or "", schema,
+                                 bool(hints is not None and hints.read_only_hint)))
         return tools
 
     async def call(self, name: str, arguments: dict[str, Any]) -> McpResult:
@@ -245,7 +244,7 @@ class McpSession:
             async with asyncio.timeout(self._left(self.limits.call_s)):
                 result = await self._client.call_tool(name, arguments)
         except Exception as exc:
-            return McpResult(None, str(self._failed(f"calling {name!r} on", exc)))
+            return McpResult(None, str(self._failed(f"calling {name!r} on", exc)), server_failed=True)
         texts = [str(part.text) for part in getattr(result, "content", None) or [] if getattr(part, "type", "") == "text"]
         text = "\n".join(texts)
         data = text.encode()

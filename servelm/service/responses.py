@@ -5,17 +5,19 @@ Responses event sequence. `store` keeps the answer (service/store.py) for GET, D
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from servelm.errors import InvalidParameter, NotFound
 from servelm.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Delta
-from servelm.protocol.common import SamplingExtras
+from servelm.protocol.common import SamplingExtras, Usage
 from servelm.protocol.responses import (
     AllowedTools,
     FunctionCallItem,
@@ -27,6 +29,14 @@ from servelm.protocol.responses import (
     InputItemList,
     InputMedia,
     InputTokensDetails,
+    McpApprovalRequestOut,
+    McpApprovalResponseItem,
+    McpCallOut,
+    McpChoice,
+    McpItemIn,
+    McpListedTool,
+    McpListToolsOut,
+    McpTool,
     MessageItem,
     OutputItem,
     OutputMessage,
@@ -41,12 +51,16 @@ from servelm.protocol.responses import (
     ResponsesRequest,
     ResponseUsage,
 )
+from servelm.service import hosted_mcp
 from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
+from servelm.service.hosted_mcp import Exposed, McpPlan, McpSettings
+from servelm.service.mcp import McpResult, McpSession, McpUnavailable, check_server_url
 from servelm.service.params import RequestContext
 from servelm.service.store import ResponseStore, StoredResponse
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+SECRETS = {"headers", "authorization"}  # an mcp tool's fields never echoed back, stored or traced
 # chat finish reasons that leave a response incomplete, and the reason it gives
 _INCOMPLETE: dict[str | None, Literal["max_output_tokens", "content_filter"]] = {
     "length": "max_output_tokens", "content_filter": "content_filter"}
@@ -62,6 +76,9 @@ class PreparedResponse(Translated):
     input_items: list[dict[str, Any]]
     history: list[dict[str, Any]]  # the conversation before this input (from previous_response_id)
     warnings: list[str]
+    chat_body: dict[str, Any] = field(default_factory=dict)  # the chat request, without MCP tools (a turn's base)
+    mcp: McpPlan | None = None  # the MCP servers it names, and the approvals it answers
+    ctx: RequestContext = RequestContext()
 
     @property
     def inner(self) -> PreparedChat:
@@ -71,10 +88,11 @@ class PreparedResponse(Translated):
 class ResponsesService:
     operation = "chat"  # its GenAI operation name (traces)
 
-    def __init__(self, chat: ChatService, store: ResponseStore) -> None:
+    def __init__(self, chat: ChatService, store: ResponseStore, mcp: McpSettings = McpSettings()) -> None:
         self.chat = chat
         self.deployments = chat.deployments
         self.store = store
+        self.mcp = mcp
 
     # -- validation and conversion ----------------------------------------------------------------
     def prepare(self, req: ResponsesRequest, ctx: RequestContext = RequestContext()) -> PreparedResponse:
@@ -88,6 +106,7 @@ class ResponsesService:
             history = previous.history
         items = input_items(req)
         tools, warnings = _tools(req)
+        mcp = hosted_mcp.plan(req, history, self.store, ctx.owner, self.mcp) if _names_mcp(req) else None
         body: dict[str, Any] = req.model_dump(include=set(SamplingExtras.model_fields), exclude_none=True)
         body["messages"] = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + \
             chat_messages(history + items, len(history))
@@ -95,9 +114,9 @@ class ResponsesService:
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in tools]
-            body["tool_choice"] = _tool_choice(req.tool_choice)
+            body["tool_choice"] = "auto" if isinstance(req.tool_choice, McpChoice) else _tool_choice(req.tool_choice)
             body["parallel_tool_calls"] = req.parallel_tool_calls is not False and req.max_tool_calls != 1
-        elif isinstance(req.tool_choice, FunctionChoice) or req.tool_choice == "required":
+        elif isinstance(req.tool_choice, FunctionChoice) or req.tool_choice == "required" and mcp is None:
             raise InvalidParameter("tool_choice asks for a function call, but no function tools were given.",
                                    "tool_choice")
         body["response_format"] = _response_format(req)
@@ -115,10 +134,16 @@ class ResponsesService:
             raise InvalidParameter(f"Invalid input: {err['msg']}.", "input") from None
         prepared = self.chat.prepare(chat_req, ctx)
         return PreparedResponse(prepared, req, ctx.owner, f"resp_{uuid.uuid4().hex}", int(time.time()), items,
-                                history, warnings)
+                                history, warnings, body, mcp, ctx)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedResponse) -> ResponseObject:
+        if p.mcp is not None:  # its turns and calls as the stream makes them, the last event's response
+            last = None
+            async for event in self.stream(p):
+                last = event
+            assert last is not None and last.model_extra is not None
+            return ResponseObject.model_validate(last.model_extra["response"])
         completion = await self.chat.complete(p.chat)
         choice = completion.choices[0]
         response = self._response(p, output_items(choice.message, choice.logprobs), choice.finish_reason, completion)
@@ -130,23 +155,142 @@ class ResponsesService:
         shell = self._response(p, [], None, None)
         yield events.make("response.created", response=shell)
         yield events.make("response.in_progress", response=shell)
-        finish: str | None = None
-        last: ChatCompletionChunk | None = None
-        async for chunk in self.chat.chunks(p.chat):
-            last = chunk
-            for choice in chunk.choices:
-                for event in events.delta(choice.delta, choice.logprobs):
-                    yield event
-                finish = choice.finish_reason or finish
-        if not any(isinstance(i, (OutputMessage, FunctionCallOut)) for i in events.items):
+        turn = _Turn()
+        if p.mcp is None:
+            async for event in turn.run(self.chat.chunks(p.chat), events):
+                yield event
+        else:
+            async for event in self._agent(p, events, turn):
+                yield event
+        finish, last = turn.finish, turn.last
+        if not any(isinstance(i, (OutputMessage, FunctionCallOut, McpApprovalRequestOut)) for i in events.items):
             for event in events.delta(Delta(content=""), None, force=True):  # an empty answer is an empty message
                 yield event
         for event in events.close():
             yield event
+        if last is not None and turn.usage is not None:
+            last = last.model_copy(update={"usage": turn.usage})  # every turn's tokens
         response = self._response(p, events.items, finish, last)
         await self._keep(p, response)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         yield events.make(kind, response=response)
+
+    async def _agent(self, p: PreparedResponse, events: _EventWriter, turn: _Turn) -> AsyncGenerator[ResponseEvent, None]:
+        """A response with MCP tools: each server's tools listed, the approved calls run, then chat turns until
+        one answers without calling an MCP tool (or calls one that needs approval, or a function of the client's),
+        each call run between them; at most max_calls calls, the last turn told to answer."""
+        assert p.mcp is not None
+        plan, limits = p.mcp, p.mcp.settings.limits
+        deadline = time.monotonic() + limits.total_s
+        max_calls = min(limits.max_calls, p.request.max_tool_calls or limits.max_calls)
+        async with AsyncExitStack() as stack:
+            sessions: dict[str, McpSession] = {}
+            listed = []
+            for server in plan.servers:
+                listing = McpListToolsOut(id=f"mcpl_{uuid.uuid4().hex}", server_label=server.label)
+                for event in events.begin(listing):
+                    yield event
+                index = events.items.index(listing)
+                yield events.make("response.mcp_list_tools.in_progress", item_id=listing.id, output_index=index)
+                try:
+                    await check_server_url(server.url, plan.settings.allowed, f"{server.where}.server_url")
+                    session = McpSession(server.label, server.url, server.headers, limits, deadline)
+                    sessions[server.label] = await stack.enter_async_context(session)
+                    tools = await session.list_tools(server.allowed_tools)
+                except McpUnavailable as exc:
+                    listing.error = exc.message
+                    yield events.make("response.mcp_list_tools.failed", item_id=listing.id, output_index=index)
+                    for event in events.close():
+                        yield event
+                    raise
+                listing.tools = [McpListedTool(name=t.name, input_schema=t.input_schema, description=t.description or None,
+                                               annotations={"read_only": True} if t.read_only else None) for t in tools]
+                yield events.make("response.mcp_list_tools.completed", item_id=listing.id, output_index=index)
+                for event in events.close():
+                    yield event
+                listed.append((server, tools))
+            functions = [t for t in p.chat_body.get("tools", ())]
+            exposed = hosted_mcp.expose(listed, {t["function"]["name"] for t in functions})
+            by_function = {e.function: e for e in exposed}
+            messages = list(p.chat_body["messages"])
+            calls = 0
+            for approval in plan.approvals:
+                found = next((e for e in exposed if e.server.label == approval.server_label
+                              and e.tool.name == approval.name), None)
+                call_id = f"call_{uuid.uuid4().hex[:24]}"
+                messages.append(_assistant_calls(None, [(call_id, found.function if found else approval.name,
+                                                        approval.arguments)]))
+                if not approval.approve or found is None:
+                    why = "was not approved" if not approval.approve else "is no longer listed by its server"
+                    reason = f": {approval.reason}" if approval.reason and not approval.approve else "."
+                    messages.append({"role": "tool", "tool_call_id": call_id, "content": f"The call {why}{reason}"})
+                    continue
+                call = McpCallOut(id=f"mcp_{uuid.uuid4().hex}", server_label=approval.server_label, name=approval.name,
+                                  arguments=approval.arguments, status="in_progress",
+                                  approval_request_id=approval.request_id)
+                for event in events.begin(call):
+                    yield event
+                for event in events.close():
+                    yield event
+                async for event in _run_call(events, call, sessions[approval.server_label]):
+                    yield event
+                calls += 1
+                messages.append({"role": "tool", "tool_call_id": call_id, "content": _call_result(call)})
+            before = [g.request_id for g in p.chat.generations]
+            choice = self._first_choice(p, exposed) if not plan.approvals else "auto"
+            while True:
+                body = {**p.chat_body, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                        "tools": [*functions, *(e.chat_tool() for e in exposed)],
+                        "tool_choice": "none" if calls >= max_calls else choice}
+                prepared = await self._prepare_turn(p, body, before)
+                before = [g.request_id for g in prepared.generations]
+                events.pending.clear()
+                text_from = len(events.items)
+                async for event in turn.run(self.chat.chunks(prepared), events, by_function):
+                    yield event
+                for event in events.close():
+                    yield event
+                pending = list(events.pending)
+                runs = [(item, cid, ex) for item, cid, ex in pending if isinstance(item, McpCallOut)]
+                if not runs:
+                    break
+                text = "".join(c.text for i in events.items[text_from:] if isinstance(i, OutputMessage) for c in i.content)
+                messages.append(_assistant_calls(text or None, [(cid, ex.function, item.arguments)
+                                                                for item, cid, ex in runs]))
+                for item, cid, _ in runs:
+                    async for event in _run_call(events, item, sessions[item.server_label]):
+                        yield event
+                    calls += 1
+                    messages.append({"role": "tool", "tool_call_id": cid, "content": _call_result(item)})
+                if len(runs) < len(pending) or any(isinstance(i, FunctionCallOut) for i in events.items[text_from:]):
+                    break  # an approval asked, or a function of the client's called: the client goes on
+                choice = "auto"
+
+    def _first_choice(self, p: PreparedResponse, exposed: list[Exposed]) -> Any:
+        choice = p.request.tool_choice
+        if isinstance(choice, McpChoice):
+            named = [e for e in exposed if e.server.label == choice.server_label
+                     and (choice.name is None or e.tool.name == choice.name)]
+            if not named:
+                raise InvalidParameter(f"tool_choice names {choice.name!r} of the MCP server {choice.server_label!r}, "
+                                       "which it does not list.", "tool_choice")
+            if choice.name is not None:
+                return {"type": "function", "function": {"name": named[0].function}}
+            return "required"
+        return p.chat_body.get("tool_choice", "required" if choice == "required" else "auto")
+
+    async def _prepare_turn(self, p: PreparedResponse, body: dict[str, Any], before: list[str]) -> PreparedChat:
+        """A turn's chat request prepared as any (off the event loop; a tool's output is the prompt's like any
+        text: its limits and the content policy's check), in the admission of the response's earlier turns."""
+        try:
+            chat_req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            raise McpUnavailable(p.mcp.servers[0].label if p.mcp else "", "reading the tools of") from exc
+        prepared = await asyncio.to_thread(self.chat.prepare, chat_req, p.ctx)
+        prepared.deployment.queue.follow(before, [g.request_id for g in prepared.generations])
+        if prepared.screening is not None:
+            await prepared.screening.check_prompt()
+        return prepared
 
     def _response(self, p: PreparedResponse, output: list[OutputItem], finish: str | None,
                   answer: ChatCompletion | ChatCompletionChunk | None) -> ResponseObject:
@@ -178,7 +322,8 @@ class ResponsesService:
             text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
             if req.text and req.text.format else {"format": {"type": "text"}},
             tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice or "auto",
-            tools=[t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or ()],
+            tools=[t.model_dump(by_alias=True, exclude_none=True, exclude=SECRETS if isinstance(t, McpTool) else None)
+                   for t in req.tools or ()],
             top_p=1.0 if req.top_p is None else req.top_p,
             truncation=req.truncation or "disabled",
             usage=None if usage is None else ResponseUsage(
@@ -226,6 +371,82 @@ class ResponsesService:
                              last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
 
 
+async def _run_call(events: _EventWriter, call: McpCallOut, session: McpSession) -> AsyncGenerator[ResponseEvent, None]:
+    """One MCP call run, with its events: in progress, then completed or failed, and its item done."""
+    index = events.items.index(call)
+    yield events.make("response.mcp_call.in_progress", item_id=call.id, output_index=index)
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        result = McpResult(None, "The call's arguments are not a JSON object.")
+    else:
+        result = await session.call(call.name, arguments)
+    call.output = result.output
+    if result.error is not None:
+        call.error = {"type": "http_error", "code": McpUnavailable.status, "message": result.error} \
+            if result.server_failed else {"type": "mcp_tool_execution_error",
+                                          "content": [{"type": "text", "text": result.error}]}
+    call.status = "completed" if result.error is None else "failed"
+    yield events.make("response.mcp_call.completed" if result.error is None else "response.mcp_call.failed",
+                      item_id=call.id, output_index=index)
+    yield events.make("response.output_item.done", output_index=index, item=call)
+
+
+def _call_result(call: McpCallOut) -> str:
+    """What the model reads of a call: its output, or its error."""
+    if call.error is None:
+        return call.output or ""
+    message = call.error.get("message") or " ".join(str(c.get("text", "")) for c in call.error.get("content", ()))
+    return f"Error: {message}"
+
+
+def _assistant_calls(text: str | None, calls: list[tuple[str, str, str]]) -> dict[str, Any]:
+    return {"role": "assistant", "content": text, "tool_calls": [
+        {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for cid, name, arguments in calls]}
+
+
+class _Turn:
+    """A response's chat turns as they stream through the event writer: the last turn's finish and chunk, and the
+    usage of them all."""
+
+    def __init__(self) -> None:
+        self.finish: str | None = None
+        self.last: ChatCompletionChunk | None = None
+        self.usage: Usage | None = None
+
+    async def run(self, chunks: AsyncGenerator[ChatCompletionChunk, None], events: _EventWriter,
+                  mcp: dict[str, Exposed] | None = None) -> AsyncGenerator[ResponseEvent, None]:
+        self.finish = None
+        async for chunk in chunks:
+            self.last = chunk
+            if chunk.usage is not None:
+                self.usage = chunk.usage if self.usage is None else _sum_usage(self.usage, chunk.usage)
+            for choice in chunk.choices:
+                for event in events.delta(choice.delta, choice.logprobs, mcp=mcp):
+                    yield event
+                self.finish = choice.finish_reason or self.finish
+
+
+def _sum_usage(a: Usage, b: Usage) -> Usage:
+    def reasoning(u: Usage) -> int:
+        details = (u.model_extra or {}).get("completion_tokens_details") or {}
+        return int(details.get("reasoning_tokens", 0))
+
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in (a, b) if u.prompt_tokens_details is not None)
+    out = b.model_copy(update={"prompt_tokens": a.prompt_tokens + b.prompt_tokens,
+                               "completion_tokens": a.completion_tokens + b.completion_tokens,
+                               "total_tokens": a.total_tokens + b.total_tokens})
+    if b.prompt_tokens_details is not None:
+        out.prompt_tokens_details = b.prompt_tokens_details.model_copy(update={"cached_tokens": cached})
+    if out.model_extra is not None and "completion_tokens_details" in out.model_extra:
+        out.model_extra["completion_tokens_details"] = {
+            **out.model_extra["completion_tokens_details"], "reasoning_tokens": reasoning(a) + reasoning(b)}
+    return out
+
+
 # -- request → chat ----------------------------------------------------------------------------------------------
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as items (JSON), each with an id (a string input is one user message)."""
@@ -233,7 +454,9 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}],
                  "id": f"msg_{uuid.uuid4().hex}"}]
     out = []
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "mcp_approval_response": "mcpa", "mcp_call": "mcp", "mcp_list_tools": "mcpl",
+              "mcp_approval_request": "mcpr"}
     for item in req.input:
         data = item.model_dump(by_alias=True, exclude_none=True)
         data.setdefault("id", f"{prefix[data['type']]}_{uuid.uuid4().hex}")
@@ -270,6 +493,15 @@ def chat_messages(items: list[dict[str, Any]], first: int = 0) -> list[dict[str,
             if not isinstance(output, str):
                 raise InvalidParameter("A function call's output is text; send images in a message.", where)
             messages.append({"role": "tool", "tool_call_id": result.call_id, "content": output})
+        elif kind == "mcp_call":  # an earlier call: shown again as the call and its result
+            ran = McpItemIn.model_validate(data)
+            call_id = f"call_{ran.id or uuid.uuid4().hex}"[:64]
+            messages.append(_assistant_calls(None, [(call_id, ran.name or "", ran.arguments or "{}")]))
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": ran.output or ""})
+        elif kind in ("mcp_list_tools", "mcp_approval_request"):
+            McpItemIn.model_validate(data)
+        elif kind == "mcp_approval_response":
+            McpApprovalResponseItem.model_validate(data)  # run by the response (service/hosted_mcp.py)
         else:
             ReasoningItemIn.model_validate(data)
     return messages
@@ -297,12 +529,17 @@ def _text(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
 
 def _tools(req: ResponsesRequest) -> tuple[list[FunctionTool], list[str]]:
     functions = [t for t in req.tools or () if isinstance(t, FunctionTool)]
-    ignored = sorted({t.type for t in req.tools or () if not isinstance(t, FunctionTool)})
+    ignored = sorted({t.type for t in req.tools or () if not isinstance(t, (FunctionTool, McpTool))})
     warnings = [f"The {kind} tool is not served here; it was ignored." for kind in ignored]
     if isinstance(req.tool_choice, AllowedTools):
         allowed = {t.get("name") for t in req.tool_choice.tools if t.get("type") == "function"}
         functions = [t for t in functions if t.name in allowed]
     return functions, warnings
+
+
+def _names_mcp(req: ResponsesRequest) -> bool:
+    return any(isinstance(t, McpTool) for t in req.tools or ()) or \
+        any(isinstance(i, McpApprovalResponseItem) for i in (req.input if isinstance(req.input, list) else ()))
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -365,7 +602,15 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
                 "content": [{"type": "output_text", "text": c["text"]} for c in item["content"]]}
     if item["type"] == "function_call":
         return {k: item[k] for k in ("type", "id", "call_id", "name", "arguments")}
+    if item["type"] in _MCP_KEPT:
+        return {k: item.get(k) for k in _MCP_KEPT[item["type"]]}
     return {"type": "reasoning", "id": item["id"], "summary": []}
+
+
+# what the conversation keeps of each MCP output item (the calls' results, the approvals asked)
+_MCP_KEPT = {"mcp_list_tools": ("type", "id", "server_label"),
+             "mcp_call": ("type", "id", "server_label", "name", "arguments", "output"),
+             "mcp_approval_request": ("type", "id", "server_label", "name", "arguments")}
 
 
 class _EventWriter:
@@ -376,7 +621,9 @@ class _EventWriter:
         self.sequence = 0
         self.items: list[OutputItem] = []
         self._open: OutputItem | None = None
-        self._calls: dict[int, FunctionCallOut] = {}
+        self._calls: dict[int, FunctionCallOut | McpCallOut | McpApprovalRequestOut] = {}
+        # the MCP calls begun (each with its chat call id and its tool), run by the response between turns
+        self.pending: list[tuple[McpCallOut | McpApprovalRequestOut, str, Exposed]] = []
 
     def make(self, kind: str, **fields: Any) -> ResponseEvent:
         # nested objects as they are now (an item grows after its added event)
@@ -389,11 +636,12 @@ class _EventWriter:
     def _index(self) -> int:
         return len(self.items) - 1
 
-    def delta(self, delta: Delta, logprobs: Any, force: bool = False) -> list[ResponseEvent]:
+    def delta(self, delta: Delta, logprobs: Any, force: bool = False,
+              mcp: dict[str, Exposed] | None = None) -> list[ResponseEvent]:
         events: list[ResponseEvent] = []
         if delta.reasoning_content:
             if not isinstance(self._open, ReasoningOut):
-                events += self._begin(ReasoningOut(id=f"rs_{uuid.uuid4().hex}", status="in_progress",
+                events += self.begin(ReasoningOut(id=f"rs_{uuid.uuid4().hex}", status="in_progress",
                                                    content=[ReasoningOutText(text="")]))
             assert isinstance(self._open, ReasoningOut)
             thought = delta.reasoning_content
@@ -402,7 +650,7 @@ class _EventWriter:
                                     content_index=0, delta=thought))
         if delta.content or force:
             if not isinstance(self._open, OutputMessage):
-                events += self._begin(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress"))
+                events += self.begin(OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress"))
                 assert isinstance(self._open, OutputMessage)
                 self._open.content.append(OutputText(text=""))
                 events.append(self.make("response.content_part.added", item_id=self._open.id,
@@ -420,18 +668,32 @@ class _EventWriter:
         for call in delta.tool_calls or ():
             if call.id is not None:  # a new call
                 name = call.function.name if call.function is not None else None
-                item = FunctionCallOut(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=name or "",
-                                       arguments="", status="in_progress")
+                exposed = (mcp or {}).get(name or "")
+                item: FunctionCallOut | McpCallOut | McpApprovalRequestOut
+                if exposed is None:
+                    item = FunctionCallOut(id=f"fc_{uuid.uuid4().hex}", call_id=call.id, name=name or "",
+                                           arguments="", status="in_progress")
+                elif exposed.server.needs_approval(exposed.tool):
+                    item = McpApprovalRequestOut(id=f"mcpr_{uuid.uuid4().hex}", server_label=exposed.server.label,
+                                                 name=exposed.tool.name)
+                else:
+                    item = McpCallOut(id=f"mcp_{uuid.uuid4().hex}", server_label=exposed.server.label,
+                                      name=exposed.tool.name, status="in_progress")
+                if exposed is not None and not isinstance(item, FunctionCallOut):
+                    self.pending.append((item, call.id, exposed))
                 self._calls[call.index] = item
-                events += self._begin(item)
+                events += self.begin(item)
             item = self._calls[call.index]
             if call.function is not None and call.function.arguments:
                 item.arguments += call.function.arguments
-                events.append(self.make("response.function_call_arguments.delta", item_id=item.id,
-                                        output_index=self.items.index(item), delta=call.function.arguments))
+                kind = "response.mcp_call_arguments.delta" if isinstance(item, McpCallOut) else \
+                    "response.function_call_arguments.delta" if isinstance(item, FunctionCallOut) else None
+                if kind is not None:
+                    events.append(self.make(kind, item_id=item.id, output_index=self.items.index(item),
+                                            delta=call.function.arguments))
         return events
 
-    def _begin(self, item: OutputItem) -> list[ResponseEvent]:
+    def begin(self, item: OutputItem) -> list[ResponseEvent]:
         events = self.close()
         self.items.append(item)
         self._open = item
@@ -443,8 +705,12 @@ class _EventWriter:
         if item is None:
             return []
         index = self.items.index(item)
-        item.status = "completed"
         events = []
+        if isinstance(item, McpCallOut):  # its item is done once it has run (_run_call)
+            return [self.make("response.mcp_call_arguments.done", item_id=item.id, output_index=index,
+                              arguments=item.arguments)]
+        if isinstance(item, (OutputMessage, FunctionCallOut, ReasoningOut)):
+            item.status = "completed"
         if isinstance(item, OutputMessage):
             part = item.content[0]
             events += [self.make("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
@@ -454,7 +720,7 @@ class _EventWriter:
         elif isinstance(item, FunctionCallOut):
             events.append(self.make("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                     name=item.name, arguments=item.arguments))
-        else:
+        elif isinstance(item, ReasoningOut):
             events.append(self.make("response.reasoning_text.done", item_id=item.id, output_index=index,
                                     content_index=0, text=item.content[0].text))
         events.append(self.make("response.output_item.done", output_index=index, item=item))

@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+CLAIMS_PER_ENTRY = 4  # claims kept (answered approvals) per entry the store may hold
+
 
 @dataclass(frozen=True)
 class StoredResponse:
@@ -48,6 +50,10 @@ class ResponseStore(Protocol):
 
     def delete(self, owner: str, response_id: str) -> bool: ...
 
+    def claim(self, owner: str, key: str) -> bool:
+        """True the first time an owner claims a key (an MCP approval answered), False ever after: atomic."""
+        ...
+
 
 class MemoryStore:
     """The store in this process's memory: thread-safe (services read it from worker threads)."""
@@ -58,6 +64,7 @@ class MemoryStore:
         self._clock = clock
         self._entries: OrderedDict[tuple[str, str], tuple[float, int, StoredResponse]] = OrderedDict()
         self._bytes = 0
+        self._claims: OrderedDict[tuple[str, str], float] = OrderedDict()  # at most CLAIMS_PER_ENTRY × max_entries
         self._lock = threading.Lock()
 
     def put(self, owner: str, response_id: str, entry: StoredResponse) -> None:
@@ -81,6 +88,18 @@ class MemoryStore:
     def delete(self, owner: str, response_id: str) -> bool:
         with self._lock:
             return self._remove((owner, response_id))
+
+    def claim(self, owner: str, key: str) -> bool:
+        with self._lock:
+            oldest = self._clock() - self.max_age_s  # a claim outlives the entry that asked (kept as long)
+            while self._claims and next(iter(self._claims.values())) < oldest:
+                self._claims.popitem(last=False)
+            if (owner, key) in self._claims:
+                return False
+            self._claims[(owner, key)] = self._clock()
+            while len(self._claims) > CLAIMS_PER_ENTRY * max(1, self.max_entries):
+                self._claims.popitem(last=False)
+            return True
 
     def __len__(self) -> int:
         with self._lock:

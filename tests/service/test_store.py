@@ -42,3 +42,15 @@ def test_age_bound():
     store.put("", "new", entry())
     now[0] = 61
     assert store.get("", "old") is None and store.get("", "new") is not None
+
+
+def test_a_claim_is_its_owners_once_and_outlives_nothing_it_should_not():
+    now = [0.0]
+    store = MemoryStore(max_entries=1, max_age_s=60, clock=lambda: now[0])
+    assert store.claim("alice", "approval:1") and not store.claim("alice", "approval:1")
+    assert store.claim("bob", "approval:1")  # another owner's claim is its own
+    for i in range(10):  # bounded: at most a few claims per entry the store may hold
+        store.claim("alice", f"k{i}")
+    assert len(store._claims) <= 4
+    now[0] = 61
+    assert store.claim("alice", "k9")  # past the store's age the claim is gone with what it answered

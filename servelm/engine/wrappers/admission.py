@@ -67,6 +67,21 @@ class WaitingQueue:
             admission.count(out)
             admission.leave([out.request_id])
 
+    def follow(self, before: Iterable[str], after: Iterable[str]) -> None:
+        """A request's next generations (a response's next turn, after its tool calls ran) take the places of its
+        earlier ones, which are over: they wait in the same admission and their tokens count toward its charge. A
+        running request's next turn is never refused, so no bound is checked."""
+        admission = next((a for a in map(self._owner.get, before) if a is not None), None)
+        if admission is None:
+            return
+        admission.leave(before)
+        ids = [rid for rid in after if rid not in self._owner]
+        admission.join(ids)
+        self.total += len(ids)
+        self.by_caller[admission.caller] = self.by_caller.get(admission.caller, 0) + len(ids)
+        for rid in ids:
+            self._owner[rid] = admission
+
     def ended(self, request_id: str) -> None:
         """The generation ended (done, failed or cancelled): its place is free."""
         admission = self._owner.get(request_id)
@@ -93,9 +108,9 @@ class Admission:
 
     def __init__(self, queue: WaitingQueue, caller: str, request_ids: set[str], charge: Charge | None = None) -> None:
         self._queue = queue
-        self._caller = caller
+        self.caller = caller
         self._ids = request_ids  # the generations still waiting for their first output
-        self._all = frozenset(request_ids)
+        self._all = set(request_ids)
         self._charge = charge
         self._made: dict[tuple[str, int], int] = {}  # (generation, choice) → its completion tokens so far
 
@@ -107,17 +122,22 @@ class Admission:
         key = (out.request_id, out.index)
         self._made[key] = max(self._made.get(key, 0), out.completion_tokens)
 
+    def join(self, request_ids: Iterable[str]) -> None:
+        """More generations of the request (WaitingQueue.follow counts their places)."""
+        self._ids.update(request_ids)
+        self._all.update(request_ids)
+
     def leave(self, request_ids: Iterable[str]) -> None:
         gone = self._ids.intersection(request_ids)
         if gone:
             self._ids -= gone
-            self._queue._give_back(self._caller, len(gone))
+            self._queue._give_back(self.caller, len(gone))
 
     def close(self) -> None:
         """The request is over: its places are free, and its charge is settled with the tokens it made."""
         ids, self._ids = self._ids, set()
         if ids:
-            self._queue._give_back(self._caller, len(ids))
+            self._queue._give_back(self.caller, len(ids))
         self._queue._forget(self._all)
         charge, self._charge = self._charge, None
         if charge is not None:

@@ -58,3 +58,26 @@ def test_a_ticket_dropped_unreleased_gives_its_places_back():
     gc.collect()
     assert q.total == 0
     assert q.reserve("a", ["3", "4"], limit=2, caller_limit=2)
+
+
+def test_a_next_turn_takes_the_place_of_the_last_and_counts_toward_the_same_charge():
+    """A response's next turn (after its tool calls ran) waits in its request's admission, unrefused."""
+
+    class Charge:
+        settled: list[int] = []
+
+        def settle(self, used: int) -> None:
+            self.settled.append(used)
+
+    q = WaitingQueue()
+    charge = Charge()
+    t = q.reserve("a", ["turn1"], limit=1, caller_limit=1, charge=charge)
+    output(q, "turn1")
+    assert q.total == 0
+    q.follow(["turn1"], ["turn2"])  # even with the queue's bound reached by another meanwhile, it is not refused
+    assert q.total == 1 and q.by_caller == {"a": 1}
+    output(q, "turn2")
+    q.follow(["unknown"], ["turn3"])  # a generation of no admission: nothing to follow
+    assert q.total == 0
+    t.close()
+    assert charge.settled == [2] and q.total == 0 and q.by_caller == {}

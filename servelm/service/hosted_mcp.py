@@ -1,0 +1,186 @@
+"""MCP tools run by this server inside a response (the Responses API's `{"type": "mcp"}` tools), as plain data and
+checks: each server the request names (McpServer: where it is, which tools, which need approval), the approvals it
+answers (of the previous response's mcp_approval_request items), and the names the model sees its tools by.
+service/responses.py runs them: it lists each server's tools, lets the model call them through the chat service
+(constrained to their input schemas like any function tool), runs each call (service/mcp.py) and goes on.
+
+An approval is answered once: the store claims its id for the key (service/store.py), so an approved call runs
+exactly once however often the answer is sent, and never before it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelm.errors import InvalidParameter
+from servelm.protocol.responses import McpApprovalResponseItem, McpChoice, McpTool, ResponsesRequest
+from servelm.service.mcp import McpLimits, origin_of, parse_allowed
+from servelm.service.mcp import McpTool as ListedTool
+from servelm.service.store import ResponseStore
+
+
+@dataclass(frozen=True)
+class McpSettings:
+    """The operator's MCP bounds: the origins a request's server_url may reach (--allowed-mcp-servers; none by
+    default) and the limits of each response's MCP work."""
+
+    allowed: frozenset[tuple[str, str, int]] = frozenset()
+    limits: McpLimits = McpLimits()
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> McpSettings:
+        """From ServerSettings (a ValueError names an allowed server that is not an origin)."""
+        step = settings.mcp_call_timeout
+        return cls(parse_allowed(tuple(settings.allowed_mcp_servers)),
+                   McpLimits(connect_s=step, list_s=step, call_s=step, total_s=settings.mcp_timeout,
+                             max_calls=settings.mcp_max_calls))
+
+
+@dataclass(frozen=True)
+class McpServer:
+    """One `{"type": "mcp"}` tool of a request. Its headers are the client's secrets: kept out of repr."""
+
+    label: str
+    url: str
+    where: str  # its place in the request (tools[i]), for errors
+    allowed_tools: tuple[str, ...] | None
+    approval: Any  # the tool's require_approval ("always", "never", a filter, None: always)
+    headers: dict[str, str] = field(repr=False, default_factory=dict)
+
+    def needs_approval(self, tool: ListedTool) -> bool:
+        rule = self.approval
+        if rule is None or rule == "always":
+            return True
+        if rule == "never":
+            return False
+
+        def matches(f: Any) -> bool:
+            return f is not None and ((f.tool_names is not None and tool.name in f.tool_names)
+                                      or (f.read_only is not None and f.read_only == tool.read_only))
+
+        if matches(rule.never):
+            return False
+        if matches(rule.always):
+            return True
+        return rule.never is not None or rule.always is None  # only `never` given: the rest need approval
+
+
+@dataclass(frozen=True)
+class Approval:
+    """The client's answer to one of the previous response's mcp_approval_request items."""
+
+    request_id: str
+    server_label: str
+    name: str
+    arguments: str
+    approve: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class McpPlan:
+    servers: tuple[McpServer, ...]
+    approvals: tuple[Approval, ...]
+    settings: McpSettings
+
+
+@dataclass
+class Exposed:
+    """A listed tool as the model sees it: the function name it calls it by, its server and its MCP name."""
+
+    function: str
+    server: McpServer
+    tool: ListedTool
+
+    def chat_tool(self) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": self.function, "description": self.tool.description,
+                                                 "parameters": self.tool.input_schema}}
+
+
+def plan(req: ResponsesRequest, history: Sequence[dict[str, Any]], store: ResponseStore, owner: str,
+         settings: McpSettings) -> McpPlan | None:
+    """The request's MCP servers and answered approvals, checked (400s naming the field), or None without any.
+    Claims each answered approval in the store: a second answer to the same request is a 400."""
+    servers = []
+    for n, tool in enumerate(req.tools or ()):
+        if isinstance(tool, McpTool):
+            servers.append(_server(tool, f"tools[{n}]", settings))
+    labels = [s.label for s in servers]
+    duplicate = next((label for label in labels if labels.count(label) > 1), None)
+    if duplicate is not None:
+        raise InvalidParameter(f"Two MCP tools have the server_label {duplicate!r}; each needs its own.", "tools")
+    choice = req.tool_choice
+    if isinstance(choice, McpChoice) and choice.server_label not in labels:
+        raise InvalidParameter(f"tool_choice names the MCP server {choice.server_label!r}, which no mcp tool of the "
+                               "request has.", "tool_choice")
+    answers = [(n, item) for n, item in enumerate(req.input if isinstance(req.input, list) else ())
+               if isinstance(item, McpApprovalResponseItem)]
+    if not servers:
+        if answers:
+            raise InvalidParameter("An mcp_approval_response needs the mcp tool of its server in `tools`.",
+                                   f"input[{answers[0][0]}]")
+        return None
+    asked = {item.get("id"): item for item in history if item.get("type") == "mcp_approval_request"}
+    approvals = []
+    for n, answer in answers:
+        where = f"input[{n}].approval_request_id"
+        asked_for = asked.get(answer.approval_request_id)
+        if asked_for is None:
+            raise InvalidParameter(f"No approval request {answer.approval_request_id!r} in the previous response.",
+                                   where)
+        if asked_for.get("server_label") not in labels:
+            raise InvalidParameter(f"The approval request's server {asked_for.get('server_label')!r} is not among "
+                                   "the request's mcp tools.", where)
+        approvals.append(Approval(answer.approval_request_id, str(asked_for["server_label"]), str(asked_for["name"]),
+                                  str(asked_for.get("arguments") or "{}"), answer.approve, answer.reason))
+    for approval in approvals:  # last: a request refused for another reason leaves its approvals unanswered
+        if not store.claim(owner, f"approval:{approval.request_id}"):
+            raise InvalidParameter(f"The approval request {approval.request_id!r} was answered already.",
+                                   "input", "approval_already_answered")
+    return McpPlan(tuple(servers), tuple(approvals), settings)
+
+
+def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
+    if tool.connector_id is not None:
+        raise InvalidParameter("Connectors are not served here; give the MCP server's server_url.",
+                               f"{where}.connector_id", "unsupported_parameter")
+    if tool.server_url is None:
+        raise InvalidParameter("An mcp tool needs its server_url.", f"{where}.server_url", "missing_required_parameter")
+    origin = origin_of(tool.server_url)
+    if origin is None:
+        raise InvalidParameter("`server_url` must be an http(s) URL without user info.", f"{where}.server_url")
+    if origin not in settings.allowed:
+        raise InvalidParameter(f"This server does not reach MCP servers at {origin[0]}://{origin[1]}:{origin[2]} "
+                               "(the operator allows the origins in --allowed-mcp-servers).", f"{where}.server_url")
+    headers = dict(tool.headers or {})
+    if tool.authorization is not None:
+        headers["Authorization"] = f"Bearer {tool.authorization}"
+    allowed = tool.allowed_tools
+    names = tuple(allowed) if isinstance(allowed, list) else \
+        tuple(allowed.tool_names) if allowed is not None and allowed.tool_names is not None else None
+    return McpServer(tool.server_label, tool.server_url, where, names, tool.require_approval, headers)
+
+
+def expose(listed: Sequence[tuple[McpServer, Sequence[ListedTool]]], taken: set[str]) -> list[Exposed]:
+    """Each listed tool under the function name the model calls it by: its own name, or `label__name` where two
+    servers (or a function tool, in `taken`) share it."""
+    counts: dict[str, int] = {}
+    for _, tools in listed:
+        for tool in tools:
+            counts[tool.name] = counts.get(tool.name, 0) + 1
+    exposed = []
+    for server, tools in listed:
+        for tool in tools:
+            name = tool.name
+            if counts[name] > 1 or name in taken or not _function_name(name):
+                name = _function_name(f"{server.label}__{tool.name}") or f"{server.label}__{uuid.uuid4().hex[:8]}"
+            exposed.append(Exposed(name[:64], server, tool))
+    return exposed
+
+
+def _function_name(name: str) -> str:
+    """A name as a function name ([a-zA-Z0-9_-], at most 64), or "" if it has other characters."""
+    ok = name and len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "_-") for c in name)
+    return name if ok else ""
