@@ -57,7 +57,7 @@ def replica_specs():
     from servelm.config import DeploymentSpec, EngineSettings
 
     return [DeploymentSpec(name=MODEL, model="smollm2", num_replicas=2, embedding_window=64,
-                           engine=EngineSettings(**ENGINE))]
+                           engine=EngineSettings(**ENGINE), limits={"min_priority": 0})]
 
 
 @pytest.fixture(scope="module")

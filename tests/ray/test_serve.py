@@ -72,6 +72,13 @@ def test_a_batch_of_prompts_runs_its_generations_at_once(ray_server: RayServer) 
     assert reply.usage.completion_tokens == 8
 
 
+def test_the_deployments_priority_bound_holds_under_ray(ray_server: RayServer) -> None:
+    """The ingress's deployments carry their spec's min_priority (0 here), as a single process's do."""
+    r = httpx.post(f"{ray_server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "priority": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
 def test_unknown_model_is_404_in_the_envelope(ray_server: RayServer) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client(ray_server).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
