@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from servelm.http.routes import Route, app_state, router_of
 from servelm.metrics import CONTENT_TYPE, EngineGauges, Metrics
 from servelm.service.registry.deployments import Deployments
 
@@ -21,11 +22,13 @@ def engine_gauges(deployments: Deployments) -> Iterator[EngineGauges]:
                            s.spill_restored, s.spill_restore_failures, s.preemptions, s.resumed_tokens)
 
 
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(app_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+ROUTES = (Route("GET", "/metrics", prometheus_metrics),)
+
+
 def build_metrics_router(metrics: Metrics) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return router
+    """GET /metrics over the app's metrics (its handler reads them from the app's state)."""
+    return router_of(ROUTES)

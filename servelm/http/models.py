@@ -16,6 +16,7 @@ from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import KEYS_ON, allowed, current_key
 from servelm.http.limits import is_json
+from servelm.http.routes import Route, app_state, router_of
 from servelm.service.registry.adapters import AdapterNotFound, AdapterRegistry, check_scale
 from servelm.service.registry.catalog import ModelCatalog, parse_keep_alive
 from servelm.service.registry.deployments import Deployments, TextDeployment
@@ -123,74 +124,88 @@ def _adapters_of(deployments: Deployments, model: str | None) -> AdapterRegistry
     raise InvalidParameter("No model on this server takes LoRA adapters.", "model")
 
 
+async def load_lora(request: Request) -> PlainTextResponse:
+    _admin(request, "Loading a LoRA adapter")
+    deployments = app_state(request).deployments
+    body = await _body(request, "lora_name", "lora_path")
+    name, path, model, scale = body["lora_name"], body["lora_path"], body.get("model"), body.get("scale", 1.0)
+    if deployments.base_of(name) is not None:
+        raise InvalidParameter(f"The lora adapter '{name}' has already been loaded.", "lora_name",
+                               code="lora_already_loaded")
+    if name in {n for n, _ in deployments.model_ids()}:
+        raise InvalidParameter(f"`{name}` names a model already.", "lora_name", code="lora_already_loaded")
+    scale = check_scale(scale)  # finite, within ±SCALE_BOUND: JSON's NaN, Infinity and 1e999 are 400s
+    await _adapters_of(deployments, model if isinstance(model, str) else None).add(name, path, scale)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora(request: Request) -> PlainTextResponse:
+    _admin(request, "Unloading a LoRA adapter")
+    name = (await _body(request, "lora_name"))["lora_name"]
+    base = app_state(request).deployments.base_of(name)
+    if base is None or base.adapters is None:
+        raise AdapterNotFound(name)
+    await base.adapters.remove(name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+# vLLM's runtime LoRA routes (its shapes and status codes; `model` names the base when there are several)
+LORA_ROUTES = (
+    Route("POST", "/v1/load_lora_adapter", load_lora),
+    Route("POST", "/v1/unload_lora_adapter", unload_lora),
+)
+
+
 def build_lora_router(deployments: Deployments) -> APIRouter:
-    """vLLM's runtime LoRA routes (its shapes and status codes; `model` names the base when there are several)."""
-    router = APIRouter()
+    """vLLM's runtime LoRA routes over the app's deployments (their handlers read them from the app's state)."""
+    return router_of(LORA_ROUTES)
 
-    @router.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request) -> PlainTextResponse:
-        _admin(request, "Loading a LoRA adapter")
-        body = await _body(request, "lora_name", "lora_path")
-        name, path, model, scale = body["lora_name"], body["lora_path"], body.get("model"), body.get("scale", 1.0)
-        if deployments.base_of(name) is not None:
-            raise InvalidParameter(f"The lora adapter '{name}' has already been loaded.", "lora_name",
-                                   code="lora_already_loaded")
-        if name in {n for n, _ in deployments.model_ids()}:
-            raise InvalidParameter(f"`{name}` names a model already.", "lora_name", code="lora_already_loaded")
-        scale = check_scale(scale)  # finite, within ±SCALE_BOUND: JSON's NaN, Infinity and 1e999 are 400s
-        await _adapters_of(deployments, model if isinstance(model, str) else None).add(name, path, scale)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @router.post("/v1/unload_lora_adapter")
-    async def unload_lora(request: Request) -> PlainTextResponse:
-        _admin(request, "Unloading a LoRA adapter")
-        name = (await _body(request, "lora_name"))["lora_name"]
-        base = deployments.base_of(name)
-        if base is None or base.adapters is None:
-            raise AdapterNotFound(name)
-        await base.adapters.remove(name)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+async def _target(request: Request) -> tuple[ModelCatalog, str]:
+    """The catalog, and the model of its that the request names (an admin's request)."""
+    _admin(request, "Loading and unloading models")
+    catalog = app_state(request).catalog
+    if catalog is None:
+        raise InvalidParameter("This server loads no model on demand (start it with --models-dir, or give a "
+                               "deployment `load = \"on-demand\"`).", "model", code="model_not_supported")
+    model = (await _body(request, "model"))["model"]
+    name = await catalog.resolve(model)
+    if name is None:
+        raise ModelNotFound(model)
+    return catalog, name
 
-    return router
+
+async def load(request: Request) -> JSONResponse:
+    """llama-server's router: loads the model now (a no-op when it is loaded)."""
+    catalog, name = await _target(request)
+    await catalog.load(name)
+    return JSONResponse({"success": True, "model": name, "status": catalog.statuses()[name].wire()})
+
+
+async def unload(request: Request) -> JSONResponse:
+    """Unloads the model once its requests under way end (its prefix cache written to disk first)."""
+    catalog, name = await _target(request)
+    await catalog.unload(name)
+    return JSONResponse({"success": True, "model": name, "status": catalog.statuses()[name].wire()})
+
+
+async def refresh(request: Request) -> JSONResponse:
+    """Rescans --models-dir: new files become models, changed settings apply at the next load."""
+    _admin(request, "Rescanning the models directory")
+    catalog = app_state(request).catalog
+    if catalog is not None:
+        await catalog.refresh()
+    statuses = catalog.statuses() if catalog is not None else {}
+    return JSONResponse({"success": True, "models": {n: s.wire() for n, s in statuses.items()}})
+
+
+MODELS_ROUTES = (
+    Route("POST", "/models/load", load),
+    Route("POST", "/models/unload", unload),
+    Route("POST", "/models/refresh", refresh),
+)
 
 
 def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
-    router = APIRouter()
-
-    async def target(request: Request) -> str:
-        _admin(request, "Loading and unloading models")
-        if catalog is None:
-            raise InvalidParameter("This server loads no model on demand (start it with --models-dir, or give a "
-                                   "deployment `load = \"on-demand\"`).", "model", code="model_not_supported")
-        model = (await _body(request, "model"))["model"]
-        name = await catalog.resolve(model)
-        if name is None:
-            raise ModelNotFound(model)
-        return name
-
-    @router.post("/models/load")
-    async def load(request: Request) -> JSONResponse:
-        """llama-server's router: loads the model now (a no-op when it is loaded)."""
-        name = await target(request)
-        assert catalog is not None
-        await catalog.load(name)
-        return JSONResponse({"success": True, "model": name, "status": catalog.statuses()[name].wire()})
-
-    @router.post("/models/unload")
-    async def unload(request: Request) -> JSONResponse:
-        """Unloads the model once its requests under way end (its prefix cache written to disk first)."""
-        name = await target(request)
-        assert catalog is not None
-        await catalog.unload(name)
-        return JSONResponse({"success": True, "model": name, "status": catalog.statuses()[name].wire()})
-
-    @router.post("/models/refresh")
-    async def refresh(request: Request) -> JSONResponse:
-        """Rescans --models-dir: new files become models, changed settings apply at the next load."""
-        _admin(request, "Rescanning the models directory")
-        if catalog is not None:
-            await catalog.refresh()
-        statuses = catalog.statuses() if catalog is not None else {}
-        return JSONResponse({"success": True, "models": {n: s.wire() for n, s in statuses.items()}})
-
-    return router
+    """llama-server's routes over the app's catalog (their handlers read it from the app's state)."""
+    return router_of(MODELS_ROUTES)

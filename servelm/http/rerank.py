@@ -16,7 +16,7 @@ from servelm import tracing
 from servelm.http.auth import check_access
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
-from servelm.http.routes import deployment_header, embedding_turn, parse_body, run_unless_disconnected
+from servelm.http.routes import Route, app_state, deployment_header, embedding_turn, parse_body, router_of, run_unless_disconnected
 from servelm.http.state import AppState
 from servelm.protocol.rerank import (
     CohereRerankRequest,
@@ -42,45 +42,62 @@ from servelm.service.rerank import (
 R = TypeVar("R", bound=BaseModel)
 
 
+async def _score(request: Request, q: ScoreQuery) -> tuple[PreparedScores, list[float]] | None:
+    """The scores of a request for this caller (its access, its place in the queue, its tokens per minute, its turn
+    in the passes); None if it went away."""
+    state = app_state(request)
+    service, deployments = state.services.scores, state.deployments
+    name = q.model or service.default_model()
+    check_access(request.scope, deployments, name)
+    dep, _ = deployments.embedder(name)
+    with embedding_turn(request.scope, dep) as caller:
+        prepared = await asyncio.to_thread(service.prepare, dep.name, q)
+        charge_tokens(request.scope, prepared.tokens, 0)
+        tracing.annotate(gen_ai__operation__name="rerank", gen_ai__request__model=prepared.model,
+                         servelm__pairs=len(prepared.pairs), gen_ai__usage__input_tokens=prepared.tokens)
+        scores = await run_unless_disconnected(request, asyncio.ensure_future(service.run(prepared, caller)))
+    if scores is None:
+        return None
+    kind = "cross_encoder" if prepared.embedder.cross_encoder else "cosine"
+    state.metrics.scored.labels(prepared.model, kind).inc(len(prepared.pairs))
+    return prepared, scores
+
+
+async def _answer(request: Request, model: type[R], query: Callable[[R], ScoreQuery],
+                  answer: Callable[[R, PreparedScores, list[float]], BaseModel]) -> Response:
+    """One API's answer: its request read, scored, and its answer shaped (499 if the caller went away)."""
+    req = await parse_body(request, model)
+    out = await _score(request, query(req))
+    if out is None:
+        return Response(status_code=499)
+    body = answer(req, *out).model_dump(mode="json", exclude_none=True)
+    return JSONResponse(body, headers=deployment_header(out[0].model))
+
+
+async def jina(request: Request) -> Response:
+    return await _answer(request, RerankRequest, rerank_query, jina_answer)
+
+
+async def cohere(request: Request) -> Response:
+    return await _answer(request, CohereRerankRequest, rerank_query, cohere_answer)
+
+
+async def ovms(request: Request) -> Response:
+    return await _answer(request, OvmsRerankRequest, rerank_query, ovms_answer)
+
+
+async def vllm_score(request: Request) -> Response:
+    return await _answer(request, ScoreRequest, score_query, score_answer)
+
+
+ROUTES = (
+    *(Route("POST", path, jina, doc(request=RerankRequest, response=RerankResponse)) for path in ("/v1/rerank", "/rerank")),
+    Route("POST", "/v2/rerank", cohere, doc(request=CohereRerankRequest, response=CohereRerankResponse)),
+    Route("POST", "/v3/rerank", ovms, doc(request=OvmsRerankRequest, response=OvmsRerankResponse)),
+    Route("POST", "/v1/score", vllm_score, doc(request=ScoreRequest, response=ScoreResponse)),
+)
+
+
 def build_rerank_router(state: AppState) -> APIRouter:
-    router = APIRouter()
-    service, deployments, metrics = state.services.scores, state.deployments, state.metrics
-
-    async def score(request: Request, q: ScoreQuery) -> tuple[PreparedScores, list[float]] | None:
-        """The scores of a request for this caller (its access, its place in the queue, its tokens per minute, its
-        turn in the passes); None if it went away."""
-        name = q.model or service.default_model()
-        check_access(request.scope, deployments, name)
-        dep, _ = deployments.embedder(name)
-        with embedding_turn(request.scope, dep) as caller:
-            prepared = await asyncio.to_thread(service.prepare, dep.name, q)
-            charge_tokens(request.scope, prepared.tokens, 0)
-            tracing.annotate(gen_ai__operation__name="rerank", gen_ai__request__model=prepared.model,
-                             servelm__pairs=len(prepared.pairs), gen_ai__usage__input_tokens=prepared.tokens)
-            scores = await run_unless_disconnected(request, asyncio.ensure_future(service.run(prepared, caller)))
-        if scores is None:
-            return None
-        kind = "cross_encoder" if prepared.embedder.cross_encoder else "cosine"
-        metrics.scored.labels(prepared.model, kind).inc(len(prepared.pairs))
-        return prepared, scores
-
-    def add(paths: tuple[str, ...], name: str, model: type[R], query: Callable[[R], ScoreQuery],
-            answer: Callable[[R, PreparedScores, list[float]], BaseModel], response: type[BaseModel]) -> None:
-        """One API's route: `name` is its OpenAPI operation's."""
-        async def handle(request: Request) -> Response:
-            req = await parse_body(request, model)
-            out = await score(request, query(req))
-            if out is None:
-                return Response(status_code=499)
-            body = answer(req, *out).model_dump(mode="json", exclude_none=True)
-            return JSONResponse(body, headers=deployment_header(out[0].model))
-
-        for path in paths:
-            router.add_api_route(path, handle, methods=["POST"], name=name,
-                                 openapi_extra=doc(request=model, response=response))
-
-    add(("/v1/rerank", "/rerank"), "jina", RerankRequest, rerank_query, jina_answer, RerankResponse)
-    add(("/v2/rerank",), "cohere", CohereRerankRequest, rerank_query, cohere_answer, CohereRerankResponse)
-    add(("/v3/rerank",), "ovms", OvmsRerankRequest, rerank_query, ovms_answer, OvmsRerankResponse)
-    add(("/v1/score",), "vllm_score", ScoreRequest, score_query, score_answer, ScoreResponse)
-    return router
+    """One route a rerank or score API; their handlers read `state` from the app that takes each request."""
+    return router_of(ROUTES)

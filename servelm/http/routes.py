@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -23,7 +24,7 @@ from servelm.http.limits import admit, bounded, limits_of, streamed
 from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import caller_of, charge_tokens
-from servelm.http.state import AppState
+from servelm.http.state import STATE_KEY, AppState
 from servelm.http.streams import SSE, Framing, frames
 from servelm.http.tracing import describe_generation
 from servelm.metrics import Metrics
@@ -41,6 +42,38 @@ from servelm.service.safety.content_filter import FilterEvents
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 DEPLOYMENT_HEADER = "x-servelm-deployment"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One entry of a route table: `method` (or several, one route answering each), `path`, and its plain handler,
+    whose signature FastAPI reads for path and query parameters; `doc` is its OpenAPI (openapi.doc), `name` its
+    operation's (default: the handler's), `schema` whether /openapi.json lists it."""
+
+    method: str | tuple[str, ...]
+    path: str
+    handler: Callable[..., Any]
+    doc: dict[str, Any] | None = None
+    name: str | None = None
+    schema: bool = True
+
+
+def router_of(table: Iterable[Route]) -> APIRouter:
+    """A route table as a router, in the table's order (the order requests are matched in): the one place routes
+    are registered."""
+    router = APIRouter()
+    for r in table:
+        router.add_api_route(r.path, r.handler, methods=[r.method] if isinstance(r.method, str) else list(r.method),
+                             openapi_extra=r.doc, name=r.name, include_in_schema=r.schema)
+    return router
+
+
+def app_state(request: Request) -> AppState:
+    """The typed state of the app that took the request (http/app.py's create_app sets it before it serves)."""
+    state = getattr(request.app.state, STATE_KEY)
+    if not isinstance(state, AppState):
+        raise TypeError(f"app.state.{STATE_KEY} is a {type(state).__name__}, not the AppState create_app sets")
+    return state
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -76,12 +109,11 @@ async def run_unless_disconnected(request: Request, work: asyncio.Future[T]) -> 
     return None
 
 
-async def generate(state: AppState, request: Request, req: Req, service: GeneratingService[Req, P],
-                   framing: Framing = SSE) -> Response:
+async def generate(request: Request, req: Req, service: GeneratingService[Req, P], framing: Framing = SSE) -> Response:
     """A text-generating request: prepared off the event loop, then streamed (SSE, or DJL's jsonlines) or answered
     whole."""
     check_access(request.scope, service.deployments, req.model)  # a key's deployments: else 404
-    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope, state))
+    prepared = await asyncio.to_thread(service.prepare, req, request_context(request.scope, app_state(request)))
     gens = prepared.generations
     # the deployment's queue and the caller's share of it (429 queue_full), the key's tokens per minute (429 tokens)
     dep = prepared.deployment
@@ -183,57 +215,69 @@ def _cards(deployments: Deployments, catalog: ModelCatalog | None) -> list[tuple
     return cards
 
 
+# prepared off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, await parse_body(request, ChatCompletionRequest), app_state(request).services.chat)
+
+
+async def legacy_completions(request: Request) -> Response:
+    return await generate(request, await parse_body(request, CompletionRequest), app_state(request).services.completions)
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state = app_state(request)
+    cards = [card for name, card in _cards(state.deployments, state.catalog)
+             if can_use(request.scope, state.deployments, name)]
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+
+async def get_model(model_id: str, request: Request) -> JSONResponse:
+    state = app_state(request)
+    for name, card in _cards(state.deployments, state.catalog):
+        if name == model_id and can_use(request.scope, state.deployments, name):
+            return JSONResponse(card.model_dump(mode="json"))
+    raise ModelNotFound(model_id)
+
+
+async def create_embeddings(request: Request) -> Response:
+    return await embed(request, await parse_body(request, EmbeddingRequest), app_state(request).services.embeddings)
+
+
+async def health(request: Request) -> JSONResponse:
+    state = app_state(request)
+    deployments = state.deployments
+    ok = deployments.all_alive()
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+    load, cache = sees_counters(request.scope)
+    if load:  # a key's own deployments (a monitoring key: all)
+        body["deployments"] = {d.name: _deployment_stats(d, cache) for d in deployments.all()
+                               if cache or can_use(request.scope, deployments, d.name)}
+    if cache:  # the most memory the server may take, part by part (docs/robustness.md)
+        parts = {d.name: d.memory for d in deployments.all() if d.memory}
+        body["memory"] = {"budget_bytes": RUNTIME_BYTES + sum(sum(p.values()) for p in parts.values()),
+                          "runtime_bytes": RUNTIME_BYTES, "deployments": parts}
+        for name, report in state.health_reports.items():  # e.g. the batch store's
+            body[name] = report()
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+ROUTES = (
+    Route("POST", "/v1/chat/completions", chat_completions,
+          doc(request=ChatCompletionRequest, response=ChatCompletion, streams="text/event-stream")),
+    Route("POST", "/v1/completions", legacy_completions,
+          doc(request=CompletionRequest, response=Completion, streams="text/event-stream")),
+    *(Route("GET", path, list_models, doc(response=ModelList)) for path in ("/models", "/v3/models", "/v1/models")),
+    *(Route("GET", path, get_model, doc(response=ModelCard)) for path in ("/v3/models/{model_id:path}",
+                                                                           "/v1/models/{model_id:path}")),
+    Route("POST", "/v1/embeddings", create_embeddings, doc(request=EmbeddingRequest, response=EmbeddingResponse)),
+    Route("GET", "/health", health),
+)
+
+
 def build_router(state: AppState) -> APIRouter:
-    router = APIRouter()
-    deployments, catalog, services = state.deployments, state.catalog, state.services
-
-    @router.post("/v1/chat/completions", openapi_extra=doc(request=ChatCompletionRequest, response=ChatCompletion,
-                                                           streams="text/event-stream"))
-    async def chat_completions(request: Request) -> Response:
-        # prepared off the event loop: rendering, tokenizing and compiling a grammar may take milliseconds
-        return await generate(state, request, await parse_body(request, ChatCompletionRequest), services.chat)
-
-    @router.post("/v1/completions", openapi_extra=doc(request=CompletionRequest, response=Completion,
-                                                      streams="text/event-stream"))
-    async def legacy_completions(request: Request) -> Response:
-        return await generate(state, request, await parse_body(request, CompletionRequest), services.completions)
-
-    @router.get("/v1/models", openapi_extra=doc(response=ModelList))
-    @router.get("/v3/models", openapi_extra=doc(response=ModelList))
-    @router.get("/models", openapi_extra=doc(response=ModelList))
-    async def list_models(request: Request) -> JSONResponse:
-        cards = [card for name, card in _cards(deployments, catalog) if can_use(request.scope, deployments, name)]
-        return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
-
-    @router.get("/v1/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
-    @router.get("/v3/models/{model_id:path}", openapi_extra=doc(response=ModelCard))
-    async def get_model(model_id: str, request: Request) -> JSONResponse:
-        for name, card in _cards(deployments, catalog):
-            if name == model_id and can_use(request.scope, deployments, name):
-                return JSONResponse(card.model_dump(mode="json"))
-        raise ModelNotFound(model_id)
-
-    @router.post("/v1/embeddings", openapi_extra=doc(request=EmbeddingRequest, response=EmbeddingResponse))
-    async def create_embeddings(request: Request) -> Response:
-        return await embed(request, await parse_body(request, EmbeddingRequest), services.embeddings)
-
-    @router.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        ok = deployments.all_alive()
-        body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
-        load, cache = sees_counters(request.scope)
-        if load:  # a key's own deployments (a monitoring key: all)
-            body["deployments"] = {d.name: _deployment_stats(d, cache) for d in deployments.all()
-                                   if cache or can_use(request.scope, deployments, d.name)}
-        if cache:  # the most memory the server may take, part by part (docs/robustness.md)
-            parts = {d.name: d.memory for d in deployments.all() if d.memory}
-            body["memory"] = {"budget_bytes": RUNTIME_BYTES + sum(sum(p.values()) for p in parts.values()),
-                              "runtime_bytes": RUNTIME_BYTES, "deployments": parts}
-            for name, report in state.health_reports.items():  # e.g. the batch store's
-                body[name] = report()
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    return router
+    """The OpenAI routes (chat, completions, models, embeddings) and /health; their handlers read `state` from the
+    app that takes each request."""
+    return router_of(ROUTES)
 
 
 @contextmanager
