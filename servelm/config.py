@@ -207,6 +207,10 @@ class ServerSettings(BaseSettings):
                                          "for GET /v1/responses/{id} and previous_response_id; the oldest go first")
     responses_store_mib: int = Field(64, ge=1, description="memory the stored responses may hold")
     responses_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
+    conversations_max: int = Field(1000, ge=0, le=1_000_000, description="conversations (/v1/conversations) one key "
+                                   "may keep; past it creating one is a 400 until one is deleted")
+    conversation_max_items: int = Field(10_000, ge=1, le=1_000_000, description="items one conversation may hold")
+    conversations_mib: int = Field(64, ge=1, le=65_536, description="memory one key's conversations' items may hold")
     # -- the Files and Batches API (servelm/batch/, http/batches.py) --
     state_dir: Path | None = Field(
         None, description="a directory for the Files and Batches API's state: an SQLite database and the uploaded "

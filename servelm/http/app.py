@@ -21,6 +21,7 @@ from servelm.http.agents import build_agent_router
 from servelm.http.asgi import ErrorBoundary
 from servelm.http.auth import OPENAPI_PATH
 from servelm.http.batches import BatchConfig, batch_runner, build_batch_router, build_no_batch_router
+from servelm.http.conversations import build_conversation_router
 from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
@@ -34,6 +35,7 @@ from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
 from servelm.keys import KeySpec
 from servelm.metrics import Metrics
+from servelm.service.conversations import ConversationLimits, ConversationStore, MemoryConversations
 from servelm.service.hosted_mcp import McpSettings
 from servelm.service.registry.catalog import ModelCatalog
 from servelm.service.registry.deployments import Deployments, TextDeployment
@@ -52,21 +54,29 @@ class AppOptions:
     playground: bool = True
     batches: BatchConfig | None = None
     mcp: McpSettings = field(default_factory=McpSettings)  # the MCP servers Responses requests may reach
+    conversations: ConversationLimits = field(default_factory=ConversationLimits)  # each key's, kept in memory
 
     @classmethod
     def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = ()) -> AppOptions:
         """From ServerSettings and the keys load_keys(settings, …) read."""
         return cls(SecurityConfig.from_settings(settings, keys), settings.timings, settings.playground,
-                   BatchConfig.from_settings(settings), McpSettings.from_settings(settings))
+                   BatchConfig.from_settings(settings), McpSettings.from_settings(settings),
+                   ConversationLimits.from_settings(settings))
+
+
+def _kept_in_memory() -> dict[str, Any]:
+    """Where the stored responses and the conversations are kept: in memory, so a restart loses them."""
+    return {"responses": "memory", "conversations": "memory", "survives_restart": False}
 
 
 def create_app(deployments: Deployments, options: AppOptions | None = None, *,
                on_start: Callable[[], None] | None = None, on_stop: Callable[[], None] | None = None,
-               store: ResponseStore | None = None, catalog: ModelCatalog | None = None,
-               tracing: Tracing | None = None) -> FastAPI:
+               store: ResponseStore | None = None, conversations: ConversationStore | None = None,
+               catalog: ModelCatalog | None = None, tracing: Tracing | None = None) -> FastAPI:
     """The app over these deployments, as `options` say; `on_start` and `on_stop` start and stop their engines; `store`
-    keeps the Responses API's stored answers (default: in this process's memory); `catalog`: models loaded when a
-    request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span per request."""
+    keeps the Responses API's stored answers and `conversations` its conversations (default: in this process's
+    memory); `catalog`: models loaded when a request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span
+    per request."""
     options = options or AppOptions()
     security, batches = options.security, options.batches
     runner: BatchRunner | None = None
@@ -109,8 +119,11 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
     drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     if batches is not None:
         runner = batch_runner(app, deployments, batches)
-    services = Services.build(deployments, store if store is not None else MemoryStore(), options.mcp)
-    reports = {"batch_store": runner.store.health} if runner is not None else {}  # what start-up found (no I/O)
+    services = Services.build(deployments, store if store is not None else MemoryStore(), options.mcp,
+                              conversations or MemoryConversations(options.conversations))
+    reports: dict[str, Callable[[], dict[str, Any]]] = {"kept": _kept_in_memory}  # what a restart keeps, and loses
+    if runner is not None:
+        reports["batch_store"] = runner.store.health  # what start-up found (no I/O)
     state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports)
     setattr(app.state, STATE_KEY, state)
     app.include_router(build_router(state))
@@ -119,6 +132,7 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
     metrics.watch_adapters(lambda: [(d.name, a.name, a.loaded, a.requests) for d in deployments.generators()
                                     for a in (d.adapters.all() if d.adapters is not None else ())])
     app.include_router(build_agent_router(state))  # Responses, Messages, /tokenize
+    app.include_router(build_conversation_router())
     app.include_router(build_dialect_router(state))  # Azure ML, SageMaker / DJL, OVMS
     app.include_router(build_rerank_router(state))  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
     app.include_router(build_metrics_router(metrics))

@@ -13,6 +13,7 @@ from servelm.metrics import Metrics
 from servelm.service.anthropic import MessagesService
 from servelm.service.chat import ChatService
 from servelm.service.completions import CompletionService
+from servelm.service.conversations import ConversationsService, ConversationStore, MemoryConversations
 from servelm.service.dialects import NativeService
 from servelm.service.embeddings import EmbeddingService
 from servelm.service.hosted_mcp import McpSettings
@@ -37,18 +38,23 @@ class Services:
     embeddings: EmbeddingService
     scores: ScoreService  # rerank and score
     responses: ResponsesService
+    conversations: ConversationsService
     messages: MessagesService
     tokens: TokenizeService
 
     @classmethod
-    def build(cls, deployments: Deployments, store: ResponseStore, mcp: McpSettings = McpSettings()) -> Services:
-        """`store` keeps the Responses API's stored answers; `mcp`: the MCP servers its requests may reach."""
+    def build(cls, deployments: Deployments, store: ResponseStore, mcp: McpSettings = McpSettings(),
+              conversations: ConversationStore | None = None) -> Services:
+        """`store` keeps the Responses API's stored answers, `conversations` its conversations (default: in memory);
+        `mcp`: the MCP servers its requests may reach."""
         chat = ChatService(deployments)
         completions = CompletionService(deployments)
+        talks = ConversationsService(conversations or MemoryConversations())
         return cls(chat=chat, completions=completions,
                    ovms_completions=CompletionService(deployments, default_max_tokens=None),
                    native=NativeService(completions), embeddings=EmbeddingService(deployments),
-                   scores=ScoreService(deployments), responses=ResponsesService(chat, store, mcp),
+                   scores=ScoreService(deployments), responses=ResponsesService(chat, store, mcp, talks),
+                   conversations=talks,
                    messages=MessagesService(chat), tokens=TokenizeService(chat))
 
 

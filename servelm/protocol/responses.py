@@ -234,6 +234,10 @@ class ReasoningParam(WireModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+class ConversationRef(WireModel):
+    id: Annotated[str, Field(max_length=MAX_ID)]
+
+
 class ResponsesStreamOptions(WireModel):
     include_obfuscation: bool | None = None
 
@@ -251,6 +255,7 @@ class ResponsesRequest(SamplingExtras):
     reasoning: ReasoningParam | None = None
     thinking_budget: Count | None = None  # servelm's, as on chat completions
     previous_response_id: str | None = None
+    conversation: Annotated[str, Field(max_length=MAX_ID)] | ConversationRef | None = None
     store: bool | None = None
     stream: bool | None = None
     stream_options: ResponsesStreamOptions | None = None
@@ -370,6 +375,7 @@ class ResponseObject(ResponseModel):
     output: list[OutputItem]
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
+    conversation: dict[str, str] | None = None
     reasoning: dict[str, Any] = {"effort": None, "summary": None}
     store: bool = True
     temperature: float | None = None

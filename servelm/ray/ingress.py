@@ -83,11 +83,12 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         from servelm.http.app import create_app
-        from servelm.ray.store import RayStore
+        from servelm.ray.store import RayConversations, RayStore
 
         tracing = Tracing(self._plan.tracing) if self._plan.tracing is not None else None
         app = create_app(self._deployments, self._plan.app, on_start=self._start, on_stop=self._stop,
-                         store=RayStore(self._plan.store), catalog=self._catalog, tracing=tracing)
+                         store=RayStore(self._plan.store), conversations=RayConversations(self._plan.app.conversations),
+                         catalog=self._catalog, tracing=tracing)
         return ReplicaHeader(FreshStats(app, self._sets))
 
     def _start(self) -> None:

@@ -20,6 +20,7 @@ from servelm.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompl
 from servelm.protocol.common import SamplingExtras, Usage
 from servelm.protocol.responses import (
     AllowedTools,
+    ConversationRef,
     FunctionCallItem,
     FunctionCallOut,
     FunctionCallOutputItem,
@@ -54,6 +55,7 @@ from servelm.protocol.responses import (
 from servelm.service import hosted_mcp
 from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
+from servelm.service.conversations import ITEM_PREFIX, ConversationsService, MemoryConversations, page_of, stored_item
 from servelm.service.hosted_mcp import Exposed, McpPlan, McpSettings
 from servelm.service.mcp import McpResult, McpSession, McpUnavailable, check_server_url
 from servelm.service.params import RequestContext
@@ -76,6 +78,7 @@ class PreparedResponse(Translated):
     input_items: list[dict[str, Any]]
     history: list[dict[str, Any]]  # the conversation before this input (from previous_response_id)
     warnings: list[str]
+    conversation: str | None = None  # the conversation it continues and adds its items to
     chat_body: dict[str, Any] = field(default_factory=dict)  # the chat request, without MCP tools (a turn's base)
     mcp: McpPlan | None = None  # the MCP servers it names, and the approvals it answers
     ctx: RequestContext = RequestContext()
@@ -88,11 +91,13 @@ class PreparedResponse(Translated):
 class ResponsesService:
     operation = "chat"  # its GenAI operation name (traces)
 
-    def __init__(self, chat: ChatService, store: ResponseStore, mcp: McpSettings = McpSettings()) -> None:
+    def __init__(self, chat: ChatService, store: ResponseStore, mcp: McpSettings = McpSettings(),
+                 conversations: ConversationsService | None = None) -> None:
         self.chat = chat
         self.deployments = chat.deployments
         self.store = store
         self.mcp = mcp
+        self.conversations = conversations or ConversationsService(MemoryConversations())
 
     # -- validation and conversion ----------------------------------------------------------------
     def prepare(self, req: ResponsesRequest, ctx: RequestContext = RequestContext()) -> PreparedResponse:
@@ -104,6 +109,15 @@ class ResponsesService:
                 raise NotFound(f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = previous.history
+        conversation = req.conversation.id if isinstance(req.conversation, ConversationRef) else req.conversation
+        if conversation is not None:
+            if req.previous_response_id is not None:
+                raise InvalidParameter("Give a conversation or a previous_response_id, not both.", "conversation")
+            try:
+                history = self.conversations.history(ctx.owner, conversation)
+            except NotFound:
+                raise NotFound(f"Conversation with id '{conversation}' not found.", param="conversation",
+                               code="not_found") from None
         items = input_items(req)
         tools, warnings = _tools(req)
         mcp = hosted_mcp.plan(req, history, self.store, ctx.owner, self.mcp) if _names_mcp(req) else None
@@ -134,7 +148,7 @@ class ResponsesService:
             raise InvalidParameter(f"Invalid input: {err['msg']}.", "input") from None
         prepared = self.chat.prepare(chat_req, ctx)
         return PreparedResponse(prepared, req, ctx.owner, f"resp_{uuid.uuid4().hex}", int(time.time()), items,
-                                history, warnings, body, mcp, ctx)
+                                history, warnings, conversation, body, mcp, ctx)
 
     # -- running ----------------------------------------------------------------------------------
     async def complete(self, p: PreparedResponse) -> ResponseObject:
@@ -315,6 +329,7 @@ class ResponsesService:
             output=output,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id,
+            conversation={"id": p.conversation} if p.conversation is not None else None,
             reasoning={"effort": req.reasoning.effort if req.reasoning else None,
                        "summary": req.reasoning.summary if req.reasoning else None},
             store=req.store is not False,
@@ -340,9 +355,14 @@ class ResponsesService:
         )
 
     async def _keep(self, p: PreparedResponse, response: ResponseObject) -> None:
+        body = response.model_dump(mode="json")
+        if p.conversation is not None:  # its input and output join the conversation, whatever `store` says
+            added = [stored_item(item) for item in p.input_items + body["output"]]
+            if not await asyncio.to_thread(self.conversations.store.add, p.owner, p.conversation, added):
+                raise NotFound(f"Conversation with id '{p.conversation}' not found.", param="conversation",
+                               code="not_found")
         if p.request.store is False:
             return
-        body = response.model_dump(mode="json")
         output = [_as_input(item) for item in body["output"]]
         entry = StoredResponse(body, p.input_items, p.history + p.input_items + output)
         await asyncio.to_thread(self.store.put, p.owner, p.response_id, entry)
@@ -360,15 +380,9 @@ class ResponsesService:
 
     def input_item_list(self, owner: str, response_id: str, order: str = "desc", limit: int = 20,
                         after: str | None = None) -> InputItemList:
-        items = list(self.stored(owner, response_id).input_items)
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [i.get("id") for i in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
-        page = items[:limit]
+        page, more = page_of(self.stored(owner, response_id).input_items, order, limit, after)
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
-                             last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+                             last_id=page[-1]["id"] if page else None, has_more=more)
 
 
 async def _run_call(events: _EventWriter, call: McpCallOut, session: McpSession) -> AsyncGenerator[ResponseEvent, None]:
@@ -454,12 +468,9 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
         return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.input}],
                  "id": f"msg_{uuid.uuid4().hex}"}]
     out = []
-    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
-              "mcp_approval_response": "mcpa", "mcp_call": "mcp", "mcp_list_tools": "mcpl",
-              "mcp_approval_request": "mcpr"}
     for item in req.input:
         data = item.model_dump(by_alias=True, exclude_none=True)
-        data.setdefault("id", f"{prefix[data['type']]}_{uuid.uuid4().hex}")
+        data.setdefault("id", f"{ITEM_PREFIX[data['type']]}_{uuid.uuid4().hex}")
         if data["type"] == "message" and isinstance(data["content"], str):  # as OpenAI lists it: a text part
             kind = "output_text" if data["role"] == "assistant" else "input_text"
             data["content"] = [{"type": kind, "text": data["content"]}]

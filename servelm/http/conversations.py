@@ -1,0 +1,86 @@
+"""OpenAI's Conversations API: /v1/conversations (create, retrieve, update, delete) and its items (list, add,
+retrieve, delete), each scoped to the caller's key (service/conversations.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from servelm.errors import InvalidParameter
+from servelm.http.openapi import doc
+from servelm.http.routes import Route, app_state, parse_body, request_context, router_of
+from servelm.protocol.conversations import (
+    AddItems,
+    ConversationItemList,
+    ConversationObject,
+    CreateConversation,
+    DeletedConversation,
+    UpdateConversation,
+)
+from servelm.service.conversations import MAX_PAGE
+
+
+async def _answer(request: Request, method: str, *args: Any) -> JSONResponse:
+    """The conversations service's `method` for the caller's key, off the event loop, as JSON."""
+    service = app_state(request).services.conversations
+    result = await asyncio.to_thread(getattr(service, method), request_context(request.scope).owner, *args)
+    return JSONResponse(result if isinstance(result, dict) else result.model_dump(mode="json"))
+
+
+async def create_conversation(request: Request) -> JSONResponse:
+    return await _answer(request, "create", await parse_body(request, CreateConversation))
+
+
+async def get_conversation(conversation_id: str, request: Request) -> JSONResponse:
+    return await _answer(request, "get", conversation_id)
+
+
+async def update_conversation(conversation_id: str, request: Request) -> JSONResponse:
+    return await _answer(request, "update", conversation_id, await parse_body(request, UpdateConversation))
+
+
+async def delete_conversation(conversation_id: str, request: Request) -> JSONResponse:
+    return await _answer(request, "delete", conversation_id)
+
+
+async def list_items(conversation_id: str, request: Request, order: str = "desc", limit: int = 20,
+                     after: str | None = None) -> JSONResponse:
+    if order not in ("asc", "desc"):
+        raise InvalidParameter("order must be asc or desc.", "order")
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidParameter(f"limit must be between 1 and {MAX_PAGE}.", "limit")
+    return await _answer(request, "items", conversation_id, order, limit, after)
+
+
+async def add_items(conversation_id: str, request: Request) -> JSONResponse:
+    return await _answer(request, "add", conversation_id, await parse_body(request, AddItems))
+
+
+async def get_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    return await _answer(request, "item", conversation_id, item_id)
+
+
+async def delete_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    return await _answer(request, "remove_item", conversation_id, item_id)
+
+
+_ONE = "/v1/conversations/{conversation_id}"
+_ITEMS = _ONE + "/items"
+ROUTES = (
+    Route("POST", "/v1/conversations", create_conversation,
+          doc(request=CreateConversation, response=ConversationObject)),
+    Route("GET", _ONE, get_conversation, doc(response=ConversationObject)),
+    Route("POST", _ONE, update_conversation, doc(request=UpdateConversation, response=ConversationObject)),
+    Route("DELETE", _ONE, delete_conversation, doc(response=DeletedConversation)),
+    Route("GET", _ITEMS, list_items, doc(response=ConversationItemList)),
+    Route("POST", _ITEMS, add_items, doc(request=AddItems, response=ConversationItemList)),
+    Route("GET", _ITEMS + "/{item_id}", get_item, doc()),
+    Route("DELETE", _ITEMS + "/{item_id}", delete_item, doc(response=ConversationObject)),
+)
+
+
+def build_conversation_router() -> APIRouter:
+    return router_of(ROUTES)

@@ -1,0 +1,48 @@
+"""OpenAI's Conversations API wire shapes (/v1/conversations and its items)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from servelm.protocol.common import ResponseModel, WireModel
+from servelm.protocol.responses import InputItem
+
+MAX_ITEMS_ADDED = 20  # items one create or add may carry (OpenAI's bound)
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+
+
+class CreateConversation(WireModel):
+    metadata: Metadata | None = None
+    items: Annotated[list[InputItem], Field(max_length=MAX_ITEMS_ADDED)] | None = None
+
+
+class UpdateConversation(WireModel):
+    metadata: Metadata
+
+
+class AddItems(WireModel):
+    items: Annotated[list[InputItem], Field(min_length=1, max_length=MAX_ITEMS_ADDED)]
+
+
+class ConversationObject(ResponseModel):
+    id: str
+    object: Literal["conversation"] = "conversation"
+    created_at: int
+    metadata: dict[str, str] = {}
+
+
+class DeletedConversation(ResponseModel):
+    id: str
+    object: Literal["conversation.deleted"] = "conversation.deleted"
+    deleted: bool = True
+
+
+class ConversationItemList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
