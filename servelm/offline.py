@@ -50,8 +50,7 @@ def read_lines(path: Path, max_line_bytes: int = 8 << 20) -> list[BatchLine]:
             f.seek(0)
             return [line for _, line in requests(f, None, max_line_bytes) if isinstance(line, BatchLine)]
     except MalformedFile as exc:
-        problems = "\n".join(f"  line {e['line']}: {e['message']}" if e["line"] else f"  {e['message']}"
-                             for e in exc.errors)
+        problems = "\n".join(f"  line {e.line}: {e.message}" if e.line else f"  {e.message}" for e in exc.errors)
         raise SystemExit(f"servelm batch: {path} is not a batch file:\n{problems}") from None
 
 

@@ -13,6 +13,7 @@ from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from servelm.batch.objects import BatchError
 from servelm.batch.store import LineResult, new_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -43,8 +44,8 @@ class BatchLine:
 class MalformedFile(Exception):
     """The file is not a batch for this endpoint: OpenAI's BatchError objects, by line."""
 
-    def __init__(self, errors: list[dict[str, Any]]) -> None:
-        super().__init__(errors[0]["message"] if errors else "malformed batch file")
+    def __init__(self, errors: list[BatchError]) -> None:
+        super().__init__(errors[0].message if errors else "malformed batch file")
         self.errors = errors
 
 
@@ -54,8 +55,8 @@ def shown(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
-def batch_error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": param, "line": line}
+def batch_error(code: str, message: str, line: int | None = None, param: str | None = None) -> BatchError:
+    return BatchError(code=code, message=message, param=param, line=line)
 
 
 def count_requests(f: BinaryIO, stop_after: int) -> int:
@@ -85,7 +86,7 @@ def file_lines(f: BinaryIO, max_bytes: int, first: int = 1) -> Iterator[tuple[in
 
 
 def parse_line(raw: bytes | None, number: int, endpoint: str | None,
-               max_bytes: int) -> tuple[BatchLine | None, list[dict[str, Any]]]:
+               max_bytes: int) -> tuple[BatchLine | None, list[BatchError]]:
     """One line of a batch file as a request, and what is wrong with it: not UTF-8, longer than `max_bytes`, not a
     JSON object (nested too deeply included), no custom_id string, a method other than POST, a url other than the
     batch's endpoint (None: any endpoint a batch serves, line by line, as vLLM's run-batch takes them), a body that
@@ -132,7 +133,7 @@ def validate(f: BinaryIO, endpoint: str | None, max_lines: int, max_bytes: int) 
     """How many requests a batch file holds, read a line at a time and each line let go once checked; or
     MalformedFile listing what is wrong: parse_line's errors, a repeated custom_id, no line at all, more than
     `max_lines`. What it keeps is a 16-byte digest per custom_id."""
-    errors: list[dict[str, Any]] = []
+    errors: list[BatchError] = []
     seen: set[bytes] = set()
     count = 0
     for number, raw in file_lines(f, max_bytes):
@@ -178,7 +179,7 @@ def request_body(line: BatchLine, endpoint: str, priority: int) -> dict[str, Any
     return body
 
 
-def answered(line: BatchLine, status: int, request_id: str, body: Any) -> LineResult:
+def answered(line: BatchLine, status: int, request_id: str, body: object) -> LineResult:
     """The output line of a request that got an HTTP answer (2xx: the output file; else the error file)."""
     ok = 200 <= status < 300
     out = {"id": new_id("batch_req_"), "custom_id": line.custom_id,
@@ -193,10 +194,10 @@ def unanswered(line: BatchLine, code: str, message: str) -> LineResult:
     return _no_answer(line.number, line.custom_id, code, message)
 
 
-def unreadable(number: int, errors: list[dict[str, Any]]) -> LineResult:
+def unreadable(number: int, errors: list[BatchError]) -> LineResult:
     """The error line of a line that is no request (its custom_id unknown)."""
     first = errors[0] if errors else batch_error("invalid_request", f"line {number} is not a request.", number)
-    return _no_answer(number, None, first["code"], first["message"])
+    return _no_answer(number, None, first.code, first.message)
 
 
 def _no_answer(number: int, custom_id: str | None, code: str, message: str) -> LineResult:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Container
 from typing import Any, BinaryIO, Protocol
 
 from servelm.batch.lines import BatchLine, MalformedFile, answered, batch_error, request_body, requests, unanswered, validate
+from servelm.batch.objects import Batch, BatchError, BatchErrors, RequestCounts, Status
 from servelm.batch.store import BatchStore, FileDamaged, LineResult, StoreDamaged
 
 log = logging.getLogger("servelm.batch")
@@ -25,11 +26,11 @@ POLL_S = 1.0  # how often the runner looks at the clock for expiry while nothing
 RETRY_S = 1.0  # a line answered "not now" (429 queue full, 503 busy or shutting down) is sent again after this
 NOT_NOW = frozenset({429, 503})
 VALIDATING = 2  # batch files checked at once (each on a thread of its own)
-UNFINISHED_AT_WORK = ("validating", "in_progress", "finalizing")
+UNFINISHED_AT_WORK: tuple[Status, ...] = ("validating", "in_progress", "finalizing")
 
 
 class LineCaller(Protocol):
-    async def __call__(self, endpoint: str, body: dict[str, Any], owner: str) -> tuple[int, str, Any]:
+    async def __call__(self, endpoint: str, body: dict[str, Any], owner: str) -> tuple[int, str, object]:
         """POST `body` to `endpoint` as `owner`: (status, request id, the answer's JSON body)."""
         ...
 
@@ -70,9 +71,9 @@ async def answer(caller: LineCaller, line: BatchLine, endpoint: str, owner: str,
     "not now" (429 queue full, 503 busy or shutting down) is no answer: the line goes again after RETRY_S (a
     shutdown cancels it there). A caller that fails (no HTTP answer at all) is the line's own 500."""
     if line.body.get("stream"):
-        body = {"error": {"message": "stream is not supported in a batch: each line is answered whole.",
-                          "type": "invalid_request_error", "param": "stream", "code": "invalid_value"}}
-        return answered(line, 400, "", body)
+        return answered(line, 400, "", {"error": {
+            "message": "stream is not supported in a batch: each line is answered whole.",
+            "type": "invalid_request_error", "param": "stream", "code": "invalid_value"}})
     while True:
         try:
             status, request_id, body = await caller(endpoint, request_body(line, endpoint, priority), owner)
@@ -186,7 +187,7 @@ class BatchRunner:
             self._batches.pop(batch_id, None)
             self._stop.pop(batch_id, None)
 
-    async def _fail(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+    async def _fail(self, batch_id: str, errors: list[BatchError]) -> None:
         try:
             await asyncio.to_thread(self._end_failed, batch_id, errors)
         except Exception:
@@ -194,13 +195,15 @@ class BatchRunner:
                           batch_id)
             self._stuck.add(batch_id)
 
-    def _end_failed(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+    def _end_failed(self, batch_id: str, errors: list[BatchError]) -> None:
         """End a batch failed with these errors (cancelled, if it was being cancelled), its answered lines in its
-        output and error files."""
+        output and error files. It is failed (its status, errors and failed_at, at once: no line is recorded after)
+        before those files are written."""
         store = self.store
-        if store.update(batch_id, UNFINISHED_AT_WORK, status="failed", errors={"object": "list", "data": errors}):
+        if store.update(batch_id, UNFINISHED_AT_WORK, status="failed", errors=BatchErrors(data=errors),
+                        failed_at=int(time.time())):
             store.finish(batch_id, "failed")
-        elif (store.batch(None, batch_id) or {}).get("status") == "cancelling":
+        elif (batch := store.batch(None, batch_id)) is not None and batch.status == "cancelling":
             store.finish(batch_id, "cancelled")
 
     def _opener(self, owner: str, file_id: str) -> Callable[[], BinaryIO]:
@@ -229,13 +232,13 @@ class BatchRunner:
         if batch is None:
             return
         owner = await asyncio.to_thread(store.owner_of, batch_id)
-        open_input = self._opener(owner, batch["input_file_id"])
-        if batch["status"] == "validating":
+        open_input = self._opener(owner, batch.input_file_id)
+        if batch.status == "validating":
             batch = await self._validate(batch, open_input)
         stop = self._stop.setdefault(batch_id, asyncio.Event())
-        if batch["status"] == "in_progress":
+        if batch.status == "in_progress":
             done = await asyncio.to_thread(store.answered, batch_id)
-            source = LineSource(open_input, batch["endpoint"], self.max_line_bytes, done)
+            source = LineSource(open_input, batch.endpoint, self.max_line_bytes, done)
             feeding = asyncio.create_task(self._feed(batch, owner, source))
             stopped = asyncio.create_task(self._until_stopped(batch, stop))
             await asyncio.wait({feeding, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -246,21 +249,21 @@ class BatchRunner:
                     await task  # (an error of either is the batch's)
         await self._finish(batch_id, open_input)
 
-    async def _validate(self, batch: dict[str, Any], open_input: Callable[[], BinaryIO]) -> dict[str, Any]:
+    async def _validate(self, batch: Batch, open_input: Callable[[], BinaryIO]) -> Batch:
         """A batch still validating, its file checked a line at a time on a thread (VALIDATING files at once), then
         under way (MalformedFile: it is not a batch)."""
         def check() -> int:
             with open_input() as f:
-                return validate(f, batch["endpoint"], self.max_lines, self.max_line_bytes)
+                return validate(f, batch.endpoint, self.max_lines, self.max_line_bytes)
 
         async with self._validating:
             total = await asyncio.to_thread(check)
         updated = await asyncio.to_thread(
-            self.store.update, batch["id"], ("validating",), status="in_progress", in_progress_at=int(time.time()),
-            request_counts={"total": total, "completed": 0, "failed": 0})
-        return updated or await asyncio.to_thread(self.store.batch, None, batch["id"]) or batch
+            self.store.update, batch.id, ("validating",), status="in_progress", in_progress_at=int(time.time()),
+            request_counts=RequestCounts(total=total))
+        return updated or await asyncio.to_thread(self.store.batch, None, batch.id) or batch
 
-    async def _feed(self, batch: dict[str, Any], owner: str, source: LineSource) -> None:
+    async def _feed(self, batch: Batch, owner: str, source: LineSource) -> None:
         """Every line of the batch, each read once a slot is free (so the lines held are those under way), and
         answered and recorded by a task of its own that frees the slot as it ends."""
         assert self._slots is not None
@@ -292,22 +295,22 @@ class BatchRunner:
             for task in under_way:
                 task.cancel()
 
-    async def _line(self, batch: dict[str, Any], owner: str, item: BatchLine | LineResult, turn: Turn) -> None:
+    async def _line(self, batch: Batch, owner: str, item: BatchLine | LineResult, turn: Turn) -> None:
         with turn:  # (ended once the line's tokens are charged, at the latest when it is answered)
-            result = item if isinstance(item, LineResult) else await answer(self.caller, item, batch["endpoint"],
+            result = item if isinstance(item, LineResult) else await answer(self.caller, item, batch.endpoint,
                                                                             owner, self.priority)
-        await asyncio.to_thread(self.store.record, batch["id"], result)
+        await asyncio.to_thread(self.store.record, batch.id, result)
 
-    async def _until_stopped(self, batch: dict[str, Any], stop: asyncio.Event) -> None:
+    async def _until_stopped(self, batch: Batch, stop: asyncio.Event) -> None:
         """Returns when the batch is cancelled or its window ends."""
         while not stop.is_set():
-            left = batch["expires_at"] - time.time()
+            left = batch.expires_at - time.time()
             if left <= 0:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), min(left, POLL_S * 5))
-            current = await asyncio.to_thread(self.store.batch, None, batch["id"])
-            if current is None or current["status"] == "cancelling":
+            current = await asyncio.to_thread(self.store.batch, None, batch.id)
+            if current is None or current.status == "cancelling":
                 return
 
     async def _finish(self, batch_id: str, open_input: Callable[[], BinaryIO]) -> None:
@@ -315,24 +318,24 @@ class BatchRunner:
         those go to the error file) or completed; its output and error files are written with the end."""
         store = self.store
         batch = await asyncio.to_thread(store.batch, None, batch_id)
-        if batch is None or batch["status"] not in ("in_progress", "finalizing", "cancelling"):
+        if batch is None or batch.status not in ("in_progress", "finalizing", "cancelling"):
             return
-        counts = batch["request_counts"]
-        status = "cancelled" if batch["status"] == "cancelling" else "completed"
-        if status == "completed" and counts["completed"] + counts["failed"] < counts["total"]:
-            if time.time() < batch["expires_at"]:
+        counts = batch.request_counts
+        status: Status = "cancelled" if batch.status == "cancelling" else "completed"
+        if status == "completed" and counts.completed + counts.failed < counts.total:
+            if time.time() < batch.expires_at:
                 return  # stopped early (a shutdown): taken up again
             status = "expired"
             await asyncio.to_thread(self._expire_rest, batch, open_input)
-        if status == "completed" and batch["status"] == "in_progress":
+        if status == "completed" and batch.status == "in_progress":
             await asyncio.to_thread(store.update, batch_id, ("in_progress",), status="finalizing",
                                     finalizing_at=int(time.time()))
         await asyncio.to_thread(store.finish, batch_id, status)
         log.info("batch %s %s", batch_id, status)
 
-    def _expire_rest(self, batch: dict[str, Any], open_input: Callable[[], BinaryIO]) -> None:
+    def _expire_rest(self, batch: Batch, open_input: Callable[[], BinaryIO]) -> None:
         """Each line not answered goes to the error file as `batch_expired`."""
-        source = LineSource(open_input, batch["endpoint"], self.max_line_bytes, self.store.answered(batch["id"]))
+        source = LineSource(open_input, batch.endpoint, self.max_line_bytes, self.store.answered(batch.id))
         while (item := source.read()) is not None:
-            self.store.record(batch["id"], item if isinstance(item, LineResult) else unanswered(
+            self.store.record(batch.id, item if isinstance(item, LineResult) else unanswered(
                 item, "batch_expired", "This request could not be executed before the completion window expired."))

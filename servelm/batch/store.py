@@ -15,7 +15,6 @@ server): another owner's file or batch is not found.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
@@ -29,8 +28,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from types import TracebackType
+from typing import BinaryIO
 
+from servelm.batch.objects import Batch, FieldValue, OpenAIFile, Status
 from servelm.errors import ServiceUnavailable
 from servelm.gguf_header import open_regular
 
@@ -113,7 +114,7 @@ class _Guard:
     def __enter__(self) -> None:
         self._lock.acquire()
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._lock.release()
         if _is_damage(exc):
             raise self._store.damaged(str(exc)) from exc
@@ -143,13 +144,10 @@ class FileRecord:
     created_at: int
     expires_at: int | None = None
 
-    def wire(self) -> dict[str, Any]:
+    def file_object(self) -> OpenAIFile:
         """OpenAI's File object."""
-        wire: dict[str, Any] = {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
-                                "filename": self.filename, "purpose": self.purpose, "status": "processed"}
-        if self.expires_at is not None:
-            wire["expires_at"] = self.expires_at
-        return wire
+        return OpenAIFile(id=self.id, bytes=self.bytes, created_at=self.created_at, filename=self.filename,
+                          purpose=self.purpose, expires_at=self.expires_at)
 
 
 @dataclass(frozen=True)
@@ -177,7 +175,7 @@ class BatchStore:
         self.db_path = self.directory / "servelm.db"
         self._lock = _Guard(self)
         self._damage: str | None = None  # what was found, once damage was met while serving
-        self._orphans: dict[str, Any] | None = None  # what start-up moved aside
+        self._orphans: dict[str, int | str] | None = None  # what start-up moved aside
         self._held = _hold(self.directory / ".lock")
         try:
             self._db = self._open()
@@ -222,9 +220,9 @@ class BatchStore:
         self._damage = str(error)
         return error
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> dict[str, object]:
         """/health's report (no I/O): ok or damaged, and what start-up moved aside."""
-        report: dict[str, Any] = {"status": "ok" if self._damage is None else "damaged", "database": str(self.db_path)}
+        report: dict[str, object] = {"status": "ok" if self._damage is None else "damaged", "database": str(self.db_path)}
         if self._damage is not None:
             report["error"] = self._damage
         if self._orphans is not None:
@@ -361,7 +359,8 @@ class BatchStore:
 
     def in_use(self, file_id: str) -> bool:
         """Whether an unfinished batch reads this file."""
-        return any((self.batch(None, b) or {}).get("input_file_id") == file_id for b in self.unfinished())
+        return any((batch := self.batch(None, b)) is not None and batch.input_file_id == file_id
+                   for b in self.unfinished())
 
     def delete_file(self, owner: str, file_id: str) -> bool:
         with self._tx() as db:
@@ -371,31 +370,31 @@ class BatchStore:
         return gone
 
     # -- batches ----------------------------------------------------------------------------------
-    def add_batch(self, owner: str, body: dict[str, Any]) -> None:
+    def add_batch(self, owner: str, batch: Batch) -> None:
         with self._tx() as db:
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
-                       (body["id"], owner, body["created_at"], body["status"], json.dumps(body)))
+                       (batch.id, owner, batch.created_at, batch.status, batch.stored()))
 
-    def batch(self, owner: str | None, batch_id: str) -> dict[str, Any] | None:
+    def batch(self, owner: str | None, batch_id: str) -> Batch | None:
         """A batch object (owner None: whoever owns it, for the runner)."""
         query, args = "SELECT body FROM batches WHERE id = ?", [batch_id]
         if owner is not None:
             query, args = query + " AND owner = ?", [batch_id, owner]
         with self._lock:
             row = self._db.execute(query, args).fetchone()
-        return json.loads(row[0]) if row else None
+        return Batch.from_stored(row[0]) if row else None
 
     def owner_of(self, batch_id: str) -> str:
         with self._lock:
             row = self._db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return str(row[0]) if row else ""
 
-    def batches(self, owner: str) -> list[dict[str, Any]]:
+    def batches(self, owner: str) -> list[Batch]:
         """The owner's batches, newest first."""
         with self._lock:
             rows = self._db.execute("SELECT body FROM batches WHERE owner = ? ORDER BY created_at DESC, rowid DESC",
                                     (owner,)).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        return [Batch.from_stored(r[0]) for r in rows]
 
     def unfinished(self) -> list[str]:
         """Every batch not yet ended, oldest first: what the runner takes up (at start: what a restart resumes)."""
@@ -405,20 +404,19 @@ class BatchStore:
                                     UNFINISHED).fetchall()
         return [r[0] for r in rows]
 
-    def update(self, batch_id: str, only_if: tuple[str, ...] = (), **fields: Any) -> dict[str, Any] | None:
+    def update(self, batch_id: str, only_if: tuple[Status, ...] = (), **fields: FieldValue) -> Batch | None:
         """Set fields of a batch's object (the counts are kept from the lines); None when it is not in one of the
         statuses `only_if` names."""
         with self._tx() as db:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 return None
-            body: dict[str, Any] = json.loads(row[0])
-            if only_if and body["status"] not in only_if:
+            batch = Batch.from_stored(row[0])
+            if only_if and batch.status not in only_if:
                 return None
-            body.update(fields)
-            db.execute("UPDATE batches SET status = ?, body = ? WHERE id = ?",
-                       (body["status"], json.dumps(body), batch_id))
-        return body
+            batch = batch.with_fields(**fields)
+            db.execute("UPDATE batches SET status = ?, body = ? WHERE id = ?", (batch.status, batch.stored(), batch_id))
+        return batch
 
     def record(self, batch_id: str, result: LineResult) -> bool:
         """Commit one answered line with the batch's counts and usage; False when the line was answered already, or
@@ -427,27 +425,26 @@ class BatchStore:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 return False
-            body = json.loads(row[0])
-            if body["status"] not in ("in_progress", "cancelling"):
+            batch = Batch.from_stored(row[0])
+            if batch.status not in ("in_progress", "cancelling"):
                 return False
             added = db.execute("INSERT OR IGNORE INTO lines VALUES (?, ?, ?, ?, ?, ?, ?)",
                                (batch_id, result.line, int(result.ok), result.output, result.input_tokens,
                                 result.cached_tokens, result.output_tokens)).rowcount > 0
             if not added:
                 return False
-            counts = body["request_counts"]
-            counts["completed" if result.ok else "failed"] += 1
-            usage = body["usage"]
-            usage["input_tokens"] += result.input_tokens
-            usage["input_tokens_details"]["cached_tokens"] += result.cached_tokens
-            usage["output_tokens"] += result.output_tokens
-            usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
-            db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(body), batch_id))
+            if result.ok:
+                batch.request_counts.completed += 1
+            else:
+                batch.request_counts.failed += 1
+            batch.usage.add(result.input_tokens, result.cached_tokens, result.output_tokens)
+            db.execute("UPDATE batches SET body = ? WHERE id = ?", (batch.stored(), batch_id))
         return True
 
-    def finish(self, batch_id: str, status: str) -> None:
-        """End a batch (completed, cancelled or expired): its answered lines become its output file and error
-        file (none when empty), committed with the batch's end in one transaction."""
+    def finish(self, batch_id: str, status: Status) -> None:
+        """End a batch (completed, failed, cancelled or expired): its answered lines become its output file and error
+        file (none when empty), committed with the batch's end in one transaction (its `<status>_at` kept if set:
+        a failed batch's is the time it failed)."""
         owner = self.owner_of(batch_id)
         now = int(time.time())
         written = []
@@ -461,13 +458,13 @@ class BatchStore:
                 self.path(file_id).unlink()
         with self._tx() as db:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
-            body = json.loads(row[0])
-            for field, record in written:
+            for _, record in written:
                 db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, record.filename,
                                                                            record.purpose, record.bytes, now, None))
-                body[field] = record.id
-            body.update(status=status, **{f"{status}_at": now})
-            db.execute("UPDATE batches SET status = ?, body = ? WHERE id = ?", (status, json.dumps(body), batch_id))
+            batch = Batch.from_stored(row[0])
+            at = {} if batch.wire()[f"{status}_at"] is not None else {f"{status}_at": now}
+            batch = batch.with_fields(**{field: record.id for field, record in written}, status=status, **at)
+            db.execute("UPDATE batches SET status = ?, body = ? WHERE id = ?", (status, batch.stored(), batch_id))
 
     def answered(self, batch_id: str) -> set[int]:
         with self._lock:

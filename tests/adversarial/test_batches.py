@@ -218,10 +218,10 @@ def test_a_stored_batch_that_cannot_run_ends_after_a_restart_logging_once(fake_s
     store.close()
     caplog.set_level(logging.ERROR, logger="servelm.batch")
     srv = fake_server_factory(batches=BatchConfig(str(state)))
-    done = wait_ended(srv.base_url, batch["id"], timeout=15)
+    done = wait_ended(srv.base_url, batch.id, timeout=15)
     assert done["status"] == "failed" and done["errors"]["data"][0]["code"] == "server_error"
     time.sleep(2.5)
-    stopped = [r for r in caplog.records if r.name == "servelm.batch" and batch["id"] in r.getMessage()]
+    stopped = [r for r in caplog.records if r.name == "servelm.batch" and batch.id in r.getMessage()]
     assert len(stopped) == 1, [r.getMessage() for r in stopped]
     assert httpx.delete(f"{srv.base_url}/v1/files/{f.id}").status_code == 200
 

@@ -6,12 +6,13 @@ import asyncio
 import json
 
 from servelm.batch import runner as runner_module
+from servelm.batch.objects import Batch
 from servelm.batch.runner import BatchRunner
 from servelm.batch.store import BatchStore
 from servelm.http.batches import new_batch
 
 
-def stored_batch(directory, lines: int) -> tuple[BatchStore, dict]:
+def stored_batch(directory, lines: int) -> tuple[BatchStore, Batch]:
     """A store holding one batch of `lines` completions, not yet validated."""
     store = BatchStore(directory)
     data = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
@@ -36,14 +37,14 @@ async def test_a_line_answered_not_now_is_sent_again_not_recorded_as_failed(tmp_
     runner = BatchRunner(store, caller, priority=10, max_lines=10, in_flight=lambda: 1)
     runner.start()
     for _ in range(500):
-        if store.batch("", batch["id"])["status"] == "completed":
+        if store.batch("", batch.id).status == "completed":
             break
         await asyncio.sleep(0.02)
     await runner.stop()
-    done = store.batch("", batch["id"])
-    assert done["status"] == "completed"
-    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
-    assert len(calls) == 5 and done["error_file_id"] is None
+    done = store.batch("", batch.id)
+    assert done.status == "completed"
+    assert done.wire()["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(calls) == 5 and done.error_file_id is None
     store.close()
 
 
@@ -67,7 +68,7 @@ async def test_a_batch_waits_for_its_last_lines_without_spinning(tmp_path, monke
     runner = BatchRunner(store, caller, priority=10, max_lines=10, in_flight=lambda: 2)
     runner.width = 2
     runner._slots = asyncio.Semaphore(2)
-    await runner.run(batch["id"])
-    assert store.batch("", batch["id"])["status"] == "completed"
+    await runner.run(batch.id)
+    assert store.batch("", batch.id).status == "completed"
     assert len(waits) <= 4, f"{len(waits)} waits for two lines"
     store.close()
