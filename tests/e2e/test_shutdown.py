@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from .conftest import start_server
+from .conftest import own_server
 from .helpers import MODEL, NO_EOS, STORY
 from .ray_mode import through_ray_skip
 
@@ -29,13 +31,15 @@ def _server_alive_and_idle() -> Iterator[None]:
     yield
 
 
-def _stream(base_url: str, max_tokens: int) -> httpx.Response:
+@contextmanager
+def _stream(base_url: str, max_tokens: int) -> Iterator[httpx.Response]:
+    """A streamed chat answer, read as it comes; its client is closed with it at the end of the block (a client left
+    open kept its connection's socket until the collector found it inside some later test: a ResourceWarning)."""
     body = {"model": MODEL, "messages": STORY, "max_tokens": max_tokens, "temperature": 0, "logit_bias": NO_EOS,
             "stream": True}
-    client = httpx.Client(timeout=60)
-    request = client.build_request("POST", f"{base_url}/v1/chat/completions", json=body,
-                                   headers={"x-request-id": "shutdown-test-1"})
-    return client.send(request, stream=True)
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", f"{base_url}/v1/chat/completions", json=body, headers={"x-request-id": "shutdown-test-1"}) as response:
+        yield response
 
 
 def _first_content(lines: Iterator[str]) -> None:
@@ -46,57 +50,50 @@ def _first_content(lines: Iterator[str]) -> None:
 
 
 def test_sigterm_lets_a_stream_finish_then_exits_0(tmp_path_factory):
-    srv = start_server(tmp_path_factory, "--shutdown-timeout", "30", *FLAGS)
-    response = _stream(srv.base_url, max_tokens=200)
-    try:
-        assert response.status_code == 200 and response.headers["x-request-id"] == "shutdown-test-1"
-        lines = response.iter_lines()
-        _first_content(lines)
-        srv.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.TransportError):  # no new connections while draining
-            httpx.get(f"{srv.base_url}/health", timeout=2)
-        rest = [line for line in lines if line]
-    finally:
-        response.close()
-    assert rest[-1] == "data: [DONE]"
-    finals = [json.loads(line[6:]) for line in rest[:-1]]
-    assert [c["choices"][0]["finish_reason"] for c in finals if c["choices"][0]["finish_reason"]] == ["length"]
-    assert srv.process.wait(timeout=30) == 0
-    log = srv.log_tail(20000)
-    assert "loading model SmolLM2-135M-Instruct.Q4_1.gguf: 100%" in log
-    assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
+    with own_server(tmp_path_factory, "--shutdown-timeout", "30", *FLAGS) as srv:  # stopped even if the test fails
+        with _stream(srv.base_url, max_tokens=200) as response:
+            assert response.status_code == 200 and response.headers["x-request-id"] == "shutdown-test-1"
+            lines = response.iter_lines()
+            _first_content(lines)
+            srv.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.TransportError):  # no new connections while draining
+                httpx.get(f"{srv.base_url}/health", timeout=2)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        finals = [json.loads(line[6:]) for line in rest[:-1]]
+        assert all("choices" in c for c in finals), rest[-3:]  # an error event: the stream did not end within the timeout
+        assert [c["choices"][0]["finish_reason"] for c in finals if c["choices"][0]["finish_reason"]] == ["length"]
+        assert srv.process.wait(timeout=30) == 0
+        log = srv.log_tail(20000)
+        assert "loading model SmolLM2-135M-Instruct.Q4_1.gguf: 100%" in log
+        assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
 
 
 def test_sigterm_ends_a_stream_at_the_deadline_with_an_error_event_and_exits_0(tmp_path_factory):
     """A stream still running when --shutdown-timeout is nearly up ends with a server_shutting_down error event and
     [DONE] (it used to be cut mid-body, with neither); a whole answer still being made is answered 503."""
     deadline = 2.0
-    srv = start_server(tmp_path_factory, "--shutdown-timeout", str(deadline), *FLAGS)
-    response = _stream(srv.base_url, max_tokens=1900)  # far longer than the deadline
-    whole: list[httpx.Response] = []
-    body = {"model": MODEL, "messages": STORY, "max_tokens": 1900, "temperature": 0, "logit_bias": NO_EOS}
-    import threading
-
-    waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{srv.base_url}/v1/chat/completions", json=body,
-                                                                     timeout=60)))
-    try:
-        lines = response.iter_lines()
-        _first_content(lines)
-        waiter.start()
-        time.sleep(0.5)
-        signalled = time.monotonic()
-        srv.process.send_signal(signal.SIGTERM)
-        rest = [line for line in lines if line]
-    finally:
-        response.close()
-    waiter.join(30)
-    assert srv.process.wait(timeout=30) == 0
-    assert time.monotonic() - signalled < deadline + 15
-    assert rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2][6:])["error"]
-    assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
-    assert whole and whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
-    log = srv.log_tail(20000)
-    assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
-    assert "CancelledError" not in log, "nothing was left for uvicorn to cancel"
+    with own_server(tmp_path_factory, "--shutdown-timeout", str(deadline), *FLAGS) as srv:  # stopped even if the test fails
+        whole: list[httpx.Response] = []
+        body = {"model": MODEL, "messages": STORY, "max_tokens": 1900, "temperature": 0, "logit_bias": NO_EOS}
+        waiter = threading.Thread(target=lambda: whole.append(httpx.post(f"{srv.base_url}/v1/chat/completions", json=body,
+                                                                         timeout=60)))
+        with _stream(srv.base_url, max_tokens=1900) as response:  # far longer than the deadline
+            lines = response.iter_lines()
+            _first_content(lines)
+            waiter.start()
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            srv.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        waiter.join(30)
+        assert srv.process.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < deadline + 15
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "server_error"
+        assert whole and whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
+        log = srv.log_tail(20000)
+        assert "POST /v1/chat/completions 200" in log and "request_id=shutdown-test-1" in log
+        assert "CancelledError" not in log, "nothing was left for uvicorn to cancel"
