@@ -121,7 +121,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         raise SystemExit(f"servelm: {exc}") from None
     limits = StoreLimits.from_settings(settings)
     try:
-        app = create_app(built.deployments, AppOptions.from_settings(settings, plan.keys), on_start=built.start,
+        app = create_app(built.deployments, AppOptions.from_settings(settings, plan.keys, plan.mcp_servers), on_start=built.start,
                          on_stop=built.stop, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
                          catalog=catalog, tracing=_tracing(plan))
     except (ApiError, OSError) as exc:  # the --state-dir database damaged or foreign (batch/store.py), or unwritable

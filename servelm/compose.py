@@ -19,7 +19,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from servelm import __version__
 from servelm.chat.reasoning import THINK, ReasoningMarkers
-from servelm.config import ContentFilterSpec, DeploymentSpec, EndpointSpec, EngineSettings, LoraSpec, ServerSettings, load_config_file
+from servelm.config import (
+    ContentFilterSpec,
+    DeploymentSpec,
+    EndpointSpec,
+    EngineSettings,
+    LoraSpec,
+    McpServerSpec,
+    ServerSettings,
+    load_config_file,
+)
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
 from servelm.engine.pacing import StepPacer
@@ -592,6 +601,7 @@ class Plan:
     on_demand: tuple[DeploymentSpec, ...] = ()
     endpoints: tuple[EndpointSpec, ...] = ()
     keys: tuple[KeySpec, ...] = ()
+    mcp_servers: tuple[McpServerSpec, ...] = ()  # the config file's MCP servers (requests name them by label)
     verbose_llama: bool = False
 
     @classmethod
@@ -608,7 +618,8 @@ class Plan:
         specs = with_blocklist(specs, settings.content_blocklist)
         return cls(settings, specs=tuple(s for s in specs if not serving or s.load == "start"),
                    on_demand=tuple(s for s in specs if serving and s.load == "on-demand"),
-                   endpoints=tuple(config.endpoints if config else ()), keys=tuple(keys), verbose_llama=verbose_llama)
+                   endpoints=tuple(config.endpoints if config else ()), keys=tuple(keys),
+                   mcp_servers=tuple(config.mcp_servers if config and serving else ()), verbose_llama=verbose_llama)
 
     def builder(self) -> Builder:
         return Builder(self.verbose_llama, image_sources(self.settings), self.settings.content_blocklist)

@@ -562,6 +562,36 @@ class EndpointSpec(BaseModel):
     routes: list[EndpointRoute] = Field(min_length=1)
 
 
+class McpServerSpec(BaseModel):
+    """An MCP server the operator configures (`[[mcp_servers]]`): a Responses request names it by its `label`
+    alone (as its mcp tool's server_label, without a server_url). Over streamable HTTP (`url`, with the operator's
+    `headers`), or a command servelm starts and keeps running, talking MCP over its stdin and stdout (`command`,
+    `args`, `env`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    label: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str = Field("", max_length=4096)
+    url: str | None = Field(None, max_length=2048)
+    headers: dict[str, str] = Field(default_factory=dict)
+    command: str | None = None
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    allowed_tools: list[str] | None = None  # only these of its tools (default: all)
+    require_approval: Literal["always", "never"] = "always"  # OpenAI's default; a request's own setting wins
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerSpec:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(f"MCP server {self.label!r}: give either url (streamable HTTP) or command (stdio)")
+        if self.url is not None and urlsplit(self.url).scheme not in ("http", "https"):
+            raise ValueError(f"MCP server {self.label!r}: its url must be http(s)")
+        return self
+
+    def __repr__(self) -> str:  # its headers and env may hold the operator's secrets
+        return f"McpServerSpec(label={self.label!r})"
+
+
 class ConfigFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -569,9 +599,14 @@ class ConfigFile(BaseModel):
     deployments: list[DeploymentSpec] = Field(default_factory=list)
     endpoints: list[EndpointSpec] = Field(default_factory=list)
     keys: list[dict[str, Any]] = Field(default_factory=list)  # API keys: see http/auth.py
+    mcp_servers: list[McpServerSpec] = Field(default_factory=list, max_length=64)
 
     @model_validator(mode="after")
     def _names_resolve(self) -> ConfigFile:
+        labels = [m.label for m in self.mcp_servers]
+        twice = next((label for label in labels if labels.count(label) > 1), None)
+        if twice is not None:
+            raise ValueError(f"the MCP server label {twice!r} is declared twice")
         names: set[str] = set()
         for d in self.deployments:
             for n in (d.name, *d.aliases):

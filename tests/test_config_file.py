@@ -78,6 +78,12 @@ def test_toml_and_yaml_files_declare_deployments(tmp_path):
     ('[[deployments]]\nname = "a"\nmodel = "x"\n[deployments.engine]\nmax_num_seqs = 0\n', "max_num_seqs"),
     ('[[deployments]]\nname = "a"\nmodel = "x"\n[deployments.engine]\nkv_cache_type = "q2"\n', "kv_cache_type"),
     ("[[deployments]\n", "not valid TOML"),
+    ('[[mcp_servers]]\nlabel = "a"\nurl = "http://127.0.0.1:1/mcp"\n[[mcp_servers]]\nlabel = "a"\ncommand = "x"\n',
+     "declared twice"),
+    ('[[mcp_servers]]\nlabel = "a"\nurl = "http://127.0.0.1:1/mcp"\ncommand = "x"\n', "either url"),
+    ('[[mcp_servers]]\nlabel = "a"\n', "either url"),
+    ('[[mcp_servers]]\nlabel = "a"\nurl = "file:///etc/passwd"\n', "must be http"),
+    ('[[mcp_servers]]\nlabel = "a b"\ncommand = "x"\n', "label"),
 ])
 def test_a_bad_file_names_itself_and_the_problem(tmp_path, text, words):
     path = write(tmp_path, "bad.toml", text)

@@ -21,7 +21,7 @@ from servelm.http.agents import build_agent_router
 from servelm.http.asgi import ErrorBoundary
 from servelm.http.auth import OPENAPI_PATH
 from servelm.http.batches import BatchConfig, batch_runner, build_batch_router, build_no_batch_router
-from servelm.http.conversations import build_conversation_router
+from servelm.http.conversations import MCP_ROUTES, build_conversation_router
 from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
 from servelm.http.metrics_route import build_metrics_router, engine_gauges
@@ -30,13 +30,13 @@ from servelm.http.models import LoadOnDemand, build_lora_router, build_models_ro
 from servelm.http.playground import build_playground_router
 from servelm.http.ratelimit import BatchPacer
 from servelm.http.rerank import build_rerank_router
-from servelm.http.routes import build_router
+from servelm.http.routes import build_router, router_of
 from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
 from servelm.keys import KeySpec
 from servelm.metrics import Metrics
 from servelm.service.conversations import ConversationLimits, ConversationStore, MemoryConversations
-from servelm.service.hosted_mcp import McpSettings
+from servelm.service.hosted_mcp import McpSettings, ServerSpec
 from servelm.service.registry.catalog import ModelCatalog
 from servelm.service.registry.deployments import Deployments, TextDeployment
 from servelm.service.store import MemoryStore, ResponseStore
@@ -57,10 +57,11 @@ class AppOptions:
     conversations: ConversationLimits = field(default_factory=ConversationLimits)  # each key's, kept in memory
 
     @classmethod
-    def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = ()) -> AppOptions:
-        """From ServerSettings and the keys load_keys(settings, …) read."""
+    def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = (),
+                      mcp_servers: Sequence[ServerSpec] = ()) -> AppOptions:
+        """From ServerSettings, the keys load_keys(settings, …) read and the config file's MCP servers."""
         return cls(SecurityConfig.from_settings(settings, keys), settings.timings, settings.playground,
-                   BatchConfig.from_settings(settings), McpSettings.from_settings(settings),
+                   BatchConfig.from_settings(settings), McpSettings.from_settings(settings, mcp_servers),
                    ConversationLimits.from_settings(settings))
 
 
@@ -90,9 +91,11 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
             await catalog.start()
         if runner is not None:
             runner.start()
+        mcp.start()
         try:
             yield
         finally:
+            await mcp.stop()
             if runner is not None:
                 await runner.stop()
                 runner.store.close()
@@ -121,6 +124,7 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
         runner = batch_runner(app, deployments, batches)
     services = Services.build(deployments, store if store is not None else MemoryStore(), options.mcp,
                               conversations or MemoryConversations(options.conversations))
+    mcp = services.responses.configured  # the operator's MCP servers: a command's runs with the app
     reports: dict[str, Callable[[], dict[str, Any]]] = {"kept": _kept_in_memory}  # what a restart keeps, and loses
     if runner is not None:
         reports["batch_store"] = runner.store.health  # what start-up found (no I/O)
@@ -133,6 +137,7 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
                                     for a in (d.adapters.all() if d.adapters is not None else ())])
     app.include_router(build_agent_router(state))  # Responses, Messages, /tokenize
     app.include_router(build_conversation_router())
+    app.include_router(router_of(MCP_ROUTES))
     app.include_router(build_dialect_router(state))  # Azure ML, SageMaker / DJL, OVMS
     app.include_router(build_rerank_router(state))  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
     app.include_router(build_metrics_router(metrics))

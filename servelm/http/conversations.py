@@ -1,5 +1,6 @@
 """OpenAI's Conversations API: /v1/conversations (create, retrieve, update, delete) and its items (list, add,
-retrieve, delete), each scoped to the caller's key (service/conversations.py)."""
+retrieve, delete), each scoped to the caller's key (service/conversations.py); and GET /v1/mcp/servers, the MCP
+servers the operator configured, which Responses requests name by label."""
 
 from __future__ import annotations
 
@@ -84,3 +85,13 @@ ROUTES = (
 
 def build_conversation_router() -> APIRouter:
     return router_of(ROUTES)
+
+
+async def list_mcp_servers(request: Request) -> JSONResponse:
+    """The operator's MCP servers and their tools now (each listed within --mcp-call-timeout)."""
+    responses = app_state(request).services.responses
+    servers = await responses.configured.describe(responses.mcp.limits)
+    return JSONResponse({"object": "list", "data": servers})
+
+
+MCP_ROUTES = (Route("GET", "/v1/mcp/servers", list_mcp_servers, doc()),)

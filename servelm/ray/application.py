@@ -60,7 +60,7 @@ def build_application(plan: Plan) -> Any:
         tracing=tracing,
         aliases={a: s.name for s in [*plan.specs, *plan.on_demand] for a in s.aliases},
         endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in plan.endpoints},
-        app=AppOptions.from_settings(settings, plan.keys),
+        app=AppOptions.from_settings(settings, plan.keys, plan.mcp_servers),
         log_level=settings.log_level,
         store=StoreLimits.from_settings(settings),
     )

@@ -9,33 +9,108 @@ exactly once however often the answer is sent, and never before it."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from servelm.errors import InvalidParameter
 from servelm.protocol.responses import McpApprovalResponseItem, McpChoice, McpTool, ResponsesRequest
-from servelm.service.mcp import McpLimits, origin_of, parse_allowed
+from servelm.service.mcp import McpLimits, McpSession, McpUnavailable, StdioServer, StdioSession, origin_of, parse_allowed
 from servelm.service.mcp import McpTool as ListedTool
 from servelm.service.store import ResponseStore
 
 
+class ServerSpec(Protocol):
+    """An MCP server the operator configured (config.McpServerSpec): over HTTP (`url`) or a command (stdio)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def url(self) -> str | None: ...
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+    @property
+    def command(self) -> str | None: ...
+
+    @property
+    def args(self) -> list[str]: ...
+
+    @property
+    def env(self) -> dict[str, str]: ...
+
+    @property
+    def allowed_tools(self) -> list[str] | None: ...
+
+    @property
+    def require_approval(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class McpSettings:
-    """The operator's MCP bounds: the origins a request's server_url may reach (--allowed-mcp-servers; none by
-    default) and the limits of each response's MCP work."""
+    """The operator's MCP settings: the origins a request's server_url may reach (--allowed-mcp-servers; none by
+    default), the servers it configured (named by label alone), and the limits of each response's MCP work."""
 
     allowed: frozenset[tuple[str, str, int]] = frozenset()
     limits: McpLimits = McpLimits()
+    configured: tuple[ServerSpec, ...] = ()
 
     @classmethod
-    def from_settings(cls, settings: Any) -> McpSettings:
-        """From ServerSettings (a ValueError names an allowed server that is not an origin)."""
+    def from_settings(cls, settings: Any, configured: Sequence[ServerSpec] = ()) -> McpSettings:
+        """From ServerSettings and the config file's servers (a ValueError names an allowed origin that is none)."""
         step = settings.mcp_call_timeout
         return cls(parse_allowed(tuple(settings.allowed_mcp_servers)),
                    McpLimits(connect_s=step, list_s=step, call_s=step, total_s=settings.mcp_timeout,
-                             max_calls=settings.mcp_max_calls))
+                             max_calls=settings.mcp_max_calls), tuple(configured))
+
+
+class Configured:
+    """The operator's MCP servers, live: a command's server runs from the app's start to its stop (StdioServer),
+    an HTTP one is connected to per request like any."""
+
+    def __init__(self, specs: Sequence[ServerSpec]) -> None:
+        self.specs = {s.label: s for s in specs}
+        self.stdio = {s.label: StdioServer(s.label, s.command, s.args, s.env) for s in specs if s.command}
+
+    def start(self) -> None:
+        for server in self.stdio.values():
+            server.start()
+
+    async def stop(self) -> None:
+        for server in self.stdio.values():
+            await server.stop()
+
+    def open(self, label: str, limits: McpLimits, deadline: float) -> McpSession | StdioSession:
+        """A request's session with the configured server `label` (`async with` it)."""
+        if label in self.stdio:
+            return self.stdio[label].session(limits, deadline)
+        spec = self.specs[label]
+        assert spec.url is not None
+        return McpSession(label, spec.url, spec.headers, limits, deadline)
+
+    async def describe(self, limits: McpLimits) -> list[dict[str, Any]]:
+        """GET /v1/mcp/servers: each server, how it is reached, whether it answers, and its tools."""
+        out = []
+        for label, spec in self.specs.items():
+            entry: dict[str, Any] = {"server_label": label, "description": spec.description,
+                                     "transport": "stdio" if spec.command else "streamable_http",
+                                     "require_approval": spec.require_approval}
+            try:
+                async with self.open(label, limits, time.monotonic() + limits.list_s) as session:
+                    tools = await session.list_tools(tuple(spec.allowed_tools) if spec.allowed_tools else None)
+                entry.update(status="ready", tools=[{"name": t.name, "description": t.description,
+                                                     "input_schema": t.input_schema} for t in tools])
+            except McpUnavailable as exc:
+                entry.update(status="unavailable", error=exc.message, tools=[])
+            out.append(entry)
+        return out
 
 
 @dataclass(frozen=True)
@@ -48,6 +123,7 @@ class McpServer:
     allowed_tools: tuple[str, ...] | None
     approval: Any  # the tool's require_approval ("always", "never", a filter, None: always)
     headers: dict[str, str] = field(repr=False, default_factory=dict)
+    configured: bool = False  # the operator's (Configured): named by its label alone
 
     def needs_approval(self, tool: ListedTool) -> bool:
         rule = self.approval
@@ -143,6 +219,19 @@ def plan(req: ResponsesRequest, history: Sequence[dict[str, Any]], store: Respon
 
 
 def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
+    allowed = tool.allowed_tools
+    names = tuple(allowed) if isinstance(allowed, list) else \
+        tuple(allowed.tool_names) if allowed is not None and allowed.tool_names is not None else None
+    spec = next((s for s in settings.configured if s.label == tool.server_label), None)
+    if spec is not None:
+        if tool.server_url is not None:
+            raise InvalidParameter(f"{tool.server_label!r} is a server this one runs: name it by server_label alone, "
+                                   "without server_url.", f"{where}.server_url")
+        own = tuple(spec.allowed_tools) if spec.allowed_tools is not None else None
+        names = tuple(n for n in names if own is None or n in own) if names is not None else own
+        return McpServer(spec.label, spec.url or "", where, names,
+                         tool.require_approval if tool.require_approval is not None else spec.require_approval,
+                         dict(spec.headers), configured=True)
     if tool.connector_id is not None:
         raise InvalidParameter("Connectors are not served here; give the MCP server's server_url.",
                                f"{where}.connector_id", "unsupported_parameter")
@@ -157,9 +246,6 @@ def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
     headers = dict(tool.headers or {})
     if tool.authorization is not None:
         headers["Authorization"] = f"Bearer {tool.authorization}"
-    allowed = tool.allowed_tools
-    names = tuple(allowed) if isinstance(allowed, list) else \
-        tuple(allowed.tool_names) if allowed is not None and allowed.tool_names is not None else None
     return McpServer(tool.server_label, tool.server_url, where, names, tool.require_approval, headers)
 
 

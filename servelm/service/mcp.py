@@ -17,9 +17,11 @@ McpUnavailable (424, OpenAI's `external_connector_error`), a name that is not al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack
@@ -29,12 +31,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx2
-from mcp import Client
+from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from servelm.errors import ApiError, InvalidParameter
 
 log = logging.getLogger("servelm.mcp")
+# the MCP SDK's HTTP client logs each request's URL at INFO: a request's server_url (its query too) stays out of
+# the server's log
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -167,51 +172,23 @@ class _BoundedTransport(httpx2.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-class McpSession:
-    """One request's connection to one MCP server: `async with McpSession(...) as s`, then list and call. The
-    `deadline` (time.monotonic) bounds everything; each step has its own bound too."""
+class _Connected:
+    """A live MCP client's tools listed and called within `limits` and a `deadline` (time.monotonic)."""
 
-    def __init__(self, label: str, url: str, headers: Mapping[str, str], limits: McpLimits, deadline: float) -> None:
+    def __init__(self, label: str, limits: McpLimits, deadline: float) -> None:
         self.label, self.limits, self.deadline = label, limits, deadline
-        self._url, self._headers = url, dict(headers)
-        self._stack = AsyncExitStack()
         self._client: Client | None = None
 
     def _left(self, step_s: float) -> float:
         return max(0.0, min(step_s, self.deadline - time.monotonic()))
 
-    async def __aenter__(self) -> McpSession:
-        http = httpx2.AsyncClient(headers=self._headers, transport=_BoundedTransport(self.limits.max_message_bytes),
-                                  timeout=httpx2.Timeout(self.limits.connect_s, read=self.limits.call_s),
-                                  follow_redirects=False)
-        try:
-            await self._stack.enter_async_context(http)
-            transport = streamable_http_client(self._url, http_client=http,
-                                               max_sse_event_size=self.limits.max_message_bytes)
-            client = Client(transport, cache=None)
-            async with asyncio.timeout(self._left(self.limits.connect_s)):
-                self._client = await self._stack.enter_async_context(client)
-        except BaseException as exc:
-            await self._close_quietly()
-            if isinstance(exc, Exception):
-                raise self._failed("connecting to", exc) from None
-            raise
-        return self
-
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self._close_quietly()
-
-    async def _close_quietly(self) -> None:
-        try:
-            async with asyncio.timeout(2.0):
-                await self._stack.aclose()
-        except Exception as exc:  # a server that breaks the closing harms no one else
-            log.info("MCP server %r: closing its connection: %s", self.label, type(exc).__name__)
+    def _on_failure(self) -> None:
+        """A step failed (the server unreachable, too slow or broken)."""
 
     def _failed(self, what: str, exc: BaseException) -> McpUnavailable:
         # the exception's own text may hold the URL's query or a header echoed back: only its kind is logged
         log.warning("MCP server %r: %s it failed (%s)", self.label, what, type(exc).__name__)
+        self._on_failure()
         return McpUnavailable(self.label, "timed out " + what if isinstance(exc, TimeoutError) else what)
 
     async def list_tools(self, allowed: tuple[str, ...] | None = None) -> list[McpTool]:
@@ -254,3 +231,126 @@ class McpSession:
         if getattr(result, "is_error", False):
             return McpResult(None, text or "the tool failed")
         return McpResult(text, None)
+
+
+class McpSession(_Connected):
+    """One request's connection to one MCP server over streamable HTTP: `async with McpSession(...) as s`, then
+    list and call. The `deadline` bounds everything; each step has its own bound too."""
+
+    def __init__(self, label: str, url: str, headers: Mapping[str, str], limits: McpLimits, deadline: float) -> None:
+        super().__init__(label, limits, deadline)
+        self._url, self._headers = url, dict(headers)
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> McpSession:
+        http = httpx2.AsyncClient(headers=self._headers, transport=_BoundedTransport(self.limits.max_message_bytes),
+                                  timeout=httpx2.Timeout(self.limits.connect_s, read=self.limits.call_s),
+                                  follow_redirects=False)
+        try:
+            await self._stack.enter_async_context(http)
+            transport = streamable_http_client(self._url, http_client=http,
+                                               max_sse_event_size=self.limits.max_message_bytes)
+            client = Client(transport, cache=None)
+            async with asyncio.timeout(self._left(self.limits.connect_s)):
+                self._client = await self._stack.enter_async_context(client)
+        except BaseException as exc:
+            await self._close_quietly()
+            if isinstance(exc, Exception):
+                raise self._failed("connecting to", exc) from None
+            raise
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._close_quietly()
+
+    async def _close_quietly(self) -> None:
+        try:
+            async with asyncio.timeout(2.0):
+                await self._stack.aclose()
+        except Exception as exc:  # a server that breaks the closing harms no one else
+            log.info("MCP server %r: closing its connection: %s", self.label, type(exc).__name__)
+
+
+class StdioServer:
+    """An MCP server the operator configured as a command: started with the app, kept running (a process that
+    exits or stops answering is started again, waiting 1 s, then twice as long each time up to 30 s), and
+    shared by every request that names it (MCP sessions take concurrent requests). `status`: starting, ready or
+    restarting."""
+
+    PING_EVERY_S = 10.0
+
+    def __init__(self, label: str, command: str, args: list[str], env: Mapping[str, str]) -> None:
+        self.label = label
+        self._params = StdioServerParameters(command=command, args=list(args), env={**os.environ, **env})
+        self._client: Client | None = None
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._broken = asyncio.Event()
+        self.status = "starting"
+        self.restarts = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"mcp-{self.label}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    async def _run(self) -> None:
+        backoff = 1.0
+        while True:
+            try:
+                async with Client(self._params, cache=None) as client:
+                    self._client, self.status, backoff = client, "ready", 1.0
+                    self._ready.set()
+                    log.info("MCP server %r: started", self.label)
+                    await self._until_broken(client)
+            except Exception as exc:
+                log.warning("MCP server %r: %s; starting it again in %.0f s", self.label, type(exc).__name__, backoff)
+            self._ready.clear()
+            self._client, self.status = None, "restarting"
+            self.restarts += 1
+            await asyncio.sleep(backoff)
+            backoff = min(30.0, backoff * 2)
+
+    async def _until_broken(self, client: Client) -> None:
+        """Until the server fails to list its tools, asked every PING_EVERY_S and at once when a request's step
+        failed."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.PING_EVERY_S):
+                    await self._broken.wait()
+            self._broken.clear()
+            async with asyncio.timeout(self.PING_EVERY_S):  # (MCP's ping is gone from its 2026 protocol)
+                await client.list_tools()
+
+    def session(self, limits: McpLimits, deadline: float) -> StdioSession:
+        return StdioSession(self, limits, deadline)
+
+
+class StdioSession(_Connected):
+    """A request's use of a running StdioServer (nothing to open or close; unavailable while it restarts)."""
+
+    def __init__(self, server: StdioServer, limits: McpLimits, deadline: float) -> None:
+        super().__init__(server.label, limits, deadline)
+        self._server = server
+
+    async def __aenter__(self) -> StdioSession:
+        """The running server's client: one starting (or starting again) is waited for within the connect bound."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._left(self.limits.connect_s)):
+                await self._server._ready.wait()
+        self._client = self._server._client
+        if self._client is None:
+            raise McpUnavailable(self.label, f"reaching ({self._server.status})")
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        pass
+
+    def _on_failure(self) -> None:
+        self._server._broken.set()  # a server that failed a step is pinged at once

@@ -57,7 +57,7 @@ from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
 from servelm.service.conversations import ITEM_PREFIX, ConversationsService, MemoryConversations, page_of, stored_item
 from servelm.service.hosted_mcp import Exposed, McpPlan, McpSettings
-from servelm.service.mcp import McpResult, McpSession, McpUnavailable, check_server_url
+from servelm.service.mcp import McpResult, McpSession, McpUnavailable, StdioSession, check_server_url
 from servelm.service.params import RequestContext
 from servelm.service.store import ResponseStore, StoredResponse
 
@@ -97,6 +97,7 @@ class ResponsesService:
         self.deployments = chat.deployments
         self.store = store
         self.mcp = mcp
+        self.configured = hosted_mcp.Configured(mcp.configured)  # the operator's MCP servers (started with the app)
         self.conversations = conversations or ConversationsService(MemoryConversations())
 
     # -- validation and conversion ----------------------------------------------------------------
@@ -198,7 +199,7 @@ class ResponsesService:
         deadline = time.monotonic() + limits.total_s
         max_calls = min(limits.max_calls, p.request.max_tool_calls or limits.max_calls)
         async with AsyncExitStack() as stack:
-            sessions: dict[str, McpSession] = {}
+            sessions: dict[str, McpSession | StdioSession] = {}
             listed = []
             for server in plan.servers:
                 listing = McpListToolsOut(id=f"mcpl_{uuid.uuid4().hex}", server_label=server.label)
@@ -207,8 +208,11 @@ class ResponsesService:
                 index = events.items.index(listing)
                 yield events.make("response.mcp_list_tools.in_progress", item_id=listing.id, output_index=index)
                 try:
-                    await check_server_url(server.url, plan.settings.allowed, f"{server.where}.server_url")
-                    session = McpSession(server.label, server.url, server.headers, limits, deadline)
+                    if server.configured:
+                        session = self.configured.open(server.label, limits, deadline)
+                    else:
+                        await check_server_url(server.url, plan.settings.allowed, f"{server.where}.server_url")
+                        session = McpSession(server.label, server.url, server.headers, limits, deadline)
                     sessions[server.label] = await stack.enter_async_context(session)
                     tools = await session.list_tools(server.allowed_tools)
                 except McpUnavailable as exc:
@@ -385,7 +389,7 @@ class ResponsesService:
                              last_id=page[-1]["id"] if page else None, has_more=more)
 
 
-async def _run_call(events: _EventWriter, call: McpCallOut, session: McpSession) -> AsyncGenerator[ResponseEvent, None]:
+async def _run_call(events: _EventWriter, call: McpCallOut, session: McpSession | StdioSession) -> AsyncGenerator[ResponseEvent, None]:
     """One MCP call run, with its events: in progress, then completed or failed, and its item done."""
     index = events.items.index(call)
     yield events.make("response.mcp_call.in_progress", item_id=call.id, output_index=index)

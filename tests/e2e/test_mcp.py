@@ -6,11 +6,16 @@ the protocol: the listed tools, a call whose output is the tool's real one, appr
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -175,3 +180,74 @@ def test_the_agents_sdk_hosted_mcp_tool(mcp_server, tools_server):
     calls = [r for r in raw if getattr(r, "type", None) == "mcp_call"]
     assert calls and calls[0].output == str(sum(json.loads(calls[0].arguments).values()))
     assert isinstance(result.final_output, str)
+
+
+# -- servers the operator configures ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory, tools_server) -> Iterator[RunningServer]:
+    config = tmp_path_factory.mktemp("mcp") / "servers.toml"
+    config.write_text(f"""
+[[mcp_servers]]
+label = "calc"
+description = "over HTTP"
+url = "{tools_server.url}"
+require_approval = "never"
+
+[[mcp_servers]]
+label = "local"
+description = "a command servelm runs"
+command = "{sys.executable}"
+args = ["-m", "tests.mcp_servers", "stdio"]
+allowed_tools = ["add", "echo"]
+""")
+    with own_server(tmp_path_factory, "--config", str(config), "--mcp-max-calls", "1") as srv:
+        yield srv
+
+
+def servers(srv: RunningServer) -> dict[str, dict[str, Any]]:
+    listed = httpx.get(f"{srv.base_url}/v1/mcp/servers", timeout=60).json()["data"]
+    return {s["server_label"]: s for s in listed}
+
+
+def test_configured_servers_are_listed_with_their_tools(configured):
+    found = servers(configured)
+    assert found["calc"]["transport"] == "streamable_http" and found["calc"]["status"] == "ready"
+    assert found["local"]["transport"] == "stdio" and found["local"]["status"] == "ready"
+    assert sorted(t["name"] for t in found["local"]["tools"]) == ["add", "echo"]  # its allowed_tools
+    assert "add" in {t["name"] for t in found["calc"]["tools"]}
+
+
+@pytest.mark.parametrize("label", ["calc", "local"])
+def test_a_configured_server_is_named_by_its_label_alone(configured, label):
+    with openai.OpenAI(base_url=f"{configured.base_url}/v1", api_key="none", max_retries=0, timeout=120) as c:
+        response = c.responses.create(model=MODEL, input="Add 2 and 3.", max_output_tokens=32, temperature=0,
+                                      tools=[{"type": "mcp", "server_label": label, "require_approval": "never"}],
+                                      tool_choice={"type": "mcp", "server_label": label, "name": "add"})
+        call = of_type(response, "mcp_call")[0]
+        assert call.server_label == label and call.output == str(sum(json.loads(call.arguments).values()))
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.responses.create(model=MODEL, input="hi", tools=[{"type": "mcp", "server_label": label,
+                                                                "server_url": "http://127.0.0.1:9/mcp"}])
+        assert caught.value.body["param"] == "tools[0].server_url"
+
+
+def test_a_configured_command_that_dies_is_started_again(configured):
+    ours = [pid for pid in os.listdir("/proc") if pid.isdigit() and _is_our_stdio_server(int(pid), configured)]
+    assert len(ours) == 1
+    os.kill(int(ours[0]), signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if servers(configured)["local"]["status"] == "ready" and not os.path.exists(f"/proc/{ours[0]}/cmdline"):
+            break
+        time.sleep(1)
+    assert servers(configured)["local"]["status"] == "ready"
+
+
+def _is_our_stdio_server(pid: int, srv: RunningServer) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return b"tests.mcp_servers" in cmdline and b"stdio" in cmdline and parent == srv.process.pid
