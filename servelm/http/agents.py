@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.auth import check_access
 from servelm.http.errors import anthropic_error
 from servelm.http.openapi import doc
-from servelm.http.routes import Route, app_state, generate, parse_body, request_context, router_of
-from servelm.http.state import AppState
+from servelm.http.routes import Route, app_state, generate, parse_body, request_context
 from servelm.http.streams import named_sse
 from servelm.protocol.anthropic import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from servelm.protocol.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest
@@ -100,9 +99,3 @@ ROUTES = (
     Route("POST", "/tokenize", tokenize, doc(request=TokenizeRequest, response=TokenizeResponse)),
     Route("POST", "/detokenize", detokenize, doc(request=DetokenizeRequest, response=DetokenizeResponse)),
 )
-
-
-def build_agent_router(state: AppState) -> APIRouter:
-    """The Responses API, the Messages API and /tokenize; their handlers read `state` from the app that takes each
-    request."""
-    return router_of(ROUTES)

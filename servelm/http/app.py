@@ -16,21 +16,17 @@ from servelm.engine.base import Engine
 from servelm.engine.wrappers.admission import QueuedEngine
 from servelm.engine.wrappers.metered import MeteredEngine
 from servelm.engine.wrappers.traced import TracedEngine
-from servelm.http import errors, limits, openapi
-from servelm.http.agents import build_agent_router
+from servelm.http import agents, conversations, dialects, errors, limits, metrics_route, models, openapi, rerank, routes
 from servelm.http.asgi import ErrorBoundary
 from servelm.http.auth import OPENAPI_PATH
 from servelm.http.batches import BatchConfig, batch_runner, build_batch_router, build_no_batch_router
-from servelm.http.conversations import MCP_ROUTES, build_conversation_router
-from servelm.http.dialects import build_dialect_router
 from servelm.http.limits import SecurityConfig
-from servelm.http.metrics_route import build_metrics_router, engine_gauges
+from servelm.http.metrics_route import engine_gauges
 from servelm.http.middleware import RequestLog
-from servelm.http.models import LoadOnDemand, build_lora_router, build_models_router
+from servelm.http.models import LoadOnDemand
 from servelm.http.playground import build_playground_router
 from servelm.http.ratelimit import BatchPacer
-from servelm.http.rerank import build_rerank_router
-from servelm.http.routes import build_router, router_of
+from servelm.http.routes import router_of
 from servelm.http.state import STATE_KEY, AppState, Services
 from servelm.http.tracing import Traced
 from servelm.keys import KeySpec
@@ -63,6 +59,19 @@ class AppOptions:
         return cls(SecurityConfig.from_settings(settings, keys), settings.timings, settings.playground,
                    BatchConfig.from_settings(settings), McpSettings.from_settings(settings, mcp_servers),
                    ConversationLimits.from_settings(settings))
+
+
+# every route table but the Batch API's and the playground's (which depend on the options), in matching order
+ROUTE_TABLES = (
+    routes.ROUTES,  # the OpenAI routes (chat, completions, models, embeddings) and /health
+    models.MODELS_ROUTES,  # POST /models/load, /models/unload, /models/refresh
+    models.LORA_ROUTES,  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    agents.ROUTES,  # Responses, Messages, /tokenize
+    conversations.ROUTES, conversations.MCP_ROUTES,  # /v1/conversations, /v1/mcp/servers
+    dialects.ROUTES,  # Azure ML, SageMaker / DJL, OVMS
+    rerank.ROUTES,  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
+    metrics_route.ROUTES,  # /metrics
+)
 
 
 def _kept_in_memory() -> dict[str, Any]:
@@ -130,17 +139,10 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
         reports["batch_store"] = runner.store.health  # what start-up found (no I/O)
     state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports)
     setattr(app.state, STATE_KEY, state)
-    app.include_router(build_router(state))
-    app.include_router(build_models_router(catalog))  # POST /models/load, /models/unload, /models/refresh
-    app.include_router(build_lora_router(deployments))  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    for table in ROUTE_TABLES:  # their handlers read the state of the app that takes each request
+        app.include_router(router_of(table))
     metrics.watch_adapters(lambda: [(d.name, a.name, a.loaded, a.requests) for d in deployments.generators()
                                     for a in (d.adapters.all() if d.adapters is not None else ())])
-    app.include_router(build_agent_router(state))  # Responses, Messages, /tokenize
-    app.include_router(build_conversation_router())
-    app.include_router(router_of(MCP_ROUTES))
-    app.include_router(build_dialect_router(state))  # Azure ML, SageMaker / DJL, OVMS
-    app.include_router(build_rerank_router(state))  # /v1/rerank, /rerank, /v2/rerank, /v3/rerank, /v1/score
-    app.include_router(build_metrics_router(metrics))
     if runner is not None and batches is not None:
         app.include_router(build_batch_router(runner.store, runner, batches))
         metrics.watch_batches(runner.store.totals)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from servelm.errors import InvalidParameter
 from servelm.http.openapi import doc
-from servelm.http.routes import Route, app_state, parse_body, request_context, router_of
+from servelm.http.routes import Route, app_state, parse_body, request_context
 from servelm.protocol.conversations import (
     AddItems,
     ConversationItemList,
@@ -81,10 +81,6 @@ ROUTES = (
     Route("GET", _ITEMS + "/{item_id}", get_item, doc()),
     Route("DELETE", _ITEMS + "/{item_id}", delete_item, doc(response=ConversationObject)),
 )
-
-
-def build_conversation_router() -> APIRouter:
-    return router_of(ROUTES)
 
 
 async def list_mcp_servers(request: Request) -> JSONResponse:

@@ -10,15 +10,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import error_response, invalid_json, validation_error
 from servelm.http.openapi import doc
-from servelm.http.routes import Route, app_state, embed, generate, router_of
-from servelm.http.state import AppState
+from servelm.http.routes import Route, app_state, embed, generate
 from servelm.http.streams import JSONLINES, SSE
 from servelm.protocol.chat import ChatCompletion, ChatCompletionRequest
 from servelm.protocol.completions import Completion, CompletionRequest
@@ -146,12 +145,6 @@ ROUTES = (
     Route("POST", "/v3/completions", ovms_legacy_completions,
           doc(request=CompletionRequest, response=Completion, streams="text/event-stream")),
 )
-
-
-def build_dialect_router(state: AppState) -> APIRouter:
-    """Azure ML's, SageMaker's (DJL LMI) and OpenVINO Model Server's routes; their handlers read `state` from the app
-    that takes each request."""
-    return router_of(ROUTES)
 
 
 # -- parsing ----------------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
-from servelm.http.routes import Route, app_state, router_of
-from servelm.metrics import CONTENT_TYPE, EngineGauges, Metrics
+from servelm.http.routes import Route, app_state
+from servelm.metrics import CONTENT_TYPE, EngineGauges
 from servelm.service.registry.deployments import Deployments
 
 
@@ -27,8 +27,3 @@ async def prometheus_metrics(request: Request) -> Response:
 
 
 ROUTES = (Route("GET", "/metrics", prometheus_metrics),)
-
-
-def build_metrics_router(metrics: Metrics) -> APIRouter:
-    """GET /metrics over the app's metrics (its handler reads them from the app's state)."""
-    return router_of(ROUTES)

@@ -9,14 +9,14 @@ import json
 import re
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from servelm.errors import ApiError, Forbidden, InvalidParameter, ModelNotFound
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import KEYS_ON, allowed, current_key
 from servelm.http.limits import is_json
-from servelm.http.routes import Route, app_state, router_of
+from servelm.http.routes import Route, app_state
 from servelm.service.registry.adapters import AdapterNotFound, AdapterRegistry, check_scale
 from servelm.service.registry.catalog import ModelCatalog, parse_keep_alive
 from servelm.service.registry.deployments import Deployments, TextDeployment
@@ -156,11 +156,6 @@ LORA_ROUTES = (
 )
 
 
-def build_lora_router(deployments: Deployments) -> APIRouter:
-    """vLLM's runtime LoRA routes over the app's deployments (their handlers read them from the app's state)."""
-    return router_of(LORA_ROUTES)
-
-
 async def _target(request: Request) -> tuple[ModelCatalog, str]:
     """The catalog, and the model of its that the request names (an admin's request)."""
     _admin(request, "Loading and unloading models")
@@ -204,8 +199,3 @@ MODELS_ROUTES = (
     Route("POST", "/models/unload", unload),
     Route("POST", "/models/refresh", refresh),
 )
-
-
-def build_models_router(catalog: ModelCatalog | None) -> APIRouter:
-    """llama-server's routes over the app's catalog (their handlers read it from the app's state)."""
-    return router_of(MODELS_ROUTES)

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
@@ -16,8 +16,7 @@ from servelm import tracing
 from servelm.http.auth import check_access
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import charge_tokens
-from servelm.http.routes import Route, app_state, deployment_header, embedding_turn, parse_body, router_of, run_unless_disconnected
-from servelm.http.state import AppState
+from servelm.http.routes import Route, app_state, deployment_header, embedding_turn, parse_body, run_unless_disconnected
 from servelm.protocol.rerank import (
     CohereRerankRequest,
     CohereRerankResponse,
@@ -96,8 +95,3 @@ ROUTES = (
     Route("POST", "/v3/rerank", ovms, doc(request=OvmsRerankRequest, response=OvmsRerankResponse)),
     Route("POST", "/v1/score", vllm_score, doc(request=ScoreRequest, response=ScoreResponse)),
 )
-
-
-def build_rerank_router(state: AppState) -> APIRouter:
-    """One route a rerank or score API; their handlers read `state` from the app that takes each request."""
-    return router_of(ROUTES)

@@ -274,12 +274,6 @@ ROUTES = (
 )
 
 
-def build_router(state: AppState) -> APIRouter:
-    """The OpenAI routes (chat, completions, models, embeddings) and /health; their handlers read `state` from the
-    app that takes each request."""
-    return router_of(ROUTES)
-
-
 @contextmanager
 def embedding_turn(scope: Scope, dep: Deployment) -> Iterator[str]:
     """An embeddings, rerank or score request's place in its deployment's waiting queue, taken before its texts are
