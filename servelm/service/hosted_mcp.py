@@ -9,15 +9,15 @@ exactly once however often the answer is sent, and never before it."""
 
 from __future__ import annotations
 
-import time
-import uuid
+import hashlib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from servelm.errors import InvalidParameter
 from servelm.protocol.responses import McpApprovalResponseItem, McpChoice, McpTool, ResponsesRequest
-from servelm.service.mcp import McpLimits, McpSession, McpUnavailable, StdioServer, StdioSession, origin_of, parse_allowed
+from servelm.service.mcp import McpBudget, McpLimits, McpSession, McpUnavailable, StdioServer, StdioSession, origin_of, parse_allowed
 from servelm.service.mcp import McpTool as ListedTool
 from servelm.service.store import ResponseStore
 
@@ -51,6 +51,13 @@ class ServerSpec(Protocol):
 
     @property
     def require_approval(self) -> str: ...
+
+
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")  # an HTTP header name (RFC 9110's token)
+_FIELD_VALUE = re.compile(r"[\x20-\x7e\x80-\xff]*")  # printable, no line break: nothing to split a request on
+_TRANSPORT_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade", "keep-alive",
+                                "te", "trailer", "proxy-connection", "content-type", "accept", "mcp-session-id",
+                                "mcp-protocol-version", "last-event-id"})
 
 
 @dataclass(frozen=True)
@@ -87,13 +94,13 @@ class Configured:
         for server in self.stdio.values():
             await server.stop()
 
-    def open(self, label: str, limits: McpLimits, deadline: float) -> McpSession | StdioSession:
+    def open(self, label: str, limits: McpLimits, budget: McpBudget) -> McpSession | StdioSession:
         """A request's session with the configured server `label` (`async with` it)."""
         if label in self.stdio:
-            return self.stdio[label].session(limits, deadline)
+            return self.stdio[label].session(limits, budget)
         spec = self.specs[label]
         assert spec.url is not None
-        return McpSession(label, spec.url, spec.headers, limits, deadline)
+        return McpSession(label, spec.url, spec.headers, limits, budget)
 
     async def describe(self, limits: McpLimits) -> list[dict[str, Any]]:
         """GET /v1/mcp/servers: each server, how it is reached, whether it answers, and its tools."""
@@ -103,7 +110,7 @@ class Configured:
                                      "transport": "stdio" if spec.command else "streamable_http",
                                      "require_approval": spec.require_approval}
             try:
-                async with self.open(label, limits, time.monotonic() + limits.list_s) as session:
+                async with self.open(label, limits, McpBudget(limits.connect_s + limits.list_s)) as session:
                     tools = await session.list_tools(tuple(spec.allowed_tools) if spec.allowed_tools else None)
                 entry.update(status="ready", tools=[{"name": t.name, "description": t.description,
                                                      "input_schema": t.input_schema} for t in tools])
@@ -244,25 +251,39 @@ def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
         raise InvalidParameter(f"This server does not reach MCP servers at {origin[0]}://{origin[1]}:{origin[2]} "
                                "(the operator allows the origins in --allowed-mcp-servers).", f"{where}.server_url")
     headers = dict(tool.headers or {})
+    for name, value in headers.items():
+        if not _TOKEN.fullmatch(name) or name.lower() in _TRANSPORT_HEADERS or not _FIELD_VALUE.fullmatch(value):
+            raise InvalidParameter("`headers` holds a header that cannot be sent: a name must be an HTTP token and "
+                                   "not one the connection sets itself (Host, Content-Length, Transfer-Encoding, "
+                                   "Connection, Upgrade, the Mcp-* ones…), a value printable text without line "
+                                   "breaks.", f"{where}.headers")
     if tool.authorization is not None:
+        if not _FIELD_VALUE.fullmatch(tool.authorization):
+            raise InvalidParameter("`authorization` must be printable text without line breaks.",
+                                   f"{where}.authorization")
         headers["Authorization"] = f"Bearer {tool.authorization}"
     return McpServer(tool.server_label, tool.server_url, where, names, tool.require_approval, headers)
 
 
 def expose(listed: Sequence[tuple[McpServer, Sequence[ListedTool]]], taken: set[str]) -> list[Exposed]:
-    """Each listed tool under the function name the model calls it by: its own name, or `label__name` where two
-    servers (or a function tool, in `taken`) share it."""
+    """Each listed tool under the function name the model calls it by, unique among them all and the function
+    tools (`taken`): its own name, else `label__name`, else `label__` and a digest of both (any name too long or
+    with other characters than a function name's takes the last)."""
     counts: dict[str, int] = {}
     for _, tools in listed:
         for tool in tools:
             counts[tool.name] = counts.get(tool.name, 0) + 1
+    used = set(taken)
     exposed = []
     for server, tools in listed:
         for tool in tools:
-            name = tool.name
-            if counts[name] > 1 or name in taken or not _function_name(name):
-                name = _function_name(f"{server.label}__{tool.name}") or f"{server.label}__{uuid.uuid4().hex[:8]}"
-            exposed.append(Exposed(name[:64], server, tool))
+            digest = hashlib.sha256(f"{server.label}\0{tool.name}".encode()).hexdigest()[:12]
+            for name in (tool.name if counts[tool.name] == 1 else "", f"{server.label}__{tool.name}",
+                         f"{server.label[:48]}__{digest}"):
+                if _function_name(name) and name not in used:
+                    break
+            used.add(name)
+            exposed.append(Exposed(name, server, tool))
     return exposed
 
 

@@ -23,11 +23,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx2
@@ -39,7 +39,10 @@ from servelm.errors import ApiError, InvalidParameter
 log = logging.getLogger("servelm.mcp")
 # the MCP SDK's HTTP client logs each request's URL at INFO: a request's server_url (its query too) stays out of
 # the server's log
-logging.getLogger("httpx2").setLevel(logging.WARNING)
+for _quiet in ("httpx2", "httpcore2"):  # at DEBUG the transport logs a refused header value whole
+    logging.getLogger(_quiet).setLevel(logging.WARNING)
+T = TypeVar("T")
+MAX_SCHEMA_DEPTH = 24  # a tool schema's nesting (dicts and lists); deeper ones make constrained decoding crawl
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -84,7 +87,10 @@ class McpResult:
 
 
 def origin_of(url: str) -> tuple[str, str, int] | None:
-    """A URL's origin (scheme, host, port), or None if it is not an http(s) URL with a host."""
+    """A URL's origin (scheme, host, port), or None if it is not an http(s) URL with a host (and nothing that is
+    not printable ASCII: a line break in it would split the request)."""
+    if not url.isascii() or not url.isprintable() or " " in url:
+        return None
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -172,15 +178,89 @@ class _BoundedTransport(httpx2.AsyncBaseTransport):
         await self.inner.aclose()
 
 
+Job = Callable[[Client], Awaitable[T]]
+
+
+class McpBudget:
+    """The time a response's MCP work may still take (--mcp-timeout): each step spends what it took, and the
+    generation between steps spends none."""
+
+    def __init__(self, total_s: float) -> None:
+        self.left_s = total_s
+
+
+class _Worker:
+    """An MCP client run in a task of its own. The SDK's client cancels whatever runs inside its task group when its
+    transport fails (a dropped connection, an answer cut at the byte bound); run in the request's task, that cancelled
+    the request itself. Here only this task is cancelled, and the steps it was running fail as ConnectionError."""
+
+    def __init__(self, label: str, open_client: Callable[[], AbstractAsyncContextManager[Client]]) -> None:
+        loop = asyncio.get_running_loop()
+        self.label = label
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self._jobs: asyncio.Queue[tuple[Job[Any], asyncio.Future[Any]]] = asyncio.Queue()
+        self.failed = False
+        self._task = loop.create_task(self._run(open_client), name=f"mcp-client-{label}")
+
+    async def _run(self, open_client: Callable[[], AbstractAsyncContextManager[Client]]) -> None:
+        current: asyncio.Future[Any] | None = None
+        try:
+            async with open_client() as client:
+                self.ready.set_result(None)
+                while True:
+                    job, current = await self._jobs.get()
+                    try:
+                        result = await job(client)
+                    except Exception as exc:
+                        if not current.done():
+                            current.set_exception(exc)
+                    else:
+                        if not current.done():
+                            current.set_result(result)
+                    current = None
+        except BaseException as exc:  # the client failed (its task group cancelled this task), or it was closed
+            self.failed = True
+            gone = ConnectionError(f"the MCP client stopped ({type(exc).__name__})")
+            waiting = [self.ready, current]
+            while not self._jobs.empty():
+                waiting.append(self._jobs.get_nowait()[1])
+            for future in waiting:
+                if future is not None and not future.done():
+                    future.set_exception(gone)
+
+    async def submit(self, job: Job[T]) -> T:
+        if self.failed:
+            raise ConnectionError("the MCP client stopped")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._jobs.put_nowait((job, future))
+        return await future
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(self._task, 2.0)
+        if self.ready.done() and not self.ready.cancelled():
+            self.ready.exception()  # looked at: never "exception never retrieved"
+
+
 class _Connected:
-    """A live MCP client's tools listed and called within `limits` and a `deadline` (time.monotonic)."""
+    """A live MCP client's tools listed and called, each step within its bound and the response's budget."""
 
-    def __init__(self, label: str, limits: McpLimits, deadline: float) -> None:
-        self.label, self.limits, self.deadline = label, limits, deadline
-        self._client: Client | None = None
+    def __init__(self, label: str, limits: McpLimits, budget: McpBudget) -> None:
+        self.label, self.limits, self.budget = label, limits, budget
+        self._worker: _Worker | None = None
 
-    def _left(self, step_s: float) -> float:
-        return max(0.0, min(step_s, self.deadline - time.monotonic()))
+    async def _timed(self, bound_s: float, step: Awaitable[T]) -> T:
+        """`step` within `bound_s` and what is left of the budget, which it spends (TimeoutError past either)."""
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(step, max(0.0, min(bound_s, self.budget.left_s)))
+        finally:
+            self.budget.left_s -= time.monotonic() - started
+
+    async def _step(self, bound_s: float, job: Job[T]) -> T:
+        assert self._worker is not None
+        return await self._timed(bound_s, self._worker.submit(job))
 
     def _on_failure(self) -> None:
         """A step failed (the server unreachable, too slow or broken)."""
@@ -193,10 +273,8 @@ class _Connected:
 
     async def list_tools(self, allowed: tuple[str, ...] | None = None) -> list[McpTool]:
         """The server's tools (only those named in `allowed`, when given), each bounded."""
-        assert self._client is not None
         try:
-            async with asyncio.timeout(self._left(self.limits.list_s)):
-                listed = await self._client.list_tools()
+            listed = await self._step(self.limits.list_s, lambda client: client.list_tools())
         except Exception as exc:
             raise self._failed("listing the tools of", exc) from None
         if len(listed.tools) > self.limits.max_tools:
@@ -208,6 +286,8 @@ class _Connected:
             schema = dict(tool.input_schema or {"type": "object"})
             if len(json.dumps(schema)) > self.limits.max_schema_bytes:
                 raise McpUnavailable(self.label, f"with a tool schema over {self.limits.max_schema_bytes} bytes from")
+            if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+                raise McpUnavailable(self.label, f"with a tool schema nested deeper than {MAX_SCHEMA_DEPTH} from")
             hints = tool.annotations
             tools.append(McpTool(tool.name, tool.description or "", schema,
                                  bool(hints is not None and hints.read_only_hint)))
@@ -215,11 +295,9 @@ class _Connected:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> McpResult:
         """One call of a tool: its text output, or its error (a tool's own error is a result, not an exception;
-        a server that fails or takes too long is McpResult(None, what failed))."""
-        assert self._client is not None
+        a server that fails or takes too long is McpResult(None, what failed, server_failed=True))."""
         try:
-            async with asyncio.timeout(self._left(self.limits.call_s)):
-                result = await self._client.call_tool(name, arguments)
+            result = await self._step(self.limits.call_s, lambda client: client.call_tool(name, arguments))
         except Exception as exc:
             return McpResult(None, str(self._failed(f"calling {name!r} on", exc)), server_failed=True)
         texts = [str(part.text) for part in getattr(result, "content", None) or [] if getattr(part, "type", "") == "text"]
@@ -233,28 +311,39 @@ class _Connected:
         return McpResult(text, None)
 
 
+def schema_depth(schema: Any) -> int:
+    """How deeply a JSON schema nests (objects and arrays in it): grammar-constrained decoding slows with it."""
+    if isinstance(schema, dict):
+        return 1 + max((schema_depth(v) for v in schema.values()), default=0)
+    if isinstance(schema, list):
+        return max((schema_depth(v) for v in schema), default=0)
+    return 0
+
+
 class McpSession(_Connected):
     """One request's connection to one MCP server over streamable HTTP: `async with McpSession(...) as s`, then
-    list and call. The `deadline` bounds everything; each step has its own bound too."""
+    list and call."""
 
-    def __init__(self, label: str, url: str, headers: Mapping[str, str], limits: McpLimits, deadline: float) -> None:
-        super().__init__(label, limits, deadline)
+    def __init__(self, label: str, url: str, headers: Mapping[str, str], limits: McpLimits, budget: McpBudget) -> None:
+        super().__init__(label, limits, budget)
         self._url, self._headers = url, dict(headers)
-        self._stack = AsyncExitStack()
+
+    @contextlib.asynccontextmanager
+    async def _open(self) -> AsyncIterator[Client]:
+        limits = self.limits
+        async with httpx2.AsyncClient(headers=self._headers, transport=_BoundedTransport(limits.max_message_bytes),
+                                      timeout=httpx2.Timeout(limits.connect_s, read=limits.call_s),
+                                      follow_redirects=False) as http:
+            transport = streamable_http_client(self._url, http_client=http, max_sse_event_size=limits.max_message_bytes)
+            async with Client(transport, cache=None) as client:
+                yield client
 
     async def __aenter__(self) -> McpSession:
-        http = httpx2.AsyncClient(headers=self._headers, transport=_BoundedTransport(self.limits.max_message_bytes),
-                                  timeout=httpx2.Timeout(self.limits.connect_s, read=self.limits.call_s),
-                                  follow_redirects=False)
+        self._worker = _Worker(self.label, self._open)
         try:
-            await self._stack.enter_async_context(http)
-            transport = streamable_http_client(self._url, http_client=http,
-                                               max_sse_event_size=self.limits.max_message_bytes)
-            client = Client(transport, cache=None)
-            async with asyncio.timeout(self._left(self.limits.connect_s)):
-                self._client = await self._stack.enter_async_context(client)
+            await self._timed(self.limits.connect_s, asyncio.shield(self._worker.ready))
         except BaseException as exc:
-            await self._close_quietly()
+            await self._worker.close()
             if isinstance(exc, Exception):
                 raise self._failed("connecting to", exc) from None
             raise
@@ -262,31 +351,25 @@ class McpSession(_Connected):
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await self._close_quietly()
-
-    async def _close_quietly(self) -> None:
-        try:
-            async with asyncio.timeout(2.0):
-                await self._stack.aclose()
-        except Exception as exc:  # a server that breaks the closing harms no one else
-            log.info("MCP server %r: closing its connection: %s", self.label, type(exc).__name__)
+        if self._worker is not None:
+            await self._worker.close()
 
 
 class StdioServer:
     """An MCP server the operator configured as a command: started with the app, kept running (a process that
-    exits or stops answering is started again, waiting 1 s, then twice as long each time up to 30 s), and
-    shared by every request that names it (MCP sessions take concurrent requests). `status`: starting, ready or
+    exits or stops answering is started again, waiting 1 s, then twice as long each time up to 30 s), and shared
+    by every request that names it (MCP sessions take concurrent requests). `status`: starting, ready or
     restarting."""
 
-    PING_EVERY_S = 10.0
+    CHECK_EVERY_S = 10.0
 
     def __init__(self, label: str, command: str, args: list[str], env: Mapping[str, str]) -> None:
         self.label = label
         self._params = StdioServerParameters(command=command, args=list(args), env={**os.environ, **env})
-        self._client: Client | None = None
-        self._ready = asyncio.Event()
+        self.worker: _Worker | None = None
+        self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._broken = asyncio.Event()
+        self.broken = asyncio.Event()
         self.status = "starting"
         self.restarts = 0
 
@@ -298,53 +381,56 @@ class StdioServer:
             self._task.cancel()
             with contextlib.suppress(BaseException):
                 await self._task
+        if self.worker is not None:
+            await self.worker.close()
 
     async def _run(self) -> None:
         backoff = 1.0
         while True:
+            worker = _Worker(self.label, lambda: Client(self._params, cache=None))
             try:
-                async with Client(self._params, cache=None) as client:
-                    self._client, self.status, backoff = client, "ready", 1.0
-                    self._ready.set()
-                    log.info("MCP server %r: started", self.label)
-                    await self._until_broken(client)
+                await asyncio.wait_for(asyncio.shield(worker.ready), 60.0)
+                self.worker, self.status, backoff = worker, "ready", 1.0
+                self.ready.set()
+                log.info("MCP server %r: started", self.label)
+                await self._until_broken(worker)
             except Exception as exc:
                 log.warning("MCP server %r: %s; starting it again in %.0f s", self.label, type(exc).__name__, backoff)
-            self._ready.clear()
-            self._client, self.status = None, "restarting"
+            finally:
+                self.ready.clear()
+                self.worker = None
+                await worker.close()
+            self.status = "restarting"
             self.restarts += 1
             await asyncio.sleep(backoff)
             backoff = min(30.0, backoff * 2)
 
-    async def _until_broken(self, client: Client) -> None:
-        """Until the server fails to list its tools, asked every PING_EVERY_S and at once when a request's step
-        failed."""
+    async def _until_broken(self, worker: _Worker) -> None:
+        """Until the server fails to list its tools, asked every CHECK_EVERY_S and at once when a request's step
+        failed (MCP's ping is gone from its 2026 protocol)."""
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.PING_EVERY_S):
-                    await self._broken.wait()
-            self._broken.clear()
-            async with asyncio.timeout(self.PING_EVERY_S):  # (MCP's ping is gone from its 2026 protocol)
-                await client.list_tools()
+                await asyncio.wait_for(self.broken.wait(), self.CHECK_EVERY_S)
+            self.broken.clear()
+            await asyncio.wait_for(worker.submit(lambda client: client.list_tools()), self.CHECK_EVERY_S)
 
-    def session(self, limits: McpLimits, deadline: float) -> StdioSession:
-        return StdioSession(self, limits, deadline)
+    def session(self, limits: McpLimits, budget: McpBudget) -> StdioSession:
+        return StdioSession(self, limits, budget)
 
 
 class StdioSession(_Connected):
-    """A request's use of a running StdioServer (nothing to open or close; unavailable while it restarts)."""
+    """A request's use of a running StdioServer (nothing to open or close; one starting is waited for within the
+    connect bound)."""
 
-    def __init__(self, server: StdioServer, limits: McpLimits, deadline: float) -> None:
-        super().__init__(server.label, limits, deadline)
+    def __init__(self, server: StdioServer, limits: McpLimits, budget: McpBudget) -> None:
+        super().__init__(server.label, limits, budget)
         self._server = server
 
     async def __aenter__(self) -> StdioSession:
-        """The running server's client: one starting (or starting again) is waited for within the connect bound."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._left(self.limits.connect_s)):
-                await self._server._ready.wait()
-        self._client = self._server._client
-        if self._client is None:
+            await self._timed(self.limits.connect_s, self._server.ready.wait())
+        self._worker = self._server.worker
+        if self._worker is None:
             raise McpUnavailable(self.label, f"reaching ({self._server.status})")
         return self
 
@@ -353,4 +439,4 @@ class StdioSession(_Connected):
         pass
 
     def _on_failure(self) -> None:
-        self._server._broken.set()  # a server that failed a step is pinged at once
+        self._server.broken.set()  # a server that failed a step is checked at once

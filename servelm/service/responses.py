@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -57,7 +58,7 @@ from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
 from servelm.service.conversations import ITEM_PREFIX, ConversationsService, MemoryConversations, page_of, stored_item
 from servelm.service.hosted_mcp import Exposed, McpPlan, McpSettings
-from servelm.service.mcp import McpResult, McpSession, McpUnavailable, StdioSession, check_server_url
+from servelm.service.mcp import McpBudget, McpResult, McpSession, McpUnavailable, StdioSession, check_server_url
 from servelm.service.params import RequestContext
 from servelm.service.store import ResponseStore, StoredResponse
 
@@ -196,7 +197,7 @@ class ResponsesService:
         each call run between them; at most max_calls calls, the last turn told to answer."""
         assert p.mcp is not None
         plan, limits = p.mcp, p.mcp.settings.limits
-        deadline = time.monotonic() + limits.total_s
+        budget = McpBudget(limits.total_s)  # the MCP steps' time, not the generation's between them
         max_calls = min(limits.max_calls, p.request.max_tool_calls or limits.max_calls)
         async with AsyncExitStack() as stack:
             sessions: dict[str, McpSession | StdioSession] = {}
@@ -209,10 +210,10 @@ class ResponsesService:
                 yield events.make("response.mcp_list_tools.in_progress", item_id=listing.id, output_index=index)
                 try:
                     if server.configured:
-                        session = self.configured.open(server.label, limits, deadline)
+                        session = self.configured.open(server.label, limits, budget)
                     else:
                         await check_server_url(server.url, plan.settings.allowed, f"{server.where}.server_url")
-                        session = McpSession(server.label, server.url, server.headers, limits, deadline)
+                        session = McpSession(server.label, server.url, server.headers, limits, budget)
                     sessions[server.label] = await stack.enter_async_context(session)
                     tools = await session.list_tools(server.allowed_tools)
                 except McpUnavailable as exc:
@@ -238,10 +239,10 @@ class ResponsesService:
                 call_id = f"call_{uuid.uuid4().hex[:24]}"
                 messages.append(_assistant_calls(None, [(call_id, found.function if found else approval.name,
                                                         approval.arguments)]))
-                if not approval.approve or found is None:
-                    why = "was not approved" if not approval.approve else "is no longer listed by its server"
-                    reason = f": {approval.reason}" if approval.reason and not approval.approve else "."
-                    messages.append({"role": "tool", "tool_call_id": call_id, "content": f"The call {why}{reason}"})
+                if not approval.approve:
+                    reason = f": {approval.reason}" if approval.reason else "."
+                    messages.append({"role": "tool", "tool_call_id": call_id,
+                                     "content": f"The call was not approved{reason}"})
                     continue
                 call = McpCallOut(id=f"mcp_{uuid.uuid4().hex}", server_label=approval.server_label, name=approval.name,
                                   arguments=approval.arguments, status="in_progress",
@@ -250,7 +251,7 @@ class ResponsesService:
                     yield event
                 for event in events.close():
                     yield event
-                async for event in _run_call(events, call, sessions[approval.server_label]):
+                async for event in _run_call(events, call, sessions[approval.server_label] if found else None):
                     yield event
                 calls += 1
                 messages.append({"role": "tool", "tool_call_id": call_id, "content": _call_result(call)})
@@ -260,7 +261,7 @@ class ResponsesService:
                 body = {**p.chat_body, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
                         "tools": [*functions, *(e.chat_tool() for e in exposed)],
                         "tool_choice": "none" if calls >= max_calls else choice}
-                prepared = await self._prepare_turn(p, body, before)
+                prepared = await self._prepare_turn(p, body, before, [e.server.label for e in exposed])
                 before = [g.request_id for g in prepared.generations]
                 events.pending.clear()
                 text_from = len(events.items)
@@ -297,14 +298,19 @@ class ResponsesService:
             return "required"
         return p.chat_body.get("tool_choice", "required" if choice == "required" else "auto")
 
-    async def _prepare_turn(self, p: PreparedResponse, body: dict[str, Any], before: list[str]) -> PreparedChat:
+    async def _prepare_turn(self, p: PreparedResponse, body: dict[str, Any], before: list[str],
+                            labels: list[str]) -> PreparedChat:
         """A turn's chat request prepared as any (off the event loop; a tool's output is the prompt's like any
         text: its limits and the content policy's check), in the admission of the response's earlier turns."""
         try:
             chat_req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            raise McpUnavailable(p.mcp.servers[0].label if p.mcp else "", "reading the tools of") from exc
-        prepared = await asyncio.to_thread(self.chat.prepare, chat_req, p.ctx)
+            prepared = await asyncio.to_thread(self.chat.prepare, chat_req, p.ctx)
+        except (ValidationError, InvalidParameter) as exc:
+            # the client's own fields were checked before: what fails now is a tool an MCP server listed
+            label = _blamed_server(exc, labels, len(p.chat_body.get("tools", ())))
+            if label is None:
+                raise
+            raise McpUnavailable(label, "with a tool the model cannot use (its name or schema) from") from None
         prepared.deployment.queue.follow(before, [g.request_id for g in prepared.generations])
         if prepared.screening is not None:
             await prepared.screening.check_prompt()
@@ -389,15 +395,19 @@ class ResponsesService:
                              last_id=page[-1]["id"] if page else None, has_more=more)
 
 
-async def _run_call(events: _EventWriter, call: McpCallOut, session: McpSession | StdioSession) -> AsyncGenerator[ResponseEvent, None]:
-    """One MCP call run, with its events: in progress, then completed or failed, and its item done."""
+async def _run_call(events: _EventWriter, call: McpCallOut,
+                    session: McpSession | StdioSession | None) -> AsyncGenerator[ResponseEvent, None]:
+    """One MCP call run, with its events: in progress, then completed or failed, and its item done. No session:
+    the request no longer allows the tool (an approved call whose tool its allowed_tools leave out)."""
     index = events.items.index(call)
     yield events.make("response.mcp_call.in_progress", item_id=call.id, output_index=index)
     try:
         arguments = json.loads(call.arguments or "{}")
     except ValueError:
         arguments = None
-    if not isinstance(arguments, dict):
+    if session is None:
+        result = McpResult(None, f"The tool {call.name!r} is not among the tools this request allows.")
+    elif not isinstance(arguments, dict):
         result = McpResult(None, "The call's arguments are not a JSON object.")
     else:
         result = await session.call(call.name, arguments)
@@ -410,6 +420,16 @@ async def _run_call(events: _EventWriter, call: McpCallOut, session: McpSession 
     yield events.make("response.mcp_call.completed" if result.error is None else "response.mcp_call.failed",
                       item_id=call.id, output_index=index)
     yield events.make("response.output_item.done", output_index=index, item=call)
+
+
+def _blamed_server(exc: Exception, labels: list[str], functions: int) -> str | None:
+    """The MCP server whose listed tool a turn's chat request failed on (`labels`: the server of each listed tool,
+    after the client's `functions`), or None when the failure is not a listed tool's."""
+    param = exc.param if isinstance(exc, InvalidParameter) else \
+        ".".join(str(x) for x in exc.errors()[0]["loc"]) if isinstance(exc, ValidationError) else None
+    found = re.match(r"tools[\[.](\d+)", param or "")
+    index = int(found.group(1)) - functions if found is not None else -1
+    return labels[index] if 0 <= index < len(labels) else None
 
 
 def _call_result(call: McpCallOut) -> str:
@@ -553,7 +573,7 @@ def _tools(req: ResponsesRequest) -> tuple[list[FunctionTool], list[str]]:
 
 
 def _names_mcp(req: ResponsesRequest) -> bool:
-    return any(isinstance(t, McpTool) for t in req.tools or ()) or \
+    return any(isinstance(t, McpTool) for t in req.tools or ()) or isinstance(req.tool_choice, McpChoice) or \
         any(isinstance(i, McpApprovalResponseItem) for i in (req.input if isinstance(req.input, list) else ()))
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from servelm.errors import InvalidParameter
 from servelm.service import mcp
-from servelm.service.mcp import McpLimits, McpSession, McpUnavailable, check_server_url, parse_allowed
+from servelm.service.mcp import McpBudget, McpLimits, McpSession, McpUnavailable, check_server_url, parse_allowed
 from tests.mcp_servers import McpHttpServer, hostile
 
 SECRET = "Bearer sk-never-shown-4d1f"
@@ -30,7 +30,7 @@ def server() -> Iterator[McpHttpServer]:
 
 
 def session(url: str, limits: McpLimits = FAST) -> McpSession:
-    return McpSession("tests", url, {"authorization": SECRET}, limits, time.monotonic() + limits.total_s)
+    return McpSession("tests", url, {"authorization": SECRET}, limits, McpBudget(limits.total_s))
 
 
 async def test_a_real_server_lists_its_tools_and_runs_a_call(server):
@@ -88,9 +88,9 @@ async def test_a_hostile_server_fails_only_its_own_request(server, kind, caplog)
     assert SECRET not in caplog.text and SECRET not in str(failure.body())
 
 
-async def test_the_whole_deadline_bounds_every_step(server):
+async def test_the_responses_budget_bounds_every_step(server):
     with hostile("hang") as bad:
-        s = McpSession("tests", bad.url, {}, McpLimits(connect_s=30.0), time.monotonic() + 1.0)
+        s = McpSession("tests", bad.url, {}, McpLimits(connect_s=30.0), McpBudget(1.0))
         started = time.monotonic()
         with pytest.raises(McpUnavailable, match="timed out"):
             async with s:

@@ -1,0 +1,157 @@
+"""The black-box attack on the Responses API's MCP tools, each finding a test: a server that fails after connecting
+(a listing or an answer past the byte bound, a dropped connection) fails its own step as a 424 or a failed call,
+never the request's task; header values and names a client could smuggle are a 400; the SDK's HTTP client logs no
+header; an MCP tool_choice needs an mcp tool; tool names stay unique across servers; --mcp-timeout counts the MCP
+work, not the generation around it; a server's schema the model cannot use is the server's fault (424); and a
+schema nested past the bound is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from servelm.compose import DeploymentOptions, build_deployment
+from servelm.errors import InvalidParameter
+from servelm.protocol.responses import ResponsesRequest
+from servelm.runners.fake import FakeRunner
+from servelm.service import hosted_mcp, mcp
+from servelm.service.chat import ChatService
+from servelm.service.hosted_mcp import McpServer, McpSettings
+from servelm.service.mcp import McpBudget, McpLimits, McpSession, McpTool, McpUnavailable, parse_allowed
+from servelm.service.params import RequestContext
+from servelm.service.registry.deployments import Deployments
+from servelm.service.responses import ResponsesService
+from servelm.service.store import MemoryStore
+from tests.mcp_servers import McpHttpServer
+
+ALICE = RequestContext(owner="a" * 64)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[McpHttpServer]:
+    s = McpHttpServer()
+    yield s
+    s.stop()
+
+
+def session(url: str, limits: McpLimits) -> McpSession:
+    return McpSession("tests", url, {}, limits, McpBudget(limits.total_s))
+
+
+async def test_a_listing_past_the_byte_bound_is_a_424_not_a_cancelled_request(server):
+    """The server answers its handshake, then a listing longer than max_message_bytes: the cut fails the step."""
+    limits = McpLimits(max_message_bytes=600, connect_s=5, list_s=5)
+    started = time.monotonic()
+    with pytest.raises(McpUnavailable):
+        async with session(server.url, limits) as s:
+            await s.list_tools()
+    assert time.monotonic() - started < 10
+    await asyncio.sleep(0)  # the request's task is not cancelled: it goes on
+    assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]
+
+
+async def test_an_answer_past_the_byte_bound_is_a_failed_call_and_the_request_goes_on(server):
+    limits = McpLimits(max_message_bytes=64 << 10, call_s=10)
+    async with session(server.url, limits) as s:
+        flood = await s.call("large", {"size": 5 << 20})
+        assert flood.output is None and flood.server_failed
+        assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]
+    async with session(server.url, limits) as s:  # and the next session is fine
+        assert (await s.call("echo", {"text": "after"})).output == "after"
+
+
+async def test_the_mcp_budget_counts_mcp_work_not_what_happens_between(server):
+    limits = McpLimits(total_s=1.5, call_s=1.5)
+    async with session(server.url, limits) as s:
+        await asyncio.sleep(2.0)  # the model generating between two steps
+        assert (await s.call("echo", {"text": "in time"})).output == "in time"
+
+
+@pytest.fixture
+def chat() -> Iterator[ChatService]:
+    deployment, engine = build_deployment("fake-model", FakeRunner(context_window=4096), DeploymentOptions(prefix_cache=False))
+    engine.start()
+    try:
+        yield ChatService(Deployments([deployment]))
+    finally:
+        engine.stop()
+
+
+def request(server: Any, tool: dict[str, Any] | None = None, **fields: Any) -> ResponsesRequest:
+    tools = [{"type": "mcp", "server_label": "tests", "server_url": server.url, "require_approval": "never",
+              **(tool or {})}]
+    return ResponsesRequest.model_validate({"model": "fake-model", "input": "hi", "max_output_tokens": 8,
+                                            "tools": tools, **fields})
+
+
+@pytest.mark.parametrize("tool, field", [
+    ({"headers": {"Host": "internal-admin.example"}}, "tools[0].headers"),
+    ({"headers": {"Content-Length": "0"}}, "tools[0].headers"),
+    ({"headers": {"transfer-encoding": "chunked"}}, "tools[0].headers"),
+    ({"headers": {"Connection": "Upgrade", "Upgrade": "h2c"}}, "tools[0].headers"),
+    ({"headers": {"Mcp-Session-Id": "someone-elses"}}, "tools[0].headers"),
+    ({"headers": {"X-Key": "secret\n"}}, "tools[0].headers"),
+    ({"headers": {"X-Key": "a\r\nInjected: 1"}}, "tools[0].headers"),
+    ({"headers": {"Bad Name": "v"}}, "tools[0].headers"),
+    ({"headers": {"": "v"}}, "tools[0].headers"),
+    ({"authorization": "tok-LEAKCHECK\n"}, "tools[0].authorization"),
+    ({"server_url": "http://127.0.0.1:1/mcp\r\nX: y"}, "tools[0].server_url"),
+    ({"server_url": "http://127.0.0.1:1/m cp"}, "tools[0].server_url"),
+])
+def test_a_header_or_url_a_client_could_smuggle_is_a_400(chat, server, tool, field):
+    service = ResponsesService(chat, MemoryStore(), McpSettings(parse_allowed((server.origin, "http://127.0.0.1:1"))))
+    with pytest.raises(InvalidParameter) as caught:
+        service.prepare(request(server, tool), ALICE)
+    assert caught.value.param == field
+    assert "secret" not in caught.value.message and "LEAKCHECK" not in caught.value.message
+
+
+def test_the_sdks_http_client_logs_no_request_at_debug():
+    assert mcp  # imported: its loggers are set
+    for name in ("httpx2", "httpcore2"):
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
+
+
+def test_an_mcp_tool_choice_needs_an_mcp_tool(chat):
+    service = ResponsesService(chat, MemoryStore())
+    req = ResponsesRequest.model_validate({"model": "fake-model", "input": "hi", "tools": [],
+                                           "tool_choice": {"type": "mcp", "server_label": "x", "name": "y"}})
+    with pytest.raises(InvalidParameter) as caught:
+        service.prepare(req, ALICE)
+    assert caught.value.param == "tool_choice"
+
+
+def test_exposed_names_stay_unique_whatever_the_labels():
+    def server(label: str) -> McpServer:
+        return McpServer(label, "", "tools[0]", None, "never")
+
+    def tool(name: str) -> McpTool:
+        return McpTool(name, "", {"type": "object"})
+
+    exposed = hosted_mcp.expose([(server("a"), [tool("b__echo"), tool("echo")]), (server("a__b"), [tool("echo")]),
+                                 (server("h"), [tool("echo2")])], {"h__echo2", "echo2"})
+    names = [e.function for e in exposed]
+    assert len(set(names)) == len(names) and "h__echo2" not in names and "echo2" not in names
+    assert all(len(n) <= 64 for n in names)
+
+
+async def test_a_schema_the_model_cannot_use_is_the_servers_fault(chat, server):
+    """The fake model spells no JSON, so no tool schema of the server compiles: a 424 naming the server, not a 400
+    blaming tools[0].function.parameters, which the client never sent."""
+    service = ResponsesService(chat, MemoryStore(), McpSettings(parse_allowed((server.origin,))))
+    with pytest.raises(McpUnavailable) as caught:
+        await service.complete(service.prepare(request(server), ALICE))
+    assert caught.value.status == 424 and "tests" in caught.value.message
+
+
+def test_a_schema_nested_past_the_bound_is_refused():
+    deep: dict[str, Any] = {"type": "string"}
+    for _ in range(mcp.MAX_SCHEMA_DEPTH + 1):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    assert mcp.schema_depth(deep) > mcp.MAX_SCHEMA_DEPTH
+    assert mcp.schema_depth({"type": "object", "properties": {"a": {"type": "integer"}}}) <= mcp.MAX_SCHEMA_DEPTH
