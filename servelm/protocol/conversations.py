@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from servelm.protocol.common import ResponseModel, WireModel
-from servelm.protocol.responses import InputItem
+from servelm.protocol.responses import InputItem, InputItemList
+
+ConversationItemList = InputItemList  # a page of a conversation's items: the shape of a response's input items
 
 MAX_ITEMS_ADDED = 20  # items one create or add may carry (OpenAI's bound)
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
@@ -38,11 +40,3 @@ class DeletedConversation(ResponseModel):
     id: str
     object: Literal["conversation.deleted"] = "conversation.deleted"
     deleted: bool = True
-
-
-class ConversationItemList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
