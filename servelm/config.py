@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -586,6 +587,10 @@ class McpServerSpec(BaseModel):
             raise ValueError(f"MCP server {self.label!r}: give either url (streamable HTTP) or command (stdio)")
         if self.url is not None and urlsplit(self.url).scheme not in ("http", "https"):
             raise ValueError(f"MCP server {self.label!r}: its url must be http(s)")
+        for name, value in self.headers.items():
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}", name) or not value.isprintable():
+                raise ValueError(f"MCP server {self.label!r}: a header's name must be an HTTP token and its value "
+                                 "printable text without line breaks")
         return self
 
     def __repr__(self) -> str:  # its headers and env may hold the operator's secrets
@@ -643,5 +648,6 @@ def load_config_file(path: Path) -> ConfigFile:
         raise ValueError(f"{path}: not valid {'YAML' if str(path).endswith(('yaml', 'yml')) else 'TOML'}: {exc}") from None
     try:
         return ConfigFile.model_validate(data)
-    except ValidationError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    except ValidationError as exc:  # said without the values it found: an MCP server's headers or env are secrets
+        found = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'the file'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{path}: {found}") from None

@@ -10,6 +10,7 @@ store keeps them in the server's memory: a restart loses them, and /health and t
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from servelm.protocol.conversations import (
 from servelm.protocol.responses import InputItem
 
 MAX_PAGE = 100  # items one list may answer (OpenAI's bound)
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # an item id a client may choose
 ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
                "mcp_approval_response": "mcpa", "mcp_call": "mcp", "mcp_list_tools": "mcpl",
                "mcp_approval_request": "mcpr"}
@@ -159,6 +161,8 @@ class MemoryConversations:
         if self._bytes.get(owner, 0) + size > self.limits.max_bytes:
             raise LimitReached(f"This key's conversations hold at most {self.limits.max_bytes} bytes of items.")
         for item in items:
+            if item["id"] in conversation.items:  # an id the client chose again: the item is kept under a new one
+                item = stored_item({k: v for k, v in item.items() if k != "id"})
             conversation.items[item["id"]] = item
         conversation.bytes += size
         self._bytes[owner] = self._bytes.get(owner, 0) + size
@@ -172,7 +176,8 @@ def stored_item(data: dict[str, Any]) -> dict[str, Any]:
     """An input or output item (JSON) as a conversation keeps it: with an id, a message's text content as a part,
     and a status (OpenAI's Message has one)."""
     data = dict(data)
-    data.setdefault("id", f"{ITEM_PREFIX.get(data.get('type', 'message'), 'item')}_{uuid.uuid4().hex}")
+    if not isinstance(data.get("id"), str) or not _ID.fullmatch(data["id"]):  # none, or one no route could name
+        data["id"] = f"{ITEM_PREFIX.get(data.get('type', 'message'), 'item')}_{uuid.uuid4().hex}"
     data.setdefault("type", "message")
     if data["type"] == "message":
         if isinstance(data.get("content"), str):

@@ -9,6 +9,7 @@ exactly once however often the answer is sent, and never before it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import Sequence
@@ -103,21 +104,23 @@ class Configured:
         return McpSession(label, spec.url, spec.headers, limits, budget)
 
     async def describe(self, limits: McpLimits) -> list[dict[str, Any]]:
-        """GET /v1/mcp/servers: each server, how it is reached, whether it answers, and its tools."""
-        out = []
-        for label, spec in self.specs.items():
-            entry: dict[str, Any] = {"server_label": label, "description": spec.description,
-                                     "transport": "stdio" if spec.command else "streamable_http",
-                                     "require_approval": spec.require_approval}
-            try:
-                async with self.open(label, limits, McpBudget(limits.connect_s + limits.list_s)) as session:
-                    tools = await session.list_tools(tuple(spec.allowed_tools) if spec.allowed_tools else None)
-                entry.update(status="ready", tools=[{"name": t.name, "description": t.description,
-                                                     "input_schema": t.input_schema} for t in tools])
-            except McpUnavailable as exc:
-                entry.update(status="unavailable", error=exc.message, tools=[])
-            out.append(entry)
-        return out
+        """GET /v1/mcp/servers: each server, how it is reached, whether it answers, and its tools (all asked at
+        once, each within the step bound; a command known to be starting again is not waited for)."""
+        return list(await asyncio.gather(*(self._describe(label, spec, limits) for label, spec in self.specs.items())))
+
+    async def _describe(self, label: str, spec: ServerSpec, limits: McpLimits) -> dict[str, Any]:
+        entry: dict[str, Any] = {"server_label": label, "description": spec.description,
+                                 "transport": "stdio" if spec.command else "streamable_http",
+                                 "require_approval": spec.require_approval}
+        if label in self.stdio and self.stdio[label].worker is None:
+            return {**entry, "status": self.stdio[label].status, "tools": []}
+        try:
+            async with self.open(label, limits, McpBudget(limits.connect_s + limits.list_s)) as session:
+                tools = await session.list_tools(tuple(spec.allowed_tools) if spec.allowed_tools else None)
+        except McpUnavailable as exc:
+            return {**entry, "status": "unavailable", "error": exc.message, "tools": []}
+        return {**entry, "status": "ready", "tools": [{"name": t.name, "description": t.description,
+                                                       "input_schema": t.input_schema} for t in tools]}
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,8 @@ def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
         raise InvalidParameter("Connectors are not served here; give the MCP server's server_url.",
                                f"{where}.connector_id", "unsupported_parameter")
     if tool.server_url is None:
-        raise InvalidParameter("An mcp tool needs its server_url.", f"{where}.server_url", "missing_required_parameter")
+        raise InvalidParameter(f"No MCP server labelled {tool.server_label!r} runs here: give the tool its server_url.",
+                               f"{where}.server_url", "missing_required_parameter")
     origin = origin_of(tool.server_url)
     if origin is None:
         raise InvalidParameter("`server_url` must be an http(s) URL without user info.", f"{where}.server_url")

@@ -42,6 +42,7 @@ log = logging.getLogger("servelm.mcp")
 for _quiet in ("httpx2", "httpcore2"):  # at DEBUG the transport logs a refused header value whole
     logging.getLogger(_quiet).setLevel(logging.WARNING)
 T = TypeVar("T")
+CLOSE_S = 10.0  # the longest an MCP client's close is waited for
 MAX_SCHEMA_DEPTH = 24  # a tool schema's nesting (dicts and lists); deeper ones make constrained decoding crawl
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -236,9 +237,14 @@ class _Worker:
         return await future
 
     async def close(self) -> None:
+        """Cancels the client's task, and waits at most CLOSE_S for it (the SDK's own bounded shutdown of a command
+        closes its stdin, then terminates and kills its process tree within about 7 s): never longer, so that a
+        client stuck in closing holds up neither a restart nor the app's stop."""
         self._task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(self._task, 2.0)
+        await asyncio.wait({self._task}, timeout=CLOSE_S)
+        if not self._task.done():
+            log.warning("MCP server %r: its client did not close within %.0f s; left to finish on its own",
+                        self.label, CLOSE_S)
         if self.ready.done() and not self.ready.cancelled():
             self.ready.exception()  # looked at: never "exception never retrieved"
 
@@ -361,7 +367,8 @@ class StdioServer:
     by every request that names it (MCP sessions take concurrent requests). `status`: starting, ready or
     restarting."""
 
-    CHECK_EVERY_S = 10.0
+    CHECK_EVERY_S = 10.0  # how often a running server is asked for its tools (and how long it has to answer)
+    START_S = 60.0  # how long a start may take (the command's own start-up and the protocol's handshake)
 
     def __init__(self, label: str, command: str, args: list[str], env: Mapping[str, str]) -> None:
         self.label = label
@@ -372,24 +379,24 @@ class StdioServer:
         self.broken = asyncio.Event()
         self.status = "starting"
         self.restarts = 0
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"mcp-{self.label}")
 
     async def stop(self) -> None:
+        """No start any more; the running client closed (each wait bounded: the app's stop is never held up)."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        if self.worker is not None:
-            await self.worker.close()
+            await asyncio.wait({self._task}, timeout=2 * CLOSE_S)
 
     async def _run(self) -> None:
         backoff = 1.0
-        while True:
+        while not self._stopping:
             worker = _Worker(self.label, lambda: Client(self._params, cache=None))
             try:
-                await asyncio.wait_for(asyncio.shield(worker.ready), 60.0)
+                await asyncio.wait_for(asyncio.shield(worker.ready), self.START_S)
                 self.worker, self.status, backoff = worker, "ready", 1.0
                 self.ready.set()
                 log.info("MCP server %r: started", self.label)
@@ -399,8 +406,8 @@ class StdioServer:
             finally:
                 self.ready.clear()
                 self.worker = None
+                self.status = "restarting"
                 await worker.close()
-            self.status = "restarting"
             self.restarts += 1
             await asyncio.sleep(backoff)
             backoff = min(30.0, backoff * 2)

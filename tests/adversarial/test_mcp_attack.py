@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +26,7 @@ from servelm.runners.fake import FakeRunner
 from servelm.service import hosted_mcp, mcp
 from servelm.service.chat import ChatService
 from servelm.service.hosted_mcp import McpServer, McpSettings
-from servelm.service.mcp import McpBudget, McpLimits, McpSession, McpTool, McpUnavailable, parse_allowed
+from servelm.service.mcp import McpBudget, McpLimits, McpSession, McpTool, McpUnavailable, StdioServer, parse_allowed
 from servelm.service.params import RequestContext
 from servelm.service.registry.deployments import Deployments
 from servelm.service.responses import ResponsesService
@@ -155,3 +159,59 @@ def test_a_schema_nested_past_the_bound_is_refused():
         deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
     assert mcp.schema_depth(deep) > mcp.MAX_SCHEMA_DEPTH
     assert mcp.schema_depth({"type": "object", "properties": {"a": {"type": "integer"}}}) <= mcp.MAX_SCHEMA_DEPTH
+
+
+def _children(*markers: str) -> list[int]:
+    """This process's child processes whose command line holds every one of `markers`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid() and all(m.encode() in cmdline for m in markers):
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_configured_command_that_hangs_at_start_is_started_again_and_stops_with_the_app():
+    marker = "servelm-mcp-hang-at-start"
+    server = StdioServer("hangs", sys.executable, ["-c", f"import time; time.sleep(10**6)  # {marker}"], {})
+    server.START_S = 1.0
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while server.restarts < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert server.restarts >= 2 and server.status in ("restarting", "starting")
+    finally:
+        started = time.monotonic()
+        await server.stop()
+        assert time.monotonic() - started < 25  # the app's stop is never held up
+    await asyncio.sleep(1)
+    assert len(_children(marker)) <= 1  # every hung start but at most the last one given up was killed
+
+
+async def test_a_configured_command_that_stops_answering_is_replaced():
+    server = StdioServer("stopped", sys.executable, ["-m", "tests.mcp_servers", "stdio"], {})
+    server.CHECK_EVERY_S = 1.0
+    server.start()
+    try:
+        await asyncio.wait_for(server.ready.wait(), 60)
+        first = _children("tests.mcp_servers", "stdio")
+        assert len(first) == 1
+        os.kill(first[0], signal.SIGSTOP)  # alive, and answering nothing
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = _children("tests.mcp_servers", "stdio")
+            if server.status == "ready" and first[0] not in now and len(now) == 1:
+                break
+            await asyncio.sleep(0.5)
+        assert server.status == "ready" and first[0] not in _children("tests.mcp_servers", "stdio")
+        async with server.session(McpLimits(), McpBudget(30)) as s:
+            assert (await s.call("echo", {"text": "back"})).output == "back"
+    finally:
+        await server.stop()
