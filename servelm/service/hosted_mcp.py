@@ -112,8 +112,8 @@ class Configured:
         entry: dict[str, Any] = {"server_label": label, "description": spec.description,
                                  "transport": "stdio" if spec.command else "streamable_http",
                                  "require_approval": spec.require_approval}
-        if label in self.stdio and self.stdio[label].worker is None:
-            return {**entry, "status": self.stdio[label].status, "tools": []}
+        if label in self.stdio and self.stdio[label].status == "restarting":  # not waited for: known down
+            return {**entry, "status": "restarting", "tools": []}
         try:
             async with self.open(label, limits, McpBudget(limits.connect_s + limits.list_s)) as session:
                 tools = await session.list_tools(tuple(spec.allowed_tools) if spec.allowed_tools else None)

@@ -29,6 +29,7 @@ def test_the_agents_sdk_keeps_its_session_in_a_conversation(base_url):
         items = await session.get_items()
         conversation = await session._get_session_id()
         await session.clear_session()
+        await client.close()  # its connections, before asyncio.run closes their loop
         return items, conversation
 
     items, conversation = asyncio.run(two_turns())

@@ -5,6 +5,7 @@ the protocol: the listed tools, a call whose output is the tool's real one, appr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -170,12 +171,17 @@ def test_the_agents_sdk_hosted_mcp_tool(mcp_server, tools_server):
     from agents.model_settings import MCPToolChoice
 
     set_tracing_disabled(True)
-    set_default_openai_client(openai.AsyncOpenAI(base_url=f"{mcp_server.base_url}/v1", api_key="none", max_retries=0))
     agent = Agent(name="helper", model=MODEL,
                   tools=[HostedMCPTool(tool_config=tool(tools_server, allowed_tools=["add"]))],  # type: ignore[arg-type]
                   model_settings=ModelSettings(tool_choice=MCPToolChoice(server_label="tests", name="add"),
                                                temperature=0, max_tokens=32))
-    result = Runner.run_sync(agent, "Add 2 and 3.")
+
+    async def run() -> Any:
+        async with openai.AsyncOpenAI(base_url=f"{mcp_server.base_url}/v1", api_key="none", max_retries=0) as client:
+            set_default_openai_client(client)  # closed with its connections before asyncio.run closes their loop
+            return await Runner.run(agent, "Add 2 and 3.")
+
+    result = asyncio.run(run())
     raw = [item.raw_item for item in result.new_items]
     calls = [r for r in raw if getattr(r, "type", None) == "mcp_call"]
     assert calls and calls[0].output == str(sum(json.loads(calls[0].arguments).values()))
