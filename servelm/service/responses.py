@@ -57,8 +57,9 @@ from servelm.service import hosted_mcp
 from servelm.service.base import Translated
 from servelm.service.chat import ChatService, PreparedChat
 from servelm.service.conversations import ITEM_PREFIX, ConversationsService, MemoryConversations, page_of, stored_item
-from servelm.service.hosted_mcp import Exposed, McpPlan, McpSettings
+from servelm.service.hosted_mcp import Exposed, McpPlan, McpServer, McpSettings
 from servelm.service.mcp import McpBudget, McpResult, McpSession, McpUnavailable, StdioSession, check_server_url
+from servelm.service.mcp import McpTool as McpToolListed
 from servelm.service.params import RequestContext
 from servelm.service.store import ResponseStore, StoredResponse
 
@@ -201,34 +202,11 @@ class ResponsesService:
         max_calls = min(limits.max_calls, p.request.max_tool_calls or limits.max_calls)
         async with AsyncExitStack() as stack:
             sessions: dict[str, McpSession | StdioSession] = {}
-            listed = []
+            listed: list[tuple[McpServer, list[McpToolListed]]] = []
             for server in plan.servers:
-                listing = McpListToolsOut(id=f"mcpl_{uuid.uuid4().hex}", server_label=server.label)
-                for event in events.begin(listing):
+                async for event in self._list(server, plan, events, stack, budget, sessions, listed):
                     yield event
-                index = events.items.index(listing)
-                yield events.make("response.mcp_list_tools.in_progress", item_id=listing.id, output_index=index)
-                try:
-                    if server.configured:
-                        session = self.configured.open(server.label, limits, budget)
-                    else:
-                        await check_server_url(server.url, plan.settings.allowed, f"{server.where}.server_url")
-                        session = McpSession(server.label, server.url, server.headers, limits, budget)
-                    sessions[server.label] = await stack.enter_async_context(session)
-                    tools = await session.list_tools(server.allowed_tools)
-                except McpUnavailable as exc:
-                    listing.error = exc.message
-                    yield events.make("response.mcp_list_tools.failed", item_id=listing.id, output_index=index)
-                    for event in events.close():
-                        yield event
-                    raise
-                listing.tools = [McpListedTool(name=t.name, input_schema=t.input_schema, description=t.description or None,
-                                               annotations={"read_only": True} if t.read_only else None) for t in tools]
-                yield events.make("response.mcp_list_tools.completed", item_id=listing.id, output_index=index)
-                for event in events.close():
-                    yield event
-                listed.append((server, tools))
-            functions = [t for t in p.chat_body.get("tools", ())]
+            functions = list(p.chat_body.get("tools", ()))
             exposed = hosted_mcp.expose(listed, {t["function"]["name"] for t in functions})
             by_function = {e.function: e for e in exposed}
             messages = list(p.chat_body["messages"])
@@ -284,6 +262,38 @@ class ResponsesService:
                 if len(runs) < len(pending) or any(isinstance(i, FunctionCallOut) for i in events.items[text_from:]):
                     break  # an approval asked, or a function of the client's called: the client goes on
                 choice = "auto"
+
+    async def _list(self, server: McpServer, plan: McpPlan, events: _EventWriter, stack: AsyncExitStack,
+                    budget: McpBudget, sessions: dict[str, McpSession | StdioSession],
+                    listed: list[tuple[McpServer, list[McpToolListed]]]) -> AsyncGenerator[ResponseEvent, None]:
+        """One server connected (its session kept in `stack` and `sessions`) and its tools listed (into `listed`),
+        with the mcp_list_tools item's events; McpUnavailable, after its failed event, when it cannot be."""
+        limits = plan.settings.limits
+        listing = McpListToolsOut(id=f"mcpl_{uuid.uuid4().hex}", server_label=server.label)
+        for event in events.begin(listing):
+            yield event
+        index = events.items.index(listing)
+        yield events.make("response.mcp_list_tools.in_progress", item_id=listing.id, output_index=index)
+        try:
+            if server.configured:
+                session = self.configured.open(server.label, limits, budget)
+            else:
+                await check_server_url(server.url, plan.settings.allowed, f"{server.where}.server_url")
+                session = McpSession(server.label, server.url, server.headers, limits, budget)
+            sessions[server.label] = await stack.enter_async_context(session)
+            tools = await session.list_tools(server.allowed_tools)
+        except McpUnavailable as exc:
+            listing.error = exc.message
+            yield events.make("response.mcp_list_tools.failed", item_id=listing.id, output_index=index)
+            for event in events.close():
+                yield event
+            raise
+        listing.tools = [McpListedTool(name=t.name, input_schema=t.input_schema, description=t.description or None,
+                                       annotations={"read_only": True} if t.read_only else None) for t in tools]
+        yield events.make("response.mcp_list_tools.completed", item_id=listing.id, output_index=index)
+        for event in events.close():
+            yield event
+        listed.append((server, tools))
 
     def _first_choice(self, p: PreparedResponse, exposed: list[Exposed]) -> Any:
         choice = p.request.tool_choice
