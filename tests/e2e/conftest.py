@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from tests.mcp_servers import McpHttpServer
+
 from . import ray_mode
 from .helpers import MODEL, RunningServer, client_for, wait_idle
 
@@ -123,8 +125,18 @@ def _ray_clusters() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    srv = start_server(tmp_path_factory)
+def mcp_tools_server() -> Iterator[McpHttpServer]:
+    """The real MCP server (tests/mcp_servers.py) that the session's server may reach: the client guide calls it."""
+    s = McpHttpServer()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, mcp_tools_server: McpHttpServer) -> Iterator[RunningServer]:
+    srv = start_server(tmp_path_factory, "--allowed-mcp-servers", mcp_tools_server.origin)
     try:
         yield srv
     finally:
