@@ -1,5 +1,6 @@
 """MCP servers for the tests, on 127.0.0.1: a real one built with the `mcp` SDK's own server side (run as a script:
-`python -m tests.mcp_servers http PORT` or `python -m tests.mcp_servers stdio` from the repository's root), and hostile ones that speak
+`python -m tests.mcp_servers http PORT`, `python -m tests.mcp_servers sse PORT` (MCP's earlier HTTP+SSE transport) or
+`python -m tests.mcp_servers stdio` from the repository's root), and hostile ones that speak
 HTTP badly: one that never answers, one that floods, one that answers malformed JSON-RPC, one that drops the
 connection mid-answer. `McpHttpServer` starts the real one as a process and stops it."""
 
@@ -72,6 +73,8 @@ def serve(transport: str, port: int = 0) -> None:
 
     if transport == "stdio":
         app.run("stdio")
+    elif transport == "sse":  # MCP's earlier HTTP+SSE transport only: a POST to /sse is a 405
+        app.run("sse", host="127.0.0.1", port=port)
     else:
         app.run("streamable-http", host="127.0.0.1", port=port)
 
@@ -83,13 +86,15 @@ def free_port() -> int:
 
 
 class McpHttpServer:
-    """The real MCP server over streamable HTTP, as a process: `.url` (http://127.0.0.1:PORT/mcp), `.origin`."""
+    """The real MCP server over streamable HTTP (or, `transport="sse"`, over the earlier HTTP+SSE transport only),
+    as a process: `.url` (http://127.0.0.1:PORT/mcp, or /sse), `.origin`, `.transport` (streamable_http or sse)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str = "http") -> None:
+        self.transport = "sse" if transport == "sse" else "streamable_http"
         self.port = free_port()
         self.origin = f"http://127.0.0.1:{self.port}"
-        self.url = self.origin + "/mcp"
-        self.proc = subprocess.Popen(stdio_command("http", str(self.port)), cwd=ROOT, stdout=subprocess.DEVNULL,
+        self.url = self.origin + ("/sse" if transport == "sse" else "/mcp")
+        self.proc = subprocess.Popen(stdio_command(transport, str(self.port)), cwd=ROOT, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -113,10 +118,13 @@ class McpHttpServer:
 class HostileServer:
     """An HTTP server on 127.0.0.1 that misbehaves as `kind` says: "hang" (reads the request, never answers),
     "flood" (an endless body), "malformed" (200 with a body that is not JSON-RPC), "drop" (starts an SSE answer and
-    closes the connection). `.origin`, `.url`; `.connections` counts what it accepted."""
+    closes the connection). The "sse-" kinds answer a POST 405, as a server of MCP's earlier HTTP+SSE transport does,
+    and a GET with an event stream that: "sse-hang" sends nothing on, "sse-flood" sends one endless event on,
+    "sse-chatter" names its endpoint on and then sends endless small events, "sse-elsewhere" names `endpoint` as its
+    endpoint on. `.origin`, `.url`; `.connections` counts what it accepted."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, endpoint: str = "/messages/?session_id=0") -> None:
+        self.kind, self.endpoint = kind, endpoint
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -139,8 +147,10 @@ class HostileServer:
 
     def _answer(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            conn.recv(65536)
-            if self.kind == "hang":
+            asked = conn.recv(65536)
+            if self.kind.startswith("sse-"):
+                self._answer_sse(conn, asked.startswith(b"GET "))
+            elif self.kind == "hang":
                 self._stop.wait()
             elif self.kind == "flood":
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
@@ -155,6 +165,23 @@ class HostileServer:
                 conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\nevent: message\r\ndata: {\"js")
             conn.close()
 
+    def _answer_sse(self, conn: socket.socket, get: bool) -> None:
+        if not get:
+            conn.sendall(b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            return
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+        if self.kind == "sse-flood":
+            conn.sendall(b"event: message\ndata: ")
+            while not self._stop.is_set():
+                conn.sendall(b"x" * 65536)
+        elif self.kind == "sse-chatter":
+            conn.sendall(b"event: endpoint\ndata: " + self.endpoint.encode() + b"\n\n")
+            while not self._stop.is_set():
+                conn.sendall(b"event: chatter\ndata: hi\n\n" * 4096)
+        elif self.kind == "sse-elsewhere":
+            conn.sendall(b"event: endpoint\ndata: " + self.endpoint.encode() + b"\n\n")
+        self._stop.wait()
+
     def stop(self) -> None:
         self._stop.set()
         self.sock.close()
@@ -164,8 +191,8 @@ class HostileServer:
 
 
 @contextlib.contextmanager
-def hostile(kind: str) -> Iterator[HostileServer]:
-    server = HostileServer(kind)
+def hostile(kind: str, **options: str) -> Iterator[HostileServer]:
+    server = HostileServer(kind, **options)
     try:
         yield server
     finally:

@@ -1,14 +1,17 @@
 """Remote MCP tool servers as a request reaches them (the Responses API's `{"type": "mcp"}` tools): which servers
-it may reach, and each server's tools listed and called through the official `mcp` SDK, every step bounded.
+it may reach, and each server's tools listed and called through the official `mcp` SDK (over streamable HTTP, or over
+MCP's earlier HTTP+SSE transport where a server answers streamable HTTP with a 4xx), every step bounded.
 
 A request's `server_url` reaches a server only when its origin (scheme, host, port) is one the operator allows
 (`--allowed-mcp-servers`; none by default); any path under an allowed origin matches. A name that resolves to a
 private, loopback or link-local address is refused unless the allowed origin names that address itself (an IP
-literal, or `localhost`), so an allowed public name cannot be pointed inside the network. The SDK follows a
-redirect only within the same origin; the HTTP client follows none.
+literal, or `localhost`), so an allowed public name cannot be pointed inside the network. Every request of a
+session goes to its server_url's origin: the SDK follows a redirect only within it, the HTTP client follows none, and
+a request to any other origin (a redirect's, an SSE server's endpoint) is refused unsent.
 
-Everything a server sends is bounded: the bytes of each HTTP response (a flood is cut at McpLimits.max_message_bytes),
-the time to connect, to list and to call, the number of tools and their schemas' size, and a call's output text.
+Everything a server sends is bounded: the bytes of each HTTP response (a flood is cut at McpLimits.max_message_bytes;
+an SSE server's event stream, which carries the whole session, at that much an event and max_calls + 4 times it in
+all), the time to connect, to list and to call, the number of tools and their schemas' size, and a call's output text.
 A server that hangs, floods, breaks the protocol or drops the connection fails only the request that named it, as
 McpUnavailable (424, OpenAI's `external_connector_error`), a name that is not allowed as a 400. The request's
 `headers` and `authorization` go to its server and nowhere else: never into a log line, an error or an echo.
@@ -32,6 +35,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 from mcp import Client, StdioServerParameters
+from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 
 from servelm.errors import ApiError, InvalidParameter
@@ -41,6 +45,10 @@ log = logging.getLogger("servelm.mcp")
 # the server's log
 for _quiet in ("httpx2", "httpcore2"):  # at DEBUG the transport logs a refused header value whole
     logging.getLogger(_quiet).setLevel(logging.WARNING)
+# the SDK's transports log what a server sends (a line for each event they do not know: a hostile server's flood of
+# them would flood the log) and errors whole (the URL and its query with them): a step that fails logs its kind here
+for _quiet in ("mcp.client.sse", "mcp.client.streamable_http"):
+    logging.getLogger(_quiet).setLevel(logging.CRITICAL)
 T = TypeVar("T")
 CLOSE_S = 10.0  # the longest an MCP client's close is waited for
 MAX_SCHEMA_DEPTH = 24  # a tool schema's nesting (dicts and lists); deeper ones make constrained decoding crawl
@@ -148,14 +156,31 @@ async def check_server_url(url: str, allowed: frozenset[tuple[str, str, int]], w
 
 
 class _BoundedStream(httpx2.AsyncByteStream):
-    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
-        self.inner, self.limit, self.seen = inner, limit, 0
+    """A response body cut past `limit` bytes; or, an event stream that carries a whole session (`total` given),
+    each event cut past `limit` bytes and the stream past `total`."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int, total: int | None = None) -> None:
+        self.inner, self.limit, self.total = inner, limit, total
+        self.seen = self.seen_all = 0  # bytes since the start (an event stream: since its last event's end)
+        self.tail = b""
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self.inner:
             self.seen += len(chunk)
-            if self.seen > self.limit:
-                raise httpx2.ReadError(f"an MCP server's response passed {self.limit} bytes")
+            self.seen_all += len(chunk)
+            if self.total is None:
+                if self.seen > self.limit:
+                    raise httpx2.ReadError(f"an MCP server's response passed {self.limit} bytes")
+            else:
+                # an event ends at a blank line; SSEError, which the SDK's SSE client fails on at once
+                lines = (self.tail + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+                end = lines.rfind(b"\n\n")
+                if end >= 0:
+                    self.seen = len(lines) - end - 2
+                self.tail = chunk[-3:]
+                if self.seen > self.limit or self.seen_all > self.total:
+                    raise httpx2.SSEError(f"an MCP server's event stream passed its bound ({self.limit} bytes an "
+                                          f"event, {self.total} in all)")
             yield chunk
 
     async def aclose(self) -> None:
@@ -163,16 +188,29 @@ class _BoundedStream(httpx2.AsyncByteStream):
 
 
 class _BoundedTransport(httpx2.AsyncBaseTransport):
-    """An HTTP transport whose every response body is cut past `limit` bytes (a flooding server)."""
+    """An HTTP transport to one origin (a request to any other is refused unsent, whatever sent it there: a
+    redirect, an SSE server's endpoint) whose every response body is cut past `limit` bytes (a flooding server).
+    With `session_total`, a GET's event stream (the SSE transport's, which carries every answer of the session) is
+    bounded per event and in all instead, and waits for its next event without a read timeout: it lives as long as
+    the session, each step of which is bounded on its own. `post_status`: the status of the last POST's answer."""
 
-    def __init__(self, limit: int) -> None:
-        self.inner, self.limit = httpx2.AsyncHTTPTransport(), limit
+    def __init__(self, origin: tuple[str, str, int] | None, limit: int, session_total: int | None = None) -> None:
+        self.inner, self.origin, self.limit, self.session_total = httpx2.AsyncHTTPTransport(), origin, limit, session_total
+        self.post_status = 0
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if origin_of(str(request.url)) != self.origin:
+            raise httpx2.ConnectError("an MCP server's request to another origin is not sent", request=request)
+        session_stream = self.session_total is not None and request.method == "GET"
+        if session_stream:
+            request.extensions = {**request.extensions,
+                                  "timeout": {**request.extensions.get("timeout", {}), "read": None}}
         response = await self.inner.handle_async_request(request)
+        if request.method == "POST":
+            self.post_status = response.status_code
         stream = response.stream
         assert isinstance(stream, httpx2.AsyncByteStream)
-        response.stream = _BoundedStream(stream, self.limit)
+        response.stream = _BoundedStream(stream, self.limit, self.session_total if session_stream else None)
         return response
 
     async def aclose(self) -> None:
@@ -327,22 +365,47 @@ def schema_depth(schema: Any) -> int:
 
 
 class McpSession(_Connected):
-    """One request's connection to one MCP server over streamable HTTP: `async with McpSession(...) as s`, then
-    list and call."""
+    """One request's connection to one MCP server: `async with McpSession(...) as s`, then list and call.
+
+    Over streamable HTTP; when the server answers that with a 4xx (a server of MCP's earlier HTTP+SSE transport
+    answers the POST 404 or 405), over SSE at the same URL, as the MCP specification's backwards compatibility asks
+    of a client: a GET that opens the server's event stream, whose first event names the URL to POST to (refused
+    unless on the same origin). Both within the one connect bound. `transport`: which one it speaks."""
 
     def __init__(self, label: str, url: str, headers: Mapping[str, str], limits: McpLimits, budget: McpBudget) -> None:
         super().__init__(label, limits, budget)
         self._url, self._headers = url, dict(headers)
+        self.transport = "streamable_http"
+
+    def _http(self, session_total: int | None = None) -> tuple[httpx2.AsyncClient, _BoundedTransport]:
+        limits = self.limits
+        transport = _BoundedTransport(origin_of(self._url), limits.max_message_bytes, session_total)
+        return httpx2.AsyncClient(headers=self._headers, transport=transport, follow_redirects=False,
+                                  timeout=httpx2.Timeout(limits.connect_s, read=limits.call_s)), transport
+
+    def _sse_http(self, headers: dict[str, str] | None = None, timeout: httpx2.Timeout | None = None,
+                  auth: httpx2.Auth | None = None) -> httpx2.AsyncClient:
+        """The SSE client's HTTP client (the SDK's headers, timeouts and auth are unused: this session's hold).
+        Its event stream carries the whole session: the endpoint event, the answers to the handshake's two requests
+        (discover, initialize), to the listing and to each call, each at most max_message_bytes."""
+        return self._http((self.limits.max_calls + 4) * self.limits.max_message_bytes)[0]
 
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Client]:
-        limits = self.limits
-        async with httpx2.AsyncClient(headers=self._headers, transport=_BoundedTransport(limits.max_message_bytes),
-                                      timeout=httpx2.Timeout(limits.connect_s, read=limits.call_s),
-                                      follow_redirects=False) as http:
-            transport = streamable_http_client(self._url, http_client=http, max_sse_event_size=limits.max_message_bytes)
-            async with Client(transport, cache=None) as client:
-                yield client
+        http, transport = self._http()
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(http)
+            try:
+                client = await stack.enter_async_context(Client(streamable_http_client(
+                    self._url, http_client=http, max_sse_event_size=self.limits.max_message_bytes), cache=None))
+            except Exception:
+                if not 400 <= transport.post_status < 500:
+                    raise
+                self.transport = "sse"
+                client = await stack.enter_async_context(Client(sse_client(self._url,
+                                                                           httpx_client_factory=self._sse_http),
+                                                                cache=None))
+            yield client
 
     async def __aenter__(self) -> McpSession:
         self._worker = _Worker(self.label, self._open)

@@ -3,7 +3,9 @@
 never the request's task; header values and names a client could smuggle are a 400; the SDK's HTTP client logs no
 header; an MCP tool_choice needs an mcp tool; tool names stay unique across servers; --mcp-timeout counts the MCP
 work, not the generation around it; a server's schema the model cannot use is the server's fault (424); and a
-schema nested past the bound is refused."""
+schema nested past the bound is refused. A server of MCP's earlier HTTP+SSE transport (reached by falling back to it)
+may name only its own origin as its endpoint, may not flood its event stream or the log, and its stream outlives
+the generation between two steps."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -31,7 +34,7 @@ from servelm.service.params import RequestContext
 from servelm.service.registry.deployments import Deployments
 from servelm.service.responses import ResponsesService
 from servelm.service.store import MemoryStore
-from tests.mcp_servers import McpHttpServer
+from tests.mcp_servers import McpHttpServer, hostile
 
 ALICE = RequestContext(owner="a" * 64)
 
@@ -39,6 +42,13 @@ ALICE = RequestContext(owner="a" * 64)
 @pytest.fixture(scope="module")
 def server() -> Iterator[McpHttpServer]:
     s = McpHttpServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def sse_server() -> Iterator[McpHttpServer]:
+    s = McpHttpServer("sse")
     yield s
     s.stop()
 
@@ -69,11 +79,51 @@ async def test_an_answer_past_the_byte_bound_is_a_failed_call_and_the_request_go
         assert (await s.call("echo", {"text": "after"})).output == "after"
 
 
-async def test_the_mcp_budget_counts_mcp_work_not_what_happens_between(server):
+@pytest.mark.parametrize("transport", ["streamable_http", "sse"])
+async def test_the_mcp_budget_counts_mcp_work_not_what_happens_between(server, sse_server, transport):
+    """(Over SSE the server's event stream is open all along: it waits out the generation, unlike a step.)"""
     limits = McpLimits(total_s=1.5, call_s=1.5)
-    async with session(server.url, limits) as s:
+    async with session((sse_server if transport == "sse" else server).url, limits) as s:
         await asyncio.sleep(2.0)  # the model generating between two steps
         assert (await s.call("echo", {"text": "in time"})).output == "in time"
+        assert s.transport == transport
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:{port}/messages/?session_id=0", "//127.0.0.1:{port}/messages/"])
+async def test_an_sse_endpoint_on_another_origin_is_never_reached(endpoint, caplog):
+    """An SSE server names the URL its client POSTs to: one on another origin (which the operator may not allow,
+    or an address inside the network) is refused unsent, within the connect bound, and not logged."""
+    caplog.set_level(logging.DEBUG)
+    with socket.socket() as elsewhere:
+        elsewhere.bind(("127.0.0.1", 0))
+        elsewhere.listen(4)
+        named = endpoint.format(port=elsewhere.getsockname()[1])
+        with hostile("sse-elsewhere", endpoint=named) as bad:
+            limits = McpLimits(connect_s=2.0, list_s=2.0)
+            started = time.monotonic()
+            with pytest.raises(McpUnavailable):
+                async with session(bad.url, limits) as s:
+                    await s.list_tools()
+            assert time.monotonic() - started < limits.connect_s + 2
+        elsewhere.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            elsewhere.accept()  # nothing came
+    assert named not in caplog.text and "127.0.0.1:" + named.split(":")[-1] not in caplog.text
+
+
+async def test_an_sse_stream_that_never_stops_is_cut_at_its_bound_and_floods_no_log(caplog):
+    """Endless small events, each within the bound: the stream, which carries a session's every answer, is cut
+    past what those answers may take (max_calls + 4 of max_message_bytes), long before the connect bound; and the
+    SDK's warning for each event it does not know stays out of the log."""
+    caplog.set_level(logging.DEBUG)
+    limits = McpLimits(connect_s=30.0, list_s=30.0, max_message_bytes=64 << 10)
+    with hostile("sse-chatter") as bad:
+        started = time.monotonic()
+        with pytest.raises(McpUnavailable):
+            async with session(bad.url, limits) as s:
+                await s.list_tools()
+        assert time.monotonic() - started < 5
+    assert len(caplog.records) < 10, caplog.records[:10]
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""service/mcp.py against real MCP servers on 127.0.0.1: the `mcp` SDK's own server (tests/mcp_servers.py), and
-hostile ones that hang, flood, answer malformed JSON-RPC or drop the connection. Each failure is that request's
-alone (a 424 in OpenAI's shape), bounded in time, and never shows the request's headers."""
+"""service/mcp.py against real MCP servers on 127.0.0.1: the `mcp` SDK's own server (tests/mcp_servers.py), over
+streamable HTTP and over MCP's earlier HTTP+SSE transport (reached by falling back to it), and hostile ones that hang,
+flood, answer malformed JSON-RPC or drop the connection. Each failure is that request's alone (a 424 in OpenAI's
+shape), bounded in time, and never shows the request's headers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import httpx2
 import pytest
 
 from servelm.errors import InvalidParameter
@@ -29,12 +31,27 @@ def server() -> Iterator[McpHttpServer]:
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def sse_server() -> Iterator[McpHttpServer]:
+    s = McpHttpServer("sse")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(params=["streamable_http", "sse"])
+def any_server(request: pytest.FixtureRequest) -> McpHttpServer:
+    """The real server over either transport (the session reaches an SSE-only one by falling back to SSE)."""
+    server: McpHttpServer = request.getfixturevalue("sse_server" if request.param == "sse" else "server")
+    return server
+
+
 def session(url: str, limits: McpLimits = FAST) -> McpSession:
     return McpSession("tests", url, {"authorization": SECRET}, limits, McpBudget(limits.total_s))
 
 
-async def test_a_real_server_lists_its_tools_and_runs_a_call(server):
-    async with session(server.url) as s:
+async def test_a_real_server_lists_its_tools_and_runs_a_call(any_server):
+    async with session(any_server.url) as s:
+        assert s.transport == any_server.transport
         tools = await s.list_tools()
         assert {"add", "echo", "fail"} <= {t.name for t in tools}
         add = next(t for t in tools if t.name == "add")
@@ -47,22 +64,22 @@ async def test_a_real_server_lists_its_tools_and_runs_a_call(server):
         assert unknown.output is None and unknown.error
 
 
-async def test_a_large_output_is_cut_at_its_bound_and_says_so(server):
-    async with session(server.url) as s:
+async def test_a_large_output_is_cut_at_its_bound_and_says_so(any_server):
+    async with session(any_server.url) as s:
         result = await s.call("large", {"size": 5000})
     assert result.output is not None and result.output.startswith("x" * 1000)
     assert result.output.endswith(f"[output cut at {FAST.max_output_bytes} bytes]") and len(result.output) < 1100
 
 
-async def test_a_slow_call_fails_at_its_bound_and_the_session_stays_usable(server):
-    async with session(server.url) as s:
+async def test_a_slow_call_fails_at_its_bound_and_the_session_stays_usable(any_server):
+    async with session(any_server.url) as s:
         started = time.monotonic()
         slow = await s.call("slow", {"seconds": 30})
         assert slow.output is None and slow.error is not None and "timed out" in slow.error
         assert time.monotonic() - started < FAST.call_s + 1.5
 
 
-@pytest.mark.parametrize("kind", ["hang", "flood", "malformed", "drop"])
+@pytest.mark.parametrize("kind", ["hang", "flood", "malformed", "drop", "sse-hang", "sse-flood", "sse-chatter"])
 async def test_a_hostile_server_fails_only_its_own_request(server, kind, caplog):
     caplog.set_level(logging.DEBUG)
     with hostile(kind) as bad:
@@ -96,6 +113,21 @@ async def test_the_responses_budget_bounds_every_step(server):
             async with s:
                 pass
         assert time.monotonic() - started < 3
+
+
+async def test_no_request_of_a_session_leaves_its_servers_origin():
+    """Whatever would send one elsewhere (a redirect the SDK follows from http to https on the default ports, an SSE
+    server's endpoint): refused unsent, with the request's headers."""
+    with socket.socket() as elsewhere:
+        elsewhere.bind(("127.0.0.1", 0))
+        elsewhere.listen(4)
+        http, _ = session("http://127.0.0.1:1/mcp")._http()
+        async with http:
+            with pytest.raises(httpx2.ConnectError):
+                await http.get(f"http://127.0.0.1:{elsewhere.getsockname()[1]}/mcp")
+        elsewhere.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            elsewhere.accept()
 
 
 async def test_only_allowed_origins_are_reached():
