@@ -1,7 +1,8 @@
 """The Responses API's mcp tools end to end: `servelm serve --allowed-mcp-servers` on the real model, the `mcp`
-SDK's own server and a hostile one on 127.0.0.1 (tests/mcp_servers.py), driven by the `openai` SDK and the Agents
-SDK. The 135M model does not choose tools well, so a test that needs a call forces it with tool_choice and asserts
-the protocol: the listed tools, a call whose output is the tool's real one, approvals, and the stream's events."""
+SDK's own server (over streamable HTTP, and over the earlier HTTP+SSE transport) and a hostile one on 127.0.0.1
+(tests/mcp_servers.py), driven by the `openai` SDK and the Agents SDK. The 135M model does not choose tools well, so
+a test that needs a call forces it with tool_choice and asserts the protocol: the listed tools, a call whose output
+is the tool's real one, approvals, and the stream's events."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def tools_server() -> Iterator[McpHttpServer]:
 
 
 @pytest.fixture(scope="module")
+def sse_tools_server() -> Iterator[McpHttpServer]:
+    """The same real server, over MCP's earlier HTTP+SSE transport only."""
+    s = McpHttpServer("sse")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
 def hanging() -> Iterator[HostileServer]:
     s = HostileServer("hang")
     yield s
@@ -44,9 +53,10 @@ def hanging() -> Iterator[HostileServer]:
 
 
 @pytest.fixture(scope="module")
-def mcp_server(tmp_path_factory, tools_server, hanging) -> Iterator[RunningServer]:
+def mcp_server(tmp_path_factory, tools_server, sse_tools_server, hanging) -> Iterator[RunningServer]:
     with own_server(tmp_path_factory, "--allowed-mcp-servers", tools_server.origin, "--allowed-mcp-servers", hanging.origin,
-                    "--mcp-call-timeout", "5", "--mcp-max-calls", "2") as srv:
+                    "--allowed-mcp-servers", sse_tools_server.origin, "--mcp-call-timeout", "5",
+                    "--mcp-max-calls", "2") as srv:
         yield srv
 
 
@@ -93,6 +103,20 @@ def test_a_forced_call_runs_on_the_server_and_the_answer_follows_it(mcp_client, 
     assert SECRET not in response.model_dump_json()
     kept = mcp_client.responses.retrieve(response.id)
     assert [i.type for i in kept.output] == [i.type for i in response.output] and SECRET not in kept.model_dump_json()
+
+
+def test_a_server_that_speaks_only_sse_is_reached_over_sse(mcp_client, sse_tools_server):
+    """A server of MCP's earlier HTTP+SSE transport answers streamable HTTP's POST with a 405: the server falls back
+    to SSE at the same URL, and the response is the same as over streamable HTTP."""
+    response = mcp_client.responses.create(model=MODEL, input="Echo hello.", max_output_tokens=32, temperature=0,
+                                           tools=[tool(sse_tools_server, allowed_tools=["add", "echo"])],
+                                           tool_choice=forced("echo"))
+    listed = of_type(response, "mcp_list_tools")
+    assert len(listed) == 1 and sorted(t.name for t in listed[0].tools) == ["add", "echo"]
+    call = of_type(response, "mcp_call")[0]
+    assert call.name == "echo" and call.status == "completed" and call.error is None
+    assert call.output == json.loads(call.arguments)["text"]  # the tool's real output
+    assert SECRET not in response.model_dump_json()
 
 
 def test_the_stream_says_each_mcp_step_in_order(mcp_client, tools_server):
