@@ -106,7 +106,6 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     from servelm.compose import Plan
     from servelm.http.app import AppOptions, create_app
     from servelm.http.server import run as run_server
-    from servelm.service.store import MemoryStore, StoreLimits
 
     configure_logs(settings.log_level, settings.log_format)
     try:
@@ -119,11 +118,9 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
         catalog = _fleet(plan) if plan.on_demand or settings.models_dir else None
     except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
         raise SystemExit(f"servelm: {exc}") from None
-    limits = StoreLimits.from_settings(settings)
     try:
         app = create_app(built.deployments, AppOptions.from_settings(settings, plan.keys, plan.mcp_servers), on_start=built.start,
-                         on_stop=built.stop, store=MemoryStore(limits.max_entries, limits.max_bytes, limits.max_age_s),
-                         catalog=catalog, tracing=_tracing(plan))
+                         on_stop=built.stop, catalog=catalog, tracing=_tracing(plan))
     except (ApiError, OSError) as exc:  # the --state-dir database damaged or foreign (batch/store.py), or unwritable
         built.close()
         raise SystemExit(f"servelm: {exc}") from None

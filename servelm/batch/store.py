@@ -1,4 +1,7 @@
-"""The Files and Batches API's state: an SQLite database and a directory of files under --state-dir.
+"""The server's state under --state-dir: an SQLite database and a directory of files. The Files and Batches API
+keeps its files and batches here; the Responses API's stored responses and the conversations are kept in the
+same database by service/durable.py, through `transaction` and `rows` (their tables are declared here, so that
+start-up knows every table of ours).
 
 A file's bytes are written (to a temporary name, synced, renamed) before its row is committed, so a row always
 names a whole file. At start, what the database does not know is never deleted: a file without a row (a crash in
@@ -24,12 +27,12 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from servelm.batch.objects import Batch, FieldValue, OpenAIFile, Status
 from servelm.errors import ServiceUnavailable
@@ -51,12 +54,28 @@ CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL, output TEXT NOT NULL,
     input_tokens INTEGER NOT NULL DEFAULT 0, cached_tokens INTEGER NOT NULL DEFAULT 0,
     output_tokens INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, line));
+CREATE TABLE IF NOT EXISTS responses (
+    owner TEXT NOT NULL, id TEXT NOT NULL, stored_at REAL NOT NULL, bytes INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (owner, id));
+CREATE INDEX IF NOT EXISTS responses_by_age ON responses (owner, stored_at);
+CREATE TABLE IF NOT EXISTS claims (owner TEXT NOT NULL, key TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (owner, key));
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at INTEGER NOT NULL, metadata TEXT NOT NULL,
+    items INTEGER NOT NULL, bytes INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS conversations_by_owner ON conversations (owner);
+CREATE TABLE IF NOT EXISTS conversation_items (
+    conversation_id TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL, bytes INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (conversation_id, seq), UNIQUE (conversation_id, id));
 """
 
 
 _TABLES = {"files": ("id", "owner", "filename", "purpose", "bytes", "created_at", "expires_at"),
            "batches": ("id", "owner", "created_at", "status", "body"),
-           "lines": ("batch_id", "line", "ok", "output", "input_tokens", "cached_tokens", "output_tokens")}
+           "lines": ("batch_id", "line", "ok", "output", "input_tokens", "cached_tokens", "output_tokens"),
+           "responses": ("owner", "id", "stored_at", "bytes", "body"),
+           "claims": ("owner", "key", "at"),
+           "conversations": ("id", "owner", "created_at", "metadata", "items", "bytes"),
+           "conversation_items": ("conversation_id", "seq", "id", "bytes", "body")}
 _PART_WRITTEN = re.compile(r"\.file-[0-9a-f]{24}\.tmp")  # _write's temporary name: a write cut short by a stop
 _DAMAGE = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})  # (an I/O error or a full disk is not damage)
 _FIX = ("Nothing was changed. Restore it from a backup, or stop the server and move it aside ({db} with its -wal "
@@ -69,9 +88,9 @@ class StoreDamaged(ServiceUnavailable):
     (the file, what was found, what to do); a client gets a 503 `store_damaged` that names no path."""
 
     def __init__(self, db: Path, found: str) -> None:
-        super().__init__("The server's file and batch store is damaged; its operator must repair it (GET /health "
-                         "says so). Try again later.", code="store_damaged")
-        self.detail = f"the Files and Batches API's database {db} cannot be used: {found}. {_FIX.format(db=db)}"
+        super().__init__("The server's state store is damaged; its operator must repair it (GET /health says so). "
+                         "Try again later.", code="store_damaged")
+        self.detail = f"the server's state database {db} (files, batches, stored responses, conversations) cannot be used: {found}. {_FIX.format(db=db)}"
 
     def __str__(self) -> str:
         return self.detail
@@ -202,7 +221,7 @@ class BatchStore:
                 str(row[0]) for row in db.execute("SELECT name FROM pragma_table_info(?)", (n,)))]
             if foreign:
                 raise StoreDamaged(self.db_path, f"it is not servelm's (its table(s) {', '.join(foreign)} are not "
-                                   "the Batch API's)")
+                                   "servelm's)")
             db.executescript(_SCHEMA)
         except BaseException as exc:
             if db is not None:
@@ -234,8 +253,19 @@ class BatchStore:
             self._db.close()
         self._held.close()
 
+    @property
+    def kept(self) -> str:
+        """Where the stored responses and conversations are kept, for /health."""
+        return f"sqlite ({self.db_path})"
+
+    def rows(self, sql: str, args: Sequence[object] = ()) -> list[Any]:
+        """A query's rows, read under the store's lock."""
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection inside one write transaction, committed at the end (rolled back by an exception)."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -294,7 +324,7 @@ class BatchStore:
         file_id = new_id("file-")
         record = FileRecord(file_id, owner, filename, purpose, self._write(file_id, chunks), int(time.time()),
                             expires_at)
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, filename, purpose,
                                                                        record.bytes, record.created_at, expires_at))
         return record
@@ -363,7 +393,7 @@ class BatchStore:
                    for b in self.unfinished())
 
     def delete_file(self, owner: str, file_id: str) -> bool:
-        with self._tx() as db:
+        with self.transaction() as db:
             gone = db.execute("DELETE FROM files WHERE id = ? AND owner = ?", (file_id, owner)).rowcount > 0
         if gone:
             self.path(file_id).unlink(missing_ok=True)
@@ -371,7 +401,7 @@ class BatchStore:
 
     # -- batches ----------------------------------------------------------------------------------
     def add_batch(self, owner: str, batch: Batch) -> None:
-        with self._tx() as db:
+        with self.transaction() as db:
             db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?)",
                        (batch.id, owner, batch.created_at, batch.status, batch.stored()))
 
@@ -407,7 +437,7 @@ class BatchStore:
     def update(self, batch_id: str, only_if: tuple[Status, ...] = (), **fields: FieldValue) -> Batch | None:
         """Set fields of a batch's object (the counts are kept from the lines); None when it is not in one of the
         statuses `only_if` names."""
-        with self._tx() as db:
+        with self.transaction() as db:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 return None
@@ -421,7 +451,7 @@ class BatchStore:
     def record(self, batch_id: str, result: LineResult) -> bool:
         """Commit one answered line with the batch's counts and usage; False when the line was answered already, or
         the batch no longer takes answers (it ended)."""
-        with self._tx() as db:
+        with self.transaction() as db:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 return False
@@ -456,7 +486,7 @@ class BatchStore:
                 written.append((field, FileRecord(file_id, owner, name, "batch_output", size, now)))
             else:
                 self.path(file_id).unlink()
-        with self._tx() as db:
+        with self.transaction() as db:
             row = db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()
             for _, record in written:
                 db.execute("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)", (record.id, owner, record.filename,

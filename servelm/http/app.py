@@ -32,10 +32,11 @@ from servelm.http.tracing import Traced
 from servelm.keys import KeySpec
 from servelm.metrics import Metrics
 from servelm.service.conversations import ConversationLimits, ConversationStore, MemoryConversations
+from servelm.service.durable import SqlConversations, SqlResponses
 from servelm.service.hosted_mcp import McpSettings, ServerSpec
 from servelm.service.registry.catalog import ModelCatalog
 from servelm.service.registry.deployments import Deployments, TextDeployment
-from servelm.service.store import MemoryStore, ResponseStore
+from servelm.service.store import MemoryStore, ResponseStore, StoreLimits
 from servelm.tracing import FLUSH_TIMEOUT, Tracing
 
 
@@ -50,7 +51,8 @@ class AppOptions:
     playground: bool = True
     batches: BatchConfig | None = None
     mcp: McpSettings = field(default_factory=McpSettings)  # the MCP servers Responses requests may reach
-    conversations: ConversationLimits = field(default_factory=ConversationLimits)  # each key's, kept in memory
+    responses: StoreLimits = field(default_factory=StoreLimits)  # each key's stored responses
+    conversations: ConversationLimits = field(default_factory=ConversationLimits)  # each key's conversations
 
     @classmethod
     def from_settings(cls, settings: Any, keys: Sequence[KeySpec] = (),
@@ -58,7 +60,7 @@ class AppOptions:
         """From ServerSettings, the keys load_keys(settings, …) read and the config file's MCP servers."""
         return cls(SecurityConfig.from_settings(settings, keys), settings.timings, settings.playground,
                    BatchConfig.from_settings(settings), McpSettings.from_settings(settings, mcp_servers),
-                   ConversationLimits.from_settings(settings))
+                   StoreLimits.from_settings(settings), ConversationLimits.from_settings(settings))
 
 
 # every route table but the Batch API's and the playground's (which depend on the options), in matching order
@@ -74,9 +76,12 @@ ROUTE_TABLES = (
 )
 
 
-def _kept_in_memory() -> dict[str, Any]:
-    """Where the stored responses and the conversations are kept: in memory, so a restart loses them."""
-    return {"responses": "memory", "conversations": "memory", "survives_restart": False}
+def _kept(store: ResponseStore, conversations: ConversationStore) -> dict[str, Any]:
+    """/health's `kept`: where the stored responses and the conversations are kept, and whether a restart of the
+    server keeps them (only the state directory's database does)."""
+    responses, talks = getattr(store, "kept", "memory"), getattr(conversations, "kept", "memory")
+    return {"responses": responses, "conversations": talks,
+            "survives_restart": responses.startswith("sqlite") and talks.startswith("sqlite")}
 
 
 def create_app(deployments: Deployments, options: AppOptions | None = None, *,
@@ -84,8 +89,8 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
                store: ResponseStore | None = None, conversations: ConversationStore | None = None,
                catalog: ModelCatalog | None = None, tracing: Tracing | None = None) -> FastAPI:
     """The app over these deployments, as `options` say; `on_start` and `on_stop` start and stop their engines; `store`
-    keeps the Responses API's stored answers and `conversations` its conversations (default: in this process's
-    memory); `catalog`: models loaded when a request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span
+    keeps the Responses API's stored answers and `conversations` its conversations (default: the state directory's
+    database with options.batches, else this process's memory); `catalog`: models loaded when a request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span
     per request."""
     options = options or AppOptions()
     security, batches = options.security, options.batches
@@ -131,10 +136,16 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
     drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     if batches is not None:
         runner = batch_runner(app, deployments, batches)
-    services = Services.build(deployments, store if store is not None else MemoryStore(), options.mcp,
-                              conversations or MemoryConversations(options.conversations))
+    if store is None:
+        store = SqlResponses(runner.store, options.responses) if runner is not None else \
+            MemoryStore(options.responses.max_entries, options.responses.max_bytes, options.responses.max_age_s)
+    if conversations is None:
+        conversations = SqlConversations(runner.store, options.conversations) if runner is not None else \
+            MemoryConversations(options.conversations)
+    services = Services.build(deployments, store, options.mcp, conversations)
     mcp = services.responses.configured  # the operator's MCP servers: a command's runs with the app
-    reports: dict[str, Callable[[], dict[str, Any]]] = {"kept": _kept_in_memory}  # what a restart keeps, and loses
+    kept = _kept(store, conversations)  # what a restart keeps, and loses
+    reports: dict[str, Callable[[], dict[str, Any]]] = {"kept": lambda: kept}
     if runner is not None:
         reports["batch_store"] = runner.store.health  # what start-up found (no I/O)
     state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports)

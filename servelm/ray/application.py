@@ -18,7 +18,6 @@ from servelm.compose import Plan
 from servelm.config import DeploymentSpec
 from servelm.fleet import FleetLimits
 from servelm.http.app import AppOptions
-from servelm.service.store import StoreLimits
 from servelm.tracing import TraceSettings
 
 log = logging.getLogger("servelm.ray")
@@ -62,7 +61,6 @@ def build_application(plan: Plan) -> Any:
         endpoints={e.name: [(r.deployment, r.weight) for r in e.routes] for e in plan.endpoints},
         app=AppOptions.from_settings(settings, plan.keys, plan.mcp_servers),
         log_level=settings.log_level,
-        store=StoreLimits.from_settings(settings),
     )
     ingress = serve.deployment(IngressDeployment).options(
         name=INGRESS_NAME, num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,

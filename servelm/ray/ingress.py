@@ -34,7 +34,6 @@ from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaAdapters, Re
 from servelm.ray.replica import ReplicaInfo
 from servelm.ray.served_by import ReplicaHeader
 from servelm.service.registry.deployments import Deployment, Deployments
-from servelm.service.store import StoreLimits
 from servelm.tracing import TraceSettings, Tracing
 
 if TYPE_CHECKING:
@@ -53,7 +52,6 @@ class IngressPlan:
     endpoints: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
     app: AppOptions = field(default_factory=AppOptions)  # its batches' state lives on the ingress's node
     log_level: str = "info"
-    store: StoreLimits = field(default_factory=StoreLimits)  # the Responses API's stored answers (a Ray actor)
     on_demand: list[dict[str, Any]] = field(default_factory=list)  # DeploymentSpecs whose models load on demand
     models: FleetLimits = field(default_factory=FleetLimits)
     tracing: TraceSettings | None = None  # OpenTelemetry: a span per request here, joined by the replica's
@@ -86,8 +84,12 @@ class Ingress:
         from servelm.ray.store import RayConversations, RayStore
 
         tracing = Tracing(self._plan.tracing) if self._plan.tracing is not None else None
-        app = create_app(self._deployments, self._plan.app, on_start=self._start, on_stop=self._stop,
-                         store=RayStore(self._plan.store), conversations=RayConversations(self._plan.app.conversations),
+        options = self._plan.app
+        # with a state directory (on this one ingress's node) they are kept in its database; else in Ray actors
+        durable = options.batches is not None
+        app = create_app(self._deployments, options, on_start=self._start, on_stop=self._stop,
+                         store=None if durable else RayStore(options.responses),
+                         conversations=None if durable else RayConversations(options.conversations),
                          catalog=self._catalog, tracing=tracing)
         return ReplicaHeader(FreshStats(app, self._sets))
 

@@ -39,6 +39,8 @@ class RayStore:
     """A ResponseStore whose entries live in the shared actor (created by the first replica that asks). Called
     from worker threads (the services prepare off the event loop), so its calls may block on the actor."""
 
+    kept = "ray actor"  # what /health's `kept` says: it outlives an ingress replica, not the cluster
+
     def __init__(self, limits: StoreLimits) -> None:
         options = {"name": ACTOR_NAME, "namespace": ACTOR_NAMESPACE, "get_if_exists": True, "lifetime": "detached"}
         self._actor = StoreActor.options(**options).remote(limits)  # type: ignore[attr-defined]  # ray.remote adds it
@@ -75,6 +77,8 @@ class RayConversations:
     """A ConversationStore whose conversations live in one shared actor, as RayStore's responses do (a
     ConversationsService error, such as a bound reached, comes back as itself)."""
 
+    kept = "ray actor"
+
     def __init__(self, limits: ConversationLimits) -> None:
         options = {"name": CONVERSATIONS_ACTOR, "namespace": ACTOR_NAMESPACE, "get_if_exists": True,
                    "lifetime": "detached"}
@@ -101,11 +105,21 @@ class RayConversations:
     def delete(self, owner: str, conversation_id: str) -> bool:
         return bool(self._call("delete", owner, conversation_id))
 
-    def add(self, owner: str, conversation_id: str, items: list[dict[str, Any]]) -> bool:
-        return bool(self._call("add", owner, conversation_id, items))
+    def add(self, owner: str, conversation_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        kept: list[dict[str, Any]] | None = self._call("add", owner, conversation_id, items)
+        return kept
 
     def items(self, owner: str, conversation_id: str) -> list[dict[str, Any]] | None:
         found: list[dict[str, Any]] | None = self._call("items", owner, conversation_id)
+        return found
+
+    def page(self, owner: str, conversation_id: str, order: str, limit: int,
+             after: str | None) -> tuple[list[dict[str, Any]], bool] | None:
+        found: tuple[list[dict[str, Any]], bool] | None = self._call("page", owner, conversation_id, order, limit, after)
+        return found
+
+    def item(self, owner: str, conversation_id: str, item_id: str) -> dict[str, Any] | None:
+        found: dict[str, Any] | None = self._call("item", owner, conversation_id, item_id)
         return found
 
     def remove_item(self, owner: str, conversation_id: str, item_id: str) -> bool:

@@ -1,9 +1,12 @@
-"""Stored responses (the Responses API's `store: true`): bounded by count, size and age, and scoped per API key.
+"""Stored responses (the Responses API's `store: true`): scoped per API key, and bounded per key by count, size and
+age.
 
 An entry is what GET /v1/responses/{id} answers, the input items it was asked with, and the conversation so far
 as items (the history before it, its input, its output), which a later request's previous_response_id continues.
-A key sees only its own entries: another key's id reads as not found. Past the bounds the oldest entries go
-first. Under `--ray` a Ray actor holds one such store for every ingress replica (servelm/ray/store.py).
+A key sees only its own entries: another key's id reads as not found. Past a key's bounds its own oldest entries
+go first (never another key's). MemoryStore keeps them in this process; with --state-dir, service/durable.py's
+SqlResponses keeps them in the state directory's database, where they survive a restart; under `--ray` a Ray actor
+holds one MemoryStore for every ingress replica (servelm/ray/store.py).
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-CLAIMS_PER_ENTRY = 4  # claims kept (answered approvals) per entry the store may hold
+CLAIMS_PER_ENTRY = 4  # claims kept (answered approvals) per entry a key may hold
 
 
 @dataclass(frozen=True)
@@ -58,65 +61,72 @@ class ResponseStore(Protocol):
 class MemoryStore:
     """The store in this process's memory: thread-safe (services read it from worker threads)."""
 
+    kept = "memory"  # what /health's `kept` says of it: a restart loses it
+
     def __init__(self, max_entries: int = StoreLimits.max_entries, max_bytes: int = StoreLimits.max_bytes,
                  max_age_s: float = StoreLimits.max_age_s, clock: Any = time.monotonic) -> None:
         self.max_entries, self.max_bytes, self.max_age_s = max_entries, max_bytes, max_age_s
         self._clock = clock
-        self._entries: OrderedDict[tuple[str, str], tuple[float, int, StoredResponse]] = OrderedDict()
-        self._bytes = 0
-        self._claims: OrderedDict[tuple[str, str], float] = OrderedDict()  # at most CLAIMS_PER_ENTRY × max_entries
+        self._owners: dict[str, _Owned] = {}
         self._lock = threading.Lock()
 
     def put(self, owner: str, response_id: str, entry: StoredResponse) -> None:
         size = entry.size
         if size > self.max_bytes or self.max_entries == 0:
-            return  # larger than the whole store: it is not kept (a later GET answers 404)
+            return  # larger than all a key may keep: it is not kept (a later GET answers 404)
         with self._lock:
-            self._remove((owner, response_id))
-            self._entries[(owner, response_id)] = (self._clock(), size, entry)
-            self._bytes += size
-            self._expire()
-            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-                self._remove(next(iter(self._entries)))
+            mine = self._mine(owner)
+            mine.remove(response_id)
+            mine.entries[response_id] = (self._clock(), size, entry)
+            mine.bytes += size
+            while len(mine.entries) > self.max_entries or mine.bytes > self.max_bytes:
+                mine.remove(next(iter(mine.entries)))
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         with self._lock:
-            self._expire()
-            found = self._entries.get((owner, response_id))
+            found = self._mine(owner).entries.get(response_id)
             return found[2] if found is not None else None
 
     def delete(self, owner: str, response_id: str) -> bool:
         with self._lock:
-            return self._remove((owner, response_id))
+            return self._mine(owner).remove(response_id)
 
     def claim(self, owner: str, key: str) -> bool:
         with self._lock:
-            oldest = self._clock() - self.max_age_s  # a claim outlives the entry that asked (kept as long)
-            while self._claims and next(iter(self._claims.values())) < oldest:
-                self._claims.popitem(last=False)
-            if (owner, key) in self._claims:
+            claims = self._mine(owner).claims
+            if key in claims:
                 return False
-            self._claims[(owner, key)] = self._clock()
-            while len(self._claims) > CLAIMS_PER_ENTRY * max(1, self.max_entries):
-                self._claims.popitem(last=False)
+            claims[key] = self._clock()
+            while len(claims) > CLAIMS_PER_ENTRY * max(1, self.max_entries):
+                claims.popitem(last=False)
             return True
 
     def __len__(self) -> int:
         with self._lock:
-            self._expire()
-            return len(self._entries)
+            return sum(len(self._mine(owner).entries) for owner in list(self._owners))
 
-    def _expire(self) -> None:
+    def _mine(self, owner: str) -> _Owned:
+        """The owner's entries and claims, those older than max_age_s gone (a claim is kept as long as an entry)."""
+        mine = self._owners.setdefault(owner, _Owned())
         oldest = self._clock() - self.max_age_s
-        while self._entries:
-            key, (at, _, _) = next(iter(self._entries.items()))
-            if at >= oldest:
-                return
-            self._remove(key)
+        while mine.entries and next(iter(mine.entries.values()))[0] < oldest:
+            mine.remove(next(iter(mine.entries)))
+        while mine.claims and next(iter(mine.claims.values())) < oldest:
+            mine.claims.popitem(last=False)
+        return mine
 
-    def _remove(self, key: tuple[str, str]) -> bool:
-        found = self._entries.pop(key, None)
+
+@dataclass
+class _Owned:
+    """One key's entries (oldest first: id → (stored at, bytes, entry)), their bytes, and its claims."""
+
+    entries: OrderedDict[str, tuple[float, int, StoredResponse]] = field(default_factory=OrderedDict)
+    bytes: int = 0
+    claims: OrderedDict[str, float] = field(default_factory=OrderedDict)
+
+    def remove(self, response_id: str) -> bool:
+        found = self.entries.pop(response_id, None)
         if found is None:
             return False
-        self._bytes -= found[1]
+        self.bytes -= found[1]
         return True
