@@ -161,27 +161,34 @@ class _BoundedStream(httpx2.AsyncByteStream):
 
     def __init__(self, inner: httpx2.AsyncByteStream, limit: int, total: int | None = None) -> None:
         self.inner, self.limit, self.total = inner, limit, total
-        self.seen = self.seen_all = 0  # bytes since the start (an event stream: since its last event's end)
-        self.tail = b""
+        self.seen = self.seen_all = 0  # bytes since the start (an event stream: of the event it is in)
+        self.line_ended = self.cr_ended = False  # an event stream's last chunk ended a line, with a CR
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self.inner:
-            self.seen += len(chunk)
             self.seen_all += len(chunk)
             if self.total is None:
+                self.seen += len(chunk)
                 if self.seen > self.limit:
                     raise httpx2.ReadError(f"an MCP server's response passed {self.limit} bytes")
-            else:
-                # an event ends at a blank line; SSEError, which the SDK's SSE client fails on at once
-                lines = (self.tail + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-                end = lines.rfind(b"\n\n")
-                if end >= 0:
-                    self.seen = len(lines) - end - 2
-                self.tail = chunk[-3:]
-                if self.seen > self.limit or self.seen_all > self.total:
-                    raise httpx2.SSEError(f"an MCP server's event stream passed its bound ({self.limit} bytes an "
-                                          f"event, {self.total} in all)")
+            elif self._longest_event(chunk) > self.limit or self.seen_all > self.total:
+                # SSEError: the SDK's SSE client fails on it at once (another error it would wait on)
+                raise httpx2.SSEError(f"an MCP server's event stream passed its bound ({self.limit} bytes an event, "
+                                      f"{self.total} in all)")
             yield chunk
+
+    def _longest_event(self, chunk: bytes) -> int:
+        """The bytes of the longest event `chunk` ends or goes on with (an event ends at a blank line; a line at
+        CRLF, LF or CR, a CRLF perhaps split between two chunks)."""
+        if self.cr_ended and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        self.cr_ended = chunk.endswith(b"\r")
+        text = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        events = ((b"\n" if self.line_ended else b"") + text).split(b"\n\n")
+        self.line_ended = text.endswith(b"\n") or (self.line_ended and not text)
+        lengths = [self.seen + len(events[0])] + [len(event) for event in events[1:]]
+        self.seen = lengths[-1]
+        return max(lengths)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -39,10 +39,9 @@ def sse_server() -> Iterator[McpHttpServer]:
 
 
 @pytest.fixture(params=["streamable_http", "sse"])
-def any_server(request: pytest.FixtureRequest) -> McpHttpServer:
+def any_server(request: pytest.FixtureRequest, server: McpHttpServer, sse_server: McpHttpServer) -> McpHttpServer:
     """The real server over either transport (the session reaches an SSE-only one by falling back to SSE)."""
-    server: McpHttpServer = request.getfixturevalue("sse_server" if request.param == "sse" else "server")
-    return server
+    return sse_server if request.param == "sse" else server
 
 
 def session(url: str, limits: McpLimits = FAST) -> McpSession:
