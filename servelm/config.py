@@ -204,19 +204,24 @@ class ServerSettings(BaseSettings):
                           "times and rates, cached tokens, and the time it waited); a request may ask with "
                           "timings_per_request")
     playground: bool = Field(True, description="serve the playground web page at / (--no-playground: / answers 404)")
-    responses_store_entries: int = Field(1000, ge=0, description="stored Responses API answers (store: true) kept "
-                                         "for GET /v1/responses/{id} and previous_response_id; the oldest go first")
-    responses_store_mib: int = Field(64, ge=1, description="memory the stored responses may hold")
-    responses_store_ttl: float = Field(3600.0, gt=0, description="seconds a stored response is kept")
+    responses_store_entries: int = Field(1000, ge=0, le=1_000_000, description="stored Responses API answers "
+                                         "(store: true) one key keeps for GET /v1/responses/{id} and "
+                                         "previous_response_id; past it that key's oldest go first")
+    responses_store_mib: int = Field(64, ge=1, le=65_536, description="what one key's stored responses may hold, as "
+                                     "JSON (in memory, or in the --state-dir database)")
+    responses_store_ttl: float = Field(3600.0, gt=0, le=366 * 86400, description="seconds a stored response is kept "
+                                       "(wall-clock time: it goes on across a restart with --state-dir)")
     conversations_max: int = Field(1000, ge=0, le=1_000_000, description="conversations (/v1/conversations) one key "
                                    "may keep; past it creating one is a 400 until one is deleted")
     conversation_max_items: int = Field(10_000, ge=1, le=1_000_000, description="items one conversation may hold")
-    conversations_mib: int = Field(64, ge=1, le=65_536, description="memory one key's conversations' items may hold")
+    conversations_mib: int = Field(64, ge=1, le=65_536, description="what one key's conversations' items may hold, "
+                                   "as JSON (in memory, or in the --state-dir database)")
     # -- the Files and Batches API (servelm/batch/, http/batches.py) --
     state_dir: Path | None = Field(
-        None, description="a directory for the Files and Batches API's state: an SQLite database and the uploaded "
-        "and output files. A restart resumes every unfinished batch where it stopped. Without it /v1/files and "
-        "/v1/batches answer 404 (nothing would survive a restart)")
+        None, description="a directory for the server's state: an SQLite database (batches, stored responses, "
+        "conversations) and the Files API's uploaded and output files. A restart resumes every unfinished batch "
+        "where it stopped and serves every stored response and conversation. Without it /v1/files and /v1/batches "
+        "answer 404, and stored responses and conversations live in memory (a restart loses them)")
     batch_max_file_mib: int = Field(200, ge=1, description="largest file POST /v1/files takes (413 beyond)")
     batch_max_lines: int = Field(50_000, ge=1, description="most requests in one batch file (a 400 at upload)")
     batch_disk_mib: int = Field(10240, ge=1, description="disk every uploaded file together may take under "

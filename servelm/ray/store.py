@@ -83,6 +83,7 @@ class RayConversations:
         options = {"name": CONVERSATIONS_ACTOR, "namespace": ACTOR_NAMESPACE, "get_if_exists": True,
                    "lifetime": "detached"}
         self._actor = ConversationsActor.options(**options).remote(limits)  # type: ignore[attr-defined]
+        self.limits = limits
 
     def _call(self, method: str, *args: Any) -> Any:
         try:

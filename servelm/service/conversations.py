@@ -82,6 +82,8 @@ class Conversation:
 
 
 class ConversationStore(Protocol):
+    limits: ConversationLimits
+
     def create(self, owner: str, metadata: dict[str, str], items: list[dict[str, Any]]) -> ConversationObject: ...
 
     def get(self, owner: str, conversation_id: str) -> ConversationObject | None: ...
@@ -286,6 +288,10 @@ class ConversationsService:
             self.get(owner, conversation_id)  # the conversation's 404 first
             raise NotFound(f"Item with id '{item_id}' not found.", param="item_id", code="not_found")
         return self.get(owner, conversation_id)
+
+    def check_room(self, items: int) -> None:
+        """LimitReached when a conversation could not hold `items` (a response's room checked before it runs)."""
+        self.store.limits.check(items, 0)
 
     def history(self, owner: str, conversation_id: str) -> list[dict[str, Any]]:
         """Its items, oldest first (a 404 if the owner has no such conversation)."""

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.errors import InvalidParameter, NotFound
 from servelm.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Delta
-from servelm.protocol.common import SamplingExtras, Usage
+from servelm.protocol.common import MAX_MESSAGES, SamplingExtras, Usage
 from servelm.protocol.responses import (
     AllowedTools,
     ConversationRef,
@@ -122,6 +122,12 @@ class ResponsesService:
                 raise NotFound(f"Conversation with id '{conversation}' not found.", param="conversation",
                                code="not_found") from None
         items = input_items(req)
+        if len(history) + len(items) > MAX_MESSAGES:  # the chat request's own bound, named for what the client sent
+            source = "conversation" if conversation is not None else "previous_response_id"
+            raise InvalidParameter(f"The {source} holds {len(history)} items, and with the input's {len(items)} they "
+                                   f"are more than the {MAX_MESSAGES} a response reads.", source)
+        if conversation is not None:  # refused before anything runs, not after the answer is made
+            self.conversations.check_room(len(history) + len(items) + 1)
         tools, warnings = _tools(req)
         mcp = hosted_mcp.plan(req, history, self.store, ctx.owner, self.mcp) if _names_mcp(req) else None
         body: dict[str, Any] = req.model_dump(include=set(SamplingExtras.model_fields), exclude_none=True)

@@ -1,0 +1,138 @@
+"""Attacks on the stored responses and conversations kept in the --state-dir database: two requests answering one
+approval at once, a full conversation that a response would overflow, out-of-range bounds, a foreign table where
+ours go, and damage met while serving."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from servelm.batch.store import BatchStore, StoreDamaged
+from servelm.config import ServerSettings
+from servelm.http.batches import BatchConfig
+from servelm.service.durable import SqlConversations, SqlResponses
+from servelm.service.store import StoredResponse
+
+
+def test_two_answers_to_one_approval_at_once_claim_it_once(tmp_path):
+    db = BatchStore(tmp_path)
+    store = SqlResponses(db)
+    won: list[bool] = []
+    start = threading.Barrier(8)
+
+    def answer() -> None:
+        start.wait()
+        won.append(store.claim("k", "approval:mcpr_1"))
+
+    threads = [threading.Thread(target=answer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    db.close()
+    assert sorted(won) == [False] * 7 + [True]
+
+
+@pytest.mark.parametrize("field", ["responses_store_entries", "responses_store_mib", "responses_store_ttl"])
+def test_a_store_bound_past_its_range_is_refused(field):
+    with pytest.raises(ValidationError) as caught:
+        ServerSettings(**{field: 2**61})
+    assert field in str(caught.value)
+
+
+def test_a_foreign_table_where_ours_go_stops_the_start_and_changes_nothing(tmp_path):
+    db = tmp_path / "servelm.db"
+    with sqlite3.connect(db) as other:
+        other.execute("CREATE TABLE conversations (id TEXT, title TEXT)")
+        other.execute("INSERT INTO conversations VALUES ('c1', 'theirs')")
+    with pytest.raises(StoreDamaged, match="conversations"):
+        BatchStore(tmp_path).close()
+    with sqlite3.connect(db) as other:
+        assert other.execute("SELECT * FROM conversations").fetchall() == [("c1", "theirs")]
+
+
+def test_damage_met_while_serving_is_a_503_not_a_crash(tmp_path):
+    db = BatchStore(tmp_path)
+    responses, talks = SqlResponses(db), SqlConversations(db)
+    responses.put("k", "resp_1", StoredResponse({"id": "resp_1"}, [], []))
+    cid = talks.create("k", {}, []).id
+    db.close()
+    raw = bytearray((tmp_path / "servelm.db").read_bytes())
+    for page in range(1, len(raw) // 4096):  # every page but the header garbage
+        raw[page * 4096:page * 4096 + 64] = b"\xff" * 64
+    (tmp_path / "servelm.db").write_bytes(bytes(raw))
+    for name in ("servelm.db-wal", "servelm.db-shm"):
+        (tmp_path / name).unlink(missing_ok=True)
+    db._db = sqlite3.connect(db.db_path, check_same_thread=False, isolation_level=None)
+    for call in (lambda: responses.get("k", "resp_1"), lambda: talks.items("k", cid),
+                 lambda: responses.put("k", "resp_2", StoredResponse({}, [], []))):
+        with pytest.raises(StoreDamaged) as caught:
+            call()
+        assert caught.value.status == 503 and caught.value.code == "store_damaged"
+    db._db.close()
+
+
+def fill(base: str, conversation: str, count: int) -> None:
+    for _ in range(count // 20):
+        answer = httpx.post(f"{base}/v1/conversations/{conversation}/items",
+                            json={"items": [{"type": "message", "role": "user", "content": "x"}] * 20})
+        assert answer.status_code == 200, answer.text
+
+
+def test_a_conversation_too_long_to_read_is_a_400_naming_it(fake_server_factory, tmp_path):
+    """It was a 400 naming `input` with pydantic's words about a list the client never sent."""
+    server = fake_server_factory(batches=BatchConfig(str(tmp_path / "state")))
+    conversation = httpx.post(f"{server.base_url}/v1/conversations", json={}).json()["id"]
+    fill(server.base_url, conversation, 2060)
+    answer = httpx.post(f"{server.base_url}/v1/responses", json={"model": "fake-model", "input": "more",
+                                                                  "conversation": conversation})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "conversation", answer.text
+    assert "2048" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_that_cannot_fit_its_conversation_is_refused_before_it_runs(tmp_path, stream):
+    """A streamed response into a full conversation was generated, then its answer dropped with an error event."""
+    from fastapi.testclient import TestClient
+
+    from servelm.compose import build_deployment
+    from servelm.http.app import AppOptions, create_app
+    from servelm.runners.fake import FakeRunner
+    from servelm.service.conversations import ConversationLimits
+    from servelm.service.registry.deployments import Deployments
+
+    deployment, engine = build_deployment("fake-model", FakeRunner())
+    app = create_app(Deployments([deployment]), AppOptions(batches=BatchConfig(str(tmp_path)),
+                                                           conversations=ConversationLimits(max_items=3)),
+                     on_start=engine.start, on_stop=engine.stop)
+    with TestClient(app) as client:
+        conversation = client.post("/v1/conversations", json={"items": [
+            {"type": "message", "role": "user", "content": "one"}, {"type": "message", "role": "user", "content": "two"}]}).json()["id"]
+        steps = engine.stats().steps
+        answer = client.post("/v1/responses", json={"model": "fake-model", "input": "more", "conversation": conversation,
+                                                    "stream": stream})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["code"] == "conversation_limit_reached", answer.text
+        assert engine.stats().steps == steps, "nothing was generated for an answer with no room"
+        assert len(client.get(f"/v1/conversations/{conversation}/items").json()["data"]) == 2
+
+
+def test_a_page_after_an_unknown_item_is_a_400(fake_server_factory, tmp_path):
+    server = fake_server_factory(batches=BatchConfig(str(tmp_path / "state")))
+    conversation = httpx.post(f"{server.base_url}/v1/conversations", json={}).json()["id"]
+    answer = httpx.get(f"{server.base_url}/v1/conversations/{conversation}/items", params={"after": "msg_nope"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "after", answer.text
+
+
+def test_the_state_is_in_the_database_a_health_report_names(fake_server_factory, tmp_path):
+    server = fake_server_factory(batches=BatchConfig(str(tmp_path / "state")))
+    kept = httpx.get(f"{server.base_url}/health").json()["kept"]
+    assert kept["survives_restart"] is True and str(Path(tmp_path / "state")) in kept["responses"]
+    memory = fake_server_factory()
+    assert httpx.get(f"{memory.base_url}/health").json()["kept"] == {
+        "responses": "memory", "conversations": "memory", "survives_restart": False}
