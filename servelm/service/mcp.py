@@ -172,7 +172,8 @@ class _BoundedStream(httpx2.AsyncByteStream):
                 if self.seen > self.limit:
                     raise httpx2.ReadError(f"an MCP server's response passed {self.limit} bytes")
             elif self._longest_event(chunk) > self.limit or self.seen_all > self.total:
-                # SSEError: the SDK's SSE client fails on it at once (another error it would wait on)
+                # SSEError: the SDK's SSE client fails on it at once (any other error before the endpoint event
+                # leaves it waiting, until the connect bound)
                 raise httpx2.SSEError(f"an MCP server's event stream passed its bound ({self.limit} bytes an event, "
                                       f"{self.total} in all)")
             yield chunk
