@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from servelm.errors import InvalidParameter, NotFound
+from servelm.errors import ClientError, InvalidParameter, NotFound
 from servelm.protocol.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Delta
 from servelm.protocol.common import MAX_MESSAGES, SamplingExtras, Usage
 from servelm.protocol.responses import (
@@ -122,8 +122,8 @@ class ResponsesService:
                 raise NotFound(f"Conversation with id '{conversation}' not found.", param="conversation",
                                code="not_found") from None
         items = input_items(req)
+        source = "conversation" if conversation is not None else "previous_response_id"
         if len(history) + len(items) > MAX_MESSAGES:  # the chat request's own bound, named for what the client sent
-            source = "conversation" if conversation is not None else "previous_response_id"
             raise InvalidParameter(f"The {source} holds {len(history)} items, and with the input's {len(items)} they "
                                    f"are more than the {MAX_MESSAGES} a response reads.", source)
         if conversation is not None:  # refused before anything runs, not after the answer is made
@@ -131,8 +131,9 @@ class ResponsesService:
         tools, warnings = _tools(req)
         mcp = hosted_mcp.plan(req, history, self.store, ctx.owner, self.mcp) if _names_mcp(req) else None
         body: dict[str, Any] = req.model_dump(include=set(SamplingExtras.model_fields), exclude_none=True)
+        origins: list[str] = []  # each message's item, for the names in chat's errors
         body["messages"] = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + \
-            chat_messages(history + items, len(history))
+            chat_messages(history + items, len(history), source, origins)
         body["max_completion_tokens"] = req.max_output_tokens
         if tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
@@ -155,7 +156,10 @@ class ResponsesService:
         except ValidationError as exc:
             err = exc.errors()[0]
             raise InvalidParameter(f"Invalid input: {err['msg']}.", "input") from None
-        prepared = self.chat.prepare(chat_req, ctx)
+        try:
+            prepared = self.chat.prepare(chat_req, ctx)
+        except ClientError as exc:
+            raise _named_by_item(exc, origins, 1 if req.instructions else 0) from None
         return PreparedResponse(prepared, req, ctx.owner, f"resp_{uuid.uuid4().hex}", int(time.time()), items,
                                 history, warnings, conversation, body, mcp, ctx)
 
@@ -518,14 +522,28 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_messages(items: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
+def _named_by_item(exc: ClientError, origins: list[str], offset: int) -> ClientError:
+    """A chat error about messages[N] named by the item N came from: input[K] (and the part of it), or the
+    conversation or previous_response_id whose item it is."""
+    found = re.match(r"messages\.?\[(\d+)\](.*)", exc.param or "")
+    if found is not None and 0 <= int(found[1]) - offset < len(origins):
+        where = origins[int(found[1]) - offset]
+        exc.param = where + found[2] if where.startswith("input") else where
+    return exc
+
+
+def chat_messages(items: list[dict[str, Any]], first: int = 0, source: str = "previous_response_id",
+                  origins: list[str] | None = None) -> list[dict[str, Any]]:
     """Items (JSON) as chat messages: function calls join the assistant message before them, outputs become tool
-    messages, reasoning is left out. `first`: how many items came from previous_response_id (errors name input
-    positions after them)."""
+    messages, reasoning is left out. `first`: how many items came from `source` (previous_response_id or
+    conversation; errors name input positions after them). `origins`, if given, gets each message's item's name."""
     messages: list[dict[str, Any]] = []
+    where = source
     for n, data in enumerate(items):
+        if origins is not None:
+            origins.extend([where] * (len(messages) - len(origins)))  # the messages the item before it made
         kind = data.get("type", "message")
-        where = f"input[{n - first}]" if n >= first else "previous_response_id"
+        where = f"input[{n - first}]" if n >= first else source
         if kind == "message":
             item = MessageItem.model_validate(data)
             messages.append({"role": item.role, "content": _text(item.content, where)})
@@ -555,6 +573,8 @@ def chat_messages(items: list[dict[str, Any]], first: int = 0) -> list[dict[str,
             McpApprovalResponseItem.model_validate(data)  # run by the response (service/hosted_mcp.py)
         else:
             ReasoningItemIn.model_validate(data)
+    if origins is not None:
+        origins.extend([where] * (len(messages) - len(origins)))
     return messages
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import pytest
 
 from servelm.config import load_config_file
@@ -63,3 +64,20 @@ async def test_the_listing_asks_every_server_at_once(tmp_path):
         listed = await configured.describe(McpLimits(connect_s=2.0, list_s=2.0))
         assert time.monotonic() - started < 5  # one bound, not three
         assert [s["status"] for s in listed] == ["unavailable"] * 3
+
+
+@pytest.mark.parametrize("item", [
+    {"type": "function_call_output", "call_id": "call_x", "output": "y"},  # an answer to no call
+    {"type": "function_call", "call_id": "call_x", "name": "f", "arguments": "{}"},  # a call never answered
+    {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]},
+])
+def test_an_item_a_response_cannot_read_is_named_where_the_client_put_it(fake_server, item):
+    """A conversation took an item a response could not read, and the response's 400 named a chat field
+    (messages.[0].tool_call_id) that the client never sent."""
+    base = fake_server.base_url
+    conversation = httpx.post(f"{base}/v1/conversations", json={"items": [item]}).json()["id"]
+    answer = httpx.post(f"{base}/v1/responses", json={"model": "fake-model", "input": "hi", "conversation": conversation})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "conversation", answer.text
+    direct = httpx.post(f"{base}/v1/responses", json={"model": "fake-model",
+                                                         "input": [item, {"role": "user", "content": "hi"}]})
+    assert direct.status_code == 400 and direct.json()["error"]["param"].startswith("input[0]"), direct.text
