@@ -117,6 +117,7 @@ class Configured:
         try:
             async with self.open(label, limits, McpBudget(limits.connect_s + limits.list_s)) as session:
                 tools = await session.list_tools(tuple(spec.allowed_tools) if spec.allowed_tools else None)
+                entry["transport"] = getattr(session, "transport", entry["transport"])  # an HTTP one's: or SSE
         except McpUnavailable as exc:
             return {**entry, "status": "unavailable", "error": exc.message, "tools": []}
         return {**entry, "status": "ready", "tools": [{"name": t.name, "description": t.description,
