@@ -49,6 +49,29 @@ for _quiet in ("httpx2", "httpcore2"):  # at DEBUG the transport logs a refused 
 # them would flood the log) and errors whole (the URL and its query with them): a step that fails logs its kind here
 for _quiet in ("mcp.client.sse", "mcp.client.streamable_http"):
     logging.getLogger(_quiet).setLevel(logging.CRITICAL)
+
+
+class _OneLineAMinute(logging.Filter):
+    """The stdio client logs a traceback for each line a command writes that is not JSON-RPC (a command printing in
+    a loop would fill the log): at most one line a minute says so instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -60.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is None:
+            return True
+        if time.monotonic() - self._last < 60:
+            return False
+        self._last = time.monotonic()
+        kind = type(record.exc_info[1]).__name__ if record.exc_info[1] is not None else "an error"
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "%s (%s; such lines are logged once a minute at most)", (record.getMessage(), kind), None, None)
+        return True
+
+
+logging.getLogger("mcp.client.stdio").addFilter(_OneLineAMinute())
 T = TypeVar("T")
 CLOSE_S = 10.0  # the longest an MCP client's close is waited for
 MAX_SCHEMA_DEPTH = 24  # a tool schema's nesting (dicts and lists); deeper ones make constrained decoding crawl

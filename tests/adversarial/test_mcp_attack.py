@@ -270,3 +270,21 @@ async def test_a_configured_command_that_stops_answering_is_replaced():
             assert (await s.call("echo", {"text": "back"})).output == "back"
     finally:
         await server.stop()
+
+
+async def test_a_configured_command_that_prints_junk_floods_no_log_and_still_serves(caplog):
+    """A command that wrote lines other than JSON-RPC on its stdout logged a traceback for each one: a command
+    printing in a loop filled the server's log."""
+    junk = ("import sys, runpy; [print('not json-rpc', i) for i in range(200)]; sys.stdout.flush(); "
+            "sys.argv = ['x', 'stdio']; runpy.run_module('tests.mcp_servers', run_name='__main__')")
+    server = StdioServer("junk", sys.executable, ["-c", junk], {})
+    with caplog.at_level(logging.DEBUG):
+        server.start()
+        try:
+            await asyncio.wait_for(server.ready.wait(), 60)
+            async with server.session(McpLimits(), McpBudget(30)) as s:
+                assert (await s.call("echo", {"text": "back"})).output == "back"
+        finally:
+            await server.stop()
+    assert not [r for r in caplog.records if r.exc_info], "no traceback for what a command printed"
+    assert len(caplog.records) < 20, [r.getMessage() for r in caplog.records][:20]
