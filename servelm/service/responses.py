@@ -257,6 +257,13 @@ class ResponsesService:
                     yield event
                 for event in events.close():
                     yield event
+                cut = events.pending[-1] if events.pending and turn.finish == "length" else None
+                for asked in [p for p in events.pending if isinstance(p[0], McpApprovalRequestOut)]:
+                    if asked is not cut and _json_object(asked[0].arguments or "{}") is not None:
+                        for event in events.begin(asked[0]) + events.close():
+                            yield event
+                    else:  # cut short by max_output_tokens: never offered, so never run
+                        events.pending.remove(asked)
                 pending = list(events.pending)
                 runs = [(item, cid, ex) for item, cid, ex in pending if isinstance(item, McpCallOut)]
                 if not runs:
@@ -415,19 +422,25 @@ class ResponsesService:
                              last_id=page[-1]["id"] if page else None, has_more=more)
 
 
+def _json_object(text: str) -> dict[str, Any] | None:
+    """The call arguments' object (None when they are not one: cut short, or not JSON)."""
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
 async def _run_call(events: _EventWriter, call: McpCallOut,
                     session: McpSession | StdioSession | None) -> AsyncGenerator[ResponseEvent, None]:
     """One MCP call run, with its events: in progress, then completed or failed, and its item done. No session:
     the request no longer allows the tool (an approved call whose tool its allowed_tools leave out)."""
     index = events.items.index(call)
     yield events.make("response.mcp_call.in_progress", item_id=call.id, output_index=index)
-    try:
-        arguments = json.loads(call.arguments or "{}")
-    except ValueError:
-        arguments = None
+    arguments = _json_object(call.arguments or "{}")
     if session is None:
         result = McpResult(None, f"The tool {call.name!r} is not among the tools this request allows.")
-    elif not isinstance(arguments, dict):
+    elif arguments is None:
         result = McpResult(None, "The call's arguments are not a JSON object.")
     else:
         result = await session.call(call.name, arguments)
@@ -753,7 +766,8 @@ class _EventWriter:
                 if exposed is not None and not isinstance(item, FunctionCallOut):
                     self.pending.append((item, call.id, exposed))
                 self._calls[call.index] = item
-                events += self.begin(item)
+                if not isinstance(item, McpApprovalRequestOut):  # one is offered once its arguments are whole
+                    events += self.begin(item)
             item = self._calls[call.index]
             if call.function is not None and call.function.arguments:
                 item.arguments += call.function.arguments

@@ -161,6 +161,22 @@ def test_an_approved_call_runs_exactly_once_and_never_before(mcp_client, tools_s
     assert bumps(mcp_client, tools_server) == before + 1
 
 
+def test_a_call_cut_short_by_max_output_tokens_is_never_offered_for_approval(mcp_client, tools_server):
+    """A forced call whose arguments max_output_tokens cut was offered as an mcp_approval_request, half written."""
+    asking = tool(tools_server, allowed_tools=["echo"], require_approval="always")
+    for budget, stream in ((8, False), (12, False), (16, False), (24, False), (12, True), (24, True)):
+        fields = dict(model=MODEL, input="Echo a long sentence about the sea.", max_output_tokens=budget,
+                      temperature=0, tools=[asking], tool_choice=forced("echo"))
+        if stream:
+            with mcp_client.responses.create(**fields, stream=True) as events:
+                response = [e for e in events][-1].response
+        else:
+            response = mcp_client.responses.create(**fields)
+        offered = of_type(response, "mcp_approval_request")
+        assert response.status == "completed" or not offered, (budget, offered)
+        assert all(isinstance(json.loads(a.arguments), dict) for a in offered), offered
+
+
 def test_a_server_the_operator_did_not_allow_is_a_400(mcp_client):
     with pytest.raises(openai.BadRequestError) as caught:
         mcp_client.responses.create(model=MODEL, input="hi", tools=[{"type": "mcp", "server_label": "x",
