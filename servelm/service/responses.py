@@ -220,29 +220,9 @@ class ResponsesService:
             exposed = hosted_mcp.expose(listed, {t["function"]["name"] for t in functions})
             by_function = {e.function: e for e in exposed}
             messages = list(p.chat_body["messages"])
-            calls = 0
-            for approval in plan.approvals:
-                found = next((e for e in exposed if e.server.label == approval.server_label
-                              and e.tool.name == approval.name), None)
-                call_id = f"call_{uuid.uuid4().hex[:24]}"
-                messages.append(_assistant_calls(None, [(call_id, found.function if found else approval.name,
-                                                        approval.arguments)]))
-                if not approval.approve:
-                    reason = f": {approval.reason}" if approval.reason else "."
-                    messages.append({"role": "tool", "tool_call_id": call_id,
-                                     "content": f"The call was not approved{reason}"})
-                    continue
-                call = McpCallOut(id=f"mcp_{uuid.uuid4().hex}", server_label=approval.server_label, name=approval.name,
-                                  arguments=approval.arguments, status="in_progress",
-                                  approval_request_id=approval.request_id)
-                for event in events.begin(call):
-                    yield event
-                for event in events.close():
-                    yield event
-                async for event in _run_call(events, call, sessions[approval.server_label] if found else None):
-                    yield event
-                calls += 1
-                messages.append({"role": "tool", "tool_call_id": call_id, "content": _call_result(call)})
+            async for event in _answer_approvals(plan, exposed, sessions, events, messages):
+                yield event
+            calls = sum(a.approve for a in plan.approvals)
             before = [g.request_id for g in p.chat.generations]
             choice = self._first_choice(p, exposed) if not plan.approvals else "auto"
             while True:
@@ -255,15 +235,8 @@ class ResponsesService:
                 text_from = len(events.items)
                 async for event in turn.run(self.chat.chunks(prepared), events, by_function):
                     yield event
-                for event in events.close():
+                for event in events.close() + events.offer(turn.finish):
                     yield event
-                cut = events.pending[-1] if events.pending and turn.finish == "length" else None
-                for asked in [p for p in events.pending if isinstance(p[0], McpApprovalRequestOut)]:
-                    if asked is not cut and _json_object(asked[0].arguments or "{}") is not None:
-                        for event in events.begin(asked[0]) + events.close():
-                            yield event
-                    else:  # cut short by max_output_tokens: never offered, so never run
-                        events.pending.remove(asked)
                 pending = list(events.pending)
                 runs = [(item, cid, ex) for item, cid, ex in pending if isinstance(item, McpCallOut)]
                 if not runs:
@@ -420,6 +393,29 @@ class ResponsesService:
         page, more = page_of(self.stored(owner, response_id).input_items, order, limit, after)
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
                              last_id=page[-1]["id"] if page else None, has_more=more)
+
+
+async def _answer_approvals(plan: McpPlan, exposed: list[Exposed], sessions: dict[str, McpSession | StdioSession],
+                            events: _EventWriter, messages: list[dict[str, Any]]) -> AsyncGenerator[ResponseEvent, None]:
+    """The approvals the request answered: each approved call run (an mcp_call item with its events), each one
+    refused told to the model, both added to `messages` as the call and its result."""
+    for approval in plan.approvals:
+        found = next((e for e in exposed if e.server.label == approval.server_label and e.tool.name == approval.name),
+                     None)
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+        messages.append(_assistant_calls(None, [(call_id, found.function if found else approval.name,
+                                                approval.arguments)]))
+        if not approval.approve:
+            reason = f": {approval.reason}" if approval.reason else "."
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": f"The call was not approved{reason}"})
+            continue
+        call = McpCallOut(id=f"mcp_{uuid.uuid4().hex}", server_label=approval.server_label, name=approval.name,
+                          arguments=approval.arguments, status="in_progress", approval_request_id=approval.request_id)
+        for event in events.begin(call) + events.close():
+            yield event
+        async for event in _run_call(events, call, sessions[approval.server_label] if found else None):
+            yield event
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": _call_result(call)})
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -776,6 +772,18 @@ class _EventWriter:
                 if kind is not None:
                     events.append(self.make(kind, item_id=item.id, output_index=self.items.index(item),
                                             delta=call.function.arguments))
+        return events
+
+    def offer(self, finish: str | None) -> list[ResponseEvent]:
+        """The approval requests of the turn just ended, added now that their arguments are whole; the turn's last
+        call, when max_output_tokens ended it, is cut short: never offered, so never run."""
+        cut = self.pending[-1] if self.pending and finish == "length" else None
+        events: list[ResponseEvent] = []
+        for asked in [p for p in self.pending if isinstance(p[0], McpApprovalRequestOut)]:
+            if asked is not cut and _json_object(asked[0].arguments or "{}") is not None:
+                events += self.begin(asked[0]) + self.close()
+            else:
+                self.pending.remove(asked)
         return events
 
     def begin(self, item: OutputItem) -> list[ResponseEvent]:
