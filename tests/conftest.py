@@ -19,6 +19,7 @@ from servelm.http.state import state_of
 from servelm.runners.fake import FakeRunner
 from servelm.service.media import ImageSources
 from servelm.service.registry.deployments import Deployments, TextDeployment
+from tests.mcp_servers import McpHttpServer
 
 
 @contextmanager
@@ -92,3 +93,12 @@ def fake_server_factory() -> Iterator:
 @pytest.fixture
 def fake_server(fake_server_factory) -> FakeServer:
     return fake_server_factory()
+
+
+@pytest.fixture(scope="module", params=["streamable_http", "sse"])
+def mcp_either(request: pytest.FixtureRequest) -> Iterator[McpHttpServer]:
+    """The real MCP server (tests/mcp_servers.py) over either transport: streamable HTTP, or the earlier HTTP+SSE
+    transport only (a client reaches that one by falling back to SSE)."""
+    s = McpHttpServer("sse" if request.param == "sse" else "http")
+    yield s
+    s.stop()

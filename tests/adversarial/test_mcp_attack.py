@@ -46,50 +46,37 @@ def server() -> Iterator[McpHttpServer]:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def sse_server() -> Iterator[McpHttpServer]:
-    s = McpHttpServer("sse")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(params=["streamable_http", "sse"])
-def either(request: pytest.FixtureRequest, server: McpHttpServer, sse_server: McpHttpServer) -> McpHttpServer:
-    """The real server over either transport (an SSE-only one is reached by falling back to SSE)."""
-    return sse_server if request.param == "sse" else server
-
-
 def session(url: str, limits: McpLimits) -> McpSession:
     return McpSession("tests", url, {}, limits, McpBudget(limits.total_s))
 
 
-async def test_a_listing_past_the_byte_bound_is_a_424_not_a_cancelled_request(either):
+async def test_a_listing_past_the_byte_bound_is_a_424_not_a_cancelled_request(mcp_either):
     """The server answers its handshake, then a listing longer than max_message_bytes: the cut fails the step."""
     limits = McpLimits(max_message_bytes=600, connect_s=5, list_s=5)
     started = time.monotonic()
     with pytest.raises(McpUnavailable):
-        async with session(either.url, limits) as s:
-            assert s.transport == either.transport
+        async with session(mcp_either.url, limits) as s:
+            assert s.transport == mcp_either.transport
             await s.list_tools()
     assert time.monotonic() - started < 10
     await asyncio.sleep(0)  # the request's task is not cancelled: it goes on
     assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]
 
 
-async def test_an_answer_past_the_byte_bound_is_a_failed_call_and_the_request_goes_on(either):
+async def test_an_answer_past_the_byte_bound_is_a_failed_call_and_the_request_goes_on(mcp_either):
     limits = McpLimits(max_message_bytes=64 << 10, call_s=10)
-    async with session(either.url, limits) as s:
+    async with session(mcp_either.url, limits) as s:
         flood = await s.call("large", {"size": 5 << 20})
         assert flood.output is None and flood.server_failed
         assert not asyncio.current_task().cancelling()  # type: ignore[union-attr]
-    async with session(either.url, limits) as s:  # and the next session is fine
+    async with session(mcp_either.url, limits) as s:  # and the next session is fine
         assert (await s.call("echo", {"text": "after"})).output == "after"
 
 
-async def test_the_mcp_budget_counts_mcp_work_not_what_happens_between(either):
+async def test_the_mcp_budget_counts_mcp_work_not_what_happens_between(mcp_either):
     """(Over SSE the server's event stream is open all along: it waits out the generation, unlike a step.)"""
     limits = McpLimits(total_s=1.5, call_s=1.5)
-    async with session(either.url, limits) as s:
+    async with session(mcp_either.url, limits) as s:
         await asyncio.sleep(2.0)  # the model generating between two steps
         assert (await s.call("echo", {"text": "in time"})).output == "in time"
 

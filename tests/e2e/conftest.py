@@ -3,6 +3,7 @@ server is `servelm serve --ray` on a local two-node Ray cluster (tests/e2e/ray_m
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -150,9 +151,12 @@ def base_url(server: RunningServer) -> str:
 
 @pytest.fixture(autouse=True)
 def _server_alive_and_idle(server: RunningServer) -> Iterator[None]:
-    """Every test starts on an idle server (a previous test's generations have ended) and leaves it alive."""
+    """Every test starts on an idle server (a previous test's generations have ended) and leaves it alive; what it
+    left unclosed (a client's connection, a stream's iterator) is collected at its end, so a ResourceWarning names
+    the test that leaked, not whichever test the garbage collector happened to run in."""
     wait_idle(server.base_url, timeout=30)
     yield
+    gc.collect()
     if server.process.poll() is not None:
         pytest.fail(f"the server died (exit code {server.process.returncode}):\n{server.log_tail()}")
 

@@ -31,26 +31,13 @@ def server() -> Iterator[McpHttpServer]:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def sse_server() -> Iterator[McpHttpServer]:
-    s = McpHttpServer("sse")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(params=["streamable_http", "sse"])
-def any_server(request: pytest.FixtureRequest, server: McpHttpServer, sse_server: McpHttpServer) -> McpHttpServer:
-    """The real server over either transport (the session reaches an SSE-only one by falling back to SSE)."""
-    return sse_server if request.param == "sse" else server
-
-
 def session(url: str, limits: McpLimits = FAST) -> McpSession:
     return McpSession("tests", url, {"authorization": SECRET}, limits, McpBudget(limits.total_s))
 
 
-async def test_a_real_server_lists_its_tools_and_runs_a_call(any_server):
-    async with session(any_server.url) as s:
-        assert s.transport == any_server.transport
+async def test_a_real_server_lists_its_tools_and_runs_a_call(mcp_either):
+    async with session(mcp_either.url) as s:
+        assert s.transport == mcp_either.transport
         tools = await s.list_tools()
         assert {"add", "echo", "fail"} <= {t.name for t in tools}
         add = next(t for t in tools if t.name == "add")
@@ -63,15 +50,15 @@ async def test_a_real_server_lists_its_tools_and_runs_a_call(any_server):
         assert unknown.output is None and unknown.error
 
 
-async def test_a_large_output_is_cut_at_its_bound_and_says_so(any_server):
-    async with session(any_server.url) as s:
+async def test_a_large_output_is_cut_at_its_bound_and_says_so(mcp_either):
+    async with session(mcp_either.url) as s:
         result = await s.call("large", {"size": 5000})
     assert result.output is not None and result.output.startswith("x" * 1000)
     assert result.output.endswith(f"[output cut at {FAST.max_output_bytes} bytes]") and len(result.output) < 1100
 
 
-async def test_a_slow_call_fails_at_its_bound_and_the_session_stays_usable(any_server):
-    async with session(any_server.url) as s:
+async def test_a_slow_call_fails_at_its_bound_and_the_session_stays_usable(mcp_either):
+    async with session(mcp_either.url) as s:
         started = time.monotonic()
         slow = await s.call("slow", {"seconds": 30})
         assert slow.output is None and slow.error is not None and "timed out" in slow.error
