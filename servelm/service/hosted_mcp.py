@@ -240,6 +240,9 @@ def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
                                    "without server_url.", f"{where}.server_url")
         own = tuple(spec.allowed_tools) if spec.allowed_tools is not None else None
         names = tuple(n for n in names if own is None or n in own) if names is not None else own
+        if spec.require_approval == "always" and tool.require_approval not in (None, "always"):
+            raise InvalidParameter(f"The server {tool.server_label!r} asks for approval of every call (its "
+                                   "operator's setting): a request may not turn that off.", f"{where}.require_approval")
         return McpServer(spec.label, spec.url or "", where, names,
                          tool.require_approval if tool.require_approval is not None else spec.require_approval,
                          dict(spec.headers), configured=True)

@@ -275,3 +275,21 @@ async def test_a_configured_command_that_prints_junk_floods_no_log_and_still_ser
             await server.stop()
     assert not [r for r in caplog.records if r.exc_info], "no traceback for what a command printed"
     assert len(caplog.records) < 20, [r.getMessage() for r in caplog.records][:20]
+
+
+@pytest.mark.parametrize("loosened", ["never", {"never": {"tool_names": ["bump"]}}, {"always": {"tool_names": ["x"]}}])
+def test_a_request_cannot_loosen_the_approvals_an_operator_requires(chat, loosened):
+    """A request's require_approval "never" ran the calls of a configured server whose operator asked for approval
+    of every call."""
+    from servelm.config import McpServerSpec
+
+    spec = McpServerSpec(label="guarded", url="http://127.0.0.1:1/mcp", require_approval="always")
+    service = ResponsesService(chat, MemoryStore(), McpSettings(configured=(spec,)))
+    tool = {"type": "mcp", "server_label": "guarded", "require_approval": loosened}
+    with pytest.raises(InvalidParameter) as caught:
+        service.prepare(ResponsesRequest.model_validate({"model": "fake-model", "input": "x", "tools": [tool]}))
+    assert caught.value.param == "tools[0].require_approval"
+    for kept in ("always", None):  # as strict, or the operator's own
+        plan = service.prepare(ResponsesRequest.model_validate({"model": "fake-model", "input": "x", "tools": [
+            {k: v for k, v in {**tool, "require_approval": kept}.items() if v is not None}]})).mcp
+        assert plan is not None and plan.servers[0].approval == "always"
