@@ -15,7 +15,7 @@ from servelm.engine.local import LocalEngine
 from servelm.http.app import AppOptions, create_app
 from servelm.http.limits import Drain, SecurityConfig
 from servelm.http.server import make_server
-from servelm.http.state import state_of
+from servelm.http.state import AppState, state_of
 from servelm.runners.fake import FakeRunner
 from servelm.service.media import ImageSources
 from servelm.service.registry.deployments import Deployments, TextDeployment
@@ -60,6 +60,7 @@ class FakeServer:
     model: str = "fake-model"
     deployment: TextDeployment | None = None
     drain: Drain | None = None  # the app's shutdown, for a test that cuts requests in flight
+    state: AppState | None = None  # the app's state (its services and stores)
 
 
 @pytest.fixture
@@ -85,7 +86,7 @@ def fake_server_factory() -> Iterator:
                              on_start=lambda: [e.start() for e in engines],
                              on_stop=lambda: [e.stop() for e in engines], catalog=catalog, tracing=tracing)
             return FakeServer(stack.enter_context(serving(app)), runner, engine, deployment=deployment,
-                              drain=state_of(app).drain)
+                              drain=state_of(app).drain, state=state_of(app))
 
         yield start
 

@@ -124,17 +124,22 @@ def _hold(path: Path) -> BinaryIO:
 
 class _Guard:
     """The store's lock (one thread at a time on its connection); a damaged database met under it comes out as
-    StoreDamaged, logged the first time."""
+    StoreDamaged, logged the first time. Once damage is met nothing more is read or written (StoreDamaged): a
+    write that happened to miss the damaged pages would be acknowledged, then lost with the database a restart
+    refuses."""
 
     def __init__(self, store: BatchStore) -> None:
-        self._lock = threading.Lock()
+        self.raw = threading.Lock()
         self._store = store
 
     def __enter__(self) -> None:
-        self._lock.acquire()
+        self.raw.acquire()
+        if self._store.damage is not None:
+            self.raw.release()
+            raise StoreDamaged(self._store.db_path, "it was found damaged while serving (logged then)")
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._lock.release()
+        self.raw.release()
         if _is_damage(exc):
             raise self._store.damaged(str(exc)) from exc
 
@@ -193,7 +198,7 @@ class BatchStore:
         self.max_disk_bytes = max_disk_bytes  # 0: no bound
         self.db_path = self.directory / "servelm.db"
         self._lock = _Guard(self)
-        self._damage: str | None = None  # what was found, once damage was met while serving
+        self.damage: str | None = None  # what was found, once damage was met while serving (then nothing is done)
         self._orphans: dict[str, int | str] | None = None  # what start-up moved aside
         self._held = _hold(self.directory / ".lock")
         try:
@@ -213,8 +218,9 @@ class BatchStore:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             problems = [str(row[0]) for row in db.execute("PRAGMA quick_check(3)")]
-            if problems != ["ok"]:
-                raise StoreDamaged(self.db_path, "PRAGMA quick_check finds " + "; ".join(problems))
+            if problems != ["ok"]:  # its lines (the first three problems), in one of ours
+                found = "; ".join(line.strip() for p in problems for line in p.splitlines() if line.strip())
+                raise StoreDamaged(self.db_path, "PRAGMA quick_check finds " + found[:400])
             names = [str(row[0]) for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND "
                                                        "name NOT LIKE 'sqlite%'")]
             foreign = [n for n in names if _TABLES.get(n) != tuple(
@@ -234,29 +240,29 @@ class BatchStore:
     def damaged(self, found: str) -> StoreDamaged:
         """Damage met while serving: logged the first time, told by /health, a 503 to each request that meets it."""
         error = StoreDamaged(self.db_path, found)
-        if self._damage is None:
+        if self.damage is None:
             log.error("%s", error)
-        self._damage = str(error)
+        self.damage = str(error)
         return error
 
     def health(self) -> dict[str, object]:
         """/health's report (no I/O): ok or damaged, and what start-up moved aside."""
-        report: dict[str, object] = {"status": "ok" if self._damage is None else "damaged", "database": str(self.db_path)}
-        if self._damage is not None:
-            report["error"] = self._damage
+        report: dict[str, object] = {"status": "ok" if self.damage is None else "damaged", "database": str(self.db_path)}
+        if self.damage is not None:
+            report["error"] = self.damage
         if self._orphans is not None:
             report["orphans"] = self._orphans
         return report
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock.raw:  # (a damaged store too)
             self._db.close()
         self._held.close()
 
     @property
     def kept(self) -> str:
         """Where the stored responses and conversations are kept, for /health."""
-        return f"sqlite ({self.db_path})"
+        return f"sqlite ({self.db_path})" + (": damaged" if self.damage is not None else "")
 
     def rows(self, sql: str, args: Sequence[object] = ()) -> list[Any]:
         """A query's rows, read under the store's lock."""

@@ -80,8 +80,8 @@ def _kept(store: ResponseStore, conversations: ConversationStore) -> dict[str, A
     """/health's `kept`: where the stored responses and the conversations are kept, and whether a restart of the
     server keeps them (only the state directory's database does)."""
     responses, talks = getattr(store, "kept", "memory"), getattr(conversations, "kept", "memory")
-    return {"responses": responses, "conversations": talks,
-            "survives_restart": responses.startswith("sqlite") and talks.startswith("sqlite")}
+    return {"responses": responses, "conversations": talks,  # (a damaged database keeps nothing more)
+            "survives_restart": all(k.startswith("sqlite") and not k.endswith("damaged") for k in (responses, talks))}
 
 
 def create_app(deployments: Deployments, options: AppOptions | None = None, *,
@@ -144,11 +144,11 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
             MemoryConversations(options.conversations)
     services = Services.build(deployments, store, options.mcp, conversations)
     mcp = services.responses.configured  # the operator's MCP servers: a command's runs with the app
-    kept = _kept(store, conversations)  # what a restart keeps, and loses
-    reports: dict[str, Callable[[], dict[str, Any]]] = {"kept": lambda: kept}
+    reports: dict[str, Callable[[], dict[str, Any]]] = {"kept": lambda: _kept(store, conversations)}
     if runner is not None:
         reports["batch_store"] = runner.store.health  # what start-up found (no I/O)
-    state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports)
+    state = AppState(deployments, services, metrics, drain, timings=options.timings, catalog=catalog, health_reports=reports,
+                     store_damaged=(lambda: runner.store.damage is not None) if runner is not None else lambda: False)
     setattr(app.state, STATE_KEY, state)
     for table in ROUTE_TABLES:  # their handlers read the state of the app that takes each request
         app.include_router(router_of(table))

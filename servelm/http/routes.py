@@ -247,7 +247,8 @@ async def health(request: Request) -> JSONResponse:
     state = app_state(request)
     deployments = state.deployments
     ok = deployments.all_alive()
-    body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+    # degraded: generation goes on, but the state store is damaged (nothing more is stored; a monitoring key sees why)
+    body: dict[str, Any] = {"status": "unavailable" if not ok else "degraded" if state.store_damaged() else "ok"}
     load, cache = sees_counters(request.scope)
     if load:  # a key's own deployments (a monitoring key: all)
         body["deployments"] = {d.name: _deployment_stats(d, cache) for d in deployments.all()

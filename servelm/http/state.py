@@ -70,6 +70,7 @@ class AppState:
     timings: bool = False
     catalog: ModelCatalog | None = None
     health_reports: Mapping[str, Callable[[], dict[str, Any]]] = field(default_factory=dict)
+    store_damaged: Callable[[], bool] = lambda: False  # the --state-dir database found damaged while serving
 
 
 def state_of(app: object) -> AppState | None:

@@ -41,7 +41,10 @@ class SqlResponses:
 
     def __init__(self, db: Database, limits: StoreLimits = StoreLimits(), clock: Any = time.time) -> None:
         self.db, self.limits, self._clock = db, limits, clock
-        self.kept = db.kept
+
+    @property
+    def kept(self) -> str:
+        return self.db.kept
 
     def put(self, owner: str, response_id: str, entry: StoredResponse) -> None:
         body = json.dumps([entry.response, entry.input_items, entry.history])
@@ -94,7 +97,10 @@ class SqlConversations:
 
     def __init__(self, db: Database, limits: ConversationLimits = ConversationLimits(), clock: Any = time.time) -> None:
         self.db, self.limits, self._clock = db, limits, clock
-        self.kept = db.kept
+
+    @property
+    def kept(self) -> str:
+        return self.db.kept
 
     def create(self, owner: str, metadata: dict[str, str], items: list[dict[str, Any]]) -> ConversationObject:
         found = ConversationObject(id=f"conv_{uuid.uuid4().hex}", created_at=int(self._clock()), metadata=dict(metadata))

@@ -136,3 +136,38 @@ def test_the_state_is_in_the_database_a_health_report_names(fake_server_factory,
     memory = fake_server_factory()
     assert httpx.get(f"{memory.base_url}/health").json()["kept"] == {
         "responses": "memory", "conversations": "memory", "survives_restart": False}
+
+
+def test_once_damage_is_met_nothing_more_is_acknowledged_and_health_says_so(fake_server_factory, tmp_path):
+    """Writes that missed the damaged pages were still answered 200 after damage was met, then lost: the restart
+    refuses the database. /health's status said ok meanwhile, and `kept` that a restart keeps them."""
+    server = fake_server_factory(batches=BatchConfig(str(tmp_path / "state")))
+    base = server.base_url
+    conversation = httpx.post(f"{base}/v1/conversations", json={}).json()["id"]
+    store = server.state.services.responses.store.db
+    assert isinstance(store, BatchStore)
+    store.damaged("a damaged page met by another request")
+    answers = [httpx.post(f"{base}/v1/conversations/{conversation}/items",
+                          json={"items": [{"type": "message", "role": "user", "content": "x"}]}),
+               httpx.post(f"{base}/v1/responses", json={"model": "fake-model", "input": "x", "max_output_tokens": 2}),
+               httpx.post(f"{base}/v1/conversations", json={})]
+    assert [a.status_code for a in answers] == [503, 503, 503], [a.text for a in answers]
+    assert all(a.json()["error"]["code"] == "store_damaged" for a in answers)
+    health = httpx.get(f"{base}/health").json()
+    assert health["status"] == "degraded" and health["kept"]["survives_restart"] is False
+    assert health["batch_store"]["status"] == "damaged"
+
+
+def test_a_start_on_a_database_with_many_bad_pages_is_refused_in_one_line(tmp_path):
+    db = BatchStore(tmp_path)
+    talks = SqlConversations(db)
+    for _ in range(40):
+        talks.create("k", {}, [{"type": "message", "id": f"m{i}", "content": "x" * 500} for i in range(20)])
+    db.close()
+    raw = bytearray((tmp_path / "servelm.db").read_bytes())
+    for offset in range(4096 + 100, len(raw), 4096 * 3):
+        raw[offset:offset + 300] = bytes(range(256)) + bytes(44)
+    (tmp_path / "servelm.db").write_bytes(bytes(raw))
+    with pytest.raises(StoreDamaged) as caught:
+        BatchStore(tmp_path).close()
+    assert "\n" not in str(caught.value) and "move it aside" in str(caught.value), str(caught.value)
