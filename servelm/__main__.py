@@ -114,16 +114,20 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
             raise ValueError("--mmproj (images) is not served under --ray yet; serve the vision model without --ray")
         if ray:
             return _serve_on_ray(plan, ray_address)
-        built = plan.builder().build(plan.specs, plan.endpoints)
-        catalog = _fleet(plan) if plan.on_demand or settings.models_dir else None
+        options = AppOptions.from_settings(settings, plan.keys, plan.mcp_servers)
+        # the --state-dir database damaged, foreign or unwritable stops the start before any model loads
+        state = options.batches.open() if options.batches is not None else None
     except (ValueError, OSError, RuntimeError, ApiError) as exc:  # a bad file, a missing model: say which
         raise SystemExit(f"servelm: {exc}") from None
     try:
-        app = create_app(built.deployments, AppOptions.from_settings(settings, plan.keys, plan.mcp_servers), on_start=built.start,
-                         on_stop=built.stop, catalog=catalog, tracing=_tracing(plan))
-    except (ApiError, OSError) as exc:  # the --state-dir database damaged or foreign (batch/store.py), or unwritable
-        built.close()
+        built = plan.builder().build(plan.specs, plan.endpoints)
+        catalog = _fleet(plan) if plan.on_demand or settings.models_dir else None
+    except (ValueError, OSError, RuntimeError, ApiError) as exc:
+        if state is not None:
+            state.close()
         raise SystemExit(f"servelm: {exc}") from None
+    app = create_app(built.deployments, options, on_start=built.start, on_stop=built.stop, catalog=catalog,
+                     tracing=_tracing(plan), state_store=state)
     names = ", ".join(repr(d.name) for d in built.deployments.all())
     if catalog is not None:
         names += (", " if names else "") + ", ".join(f"{n!r} (on demand)" for n in catalog.statuses())

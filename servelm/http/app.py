@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from servelm import __version__
 from servelm.batch.runner import BatchRunner
+from servelm.batch.store import BatchStore
 from servelm.engine.base import Engine
 from servelm.engine.wrappers.admission import QueuedEngine
 from servelm.engine.wrappers.metered import MeteredEngine
@@ -87,7 +88,8 @@ def _kept(store: ResponseStore, conversations: ConversationStore) -> dict[str, A
 def create_app(deployments: Deployments, options: AppOptions | None = None, *,
                on_start: Callable[[], None] | None = None, on_stop: Callable[[], None] | None = None,
                store: ResponseStore | None = None, conversations: ConversationStore | None = None,
-               catalog: ModelCatalog | None = None, tracing: Tracing | None = None) -> FastAPI:
+               catalog: ModelCatalog | None = None, tracing: Tracing | None = None,
+               state_store: BatchStore | None = None) -> FastAPI:
     """The app over these deployments, as `options` say; `on_start` and `on_stop` start and stop their engines; `store`
     keeps the Responses API's stored answers and `conversations` its conversations (default: the state directory's
     database with options.batches, else this process's memory); `catalog`: models loaded when a request names them (servelm/fleet.py); `tracing`: an OpenTelemetry span
@@ -135,7 +137,7 @@ def create_app(deployments: Deployments, options: AppOptions | None = None, *,
     errors.install(app)
     drain = limits.Drain()  # the server's shutdown, for requests in flight (http/server.py)
     if batches is not None:
-        runner = batch_runner(app, deployments, batches)
+        runner = batch_runner(app, deployments, batches, state_store)
     if store is None:
         store = SqlResponses(runner.store, options.responses) if runner is not None else \
             MemoryStore(options.responses.max_entries, options.responses.max_bytes, options.responses.max_age_s)

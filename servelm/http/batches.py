@@ -52,6 +52,10 @@ class BatchConfig:
                    settings.batch_disk_mib << 20, settings.batch_priority, settings.batch_max_in_flight,
                    settings.max_body_bytes)
 
+    def open(self) -> BatchStore:
+        """The state directory's store, checked (StoreDamaged, or an OSError naming what is wrong)."""
+        return BatchStore(Path(self.state_dir), self.max_disk_bytes)
+
 
 class AppCaller:
     """A batch line's request, sent to the ASGI app in this process as its owner; the answer's status, request id
@@ -204,12 +208,14 @@ def _open_or_404(store: BatchStore, owner: str, file_id: str) -> tuple[BinaryIO,
     return f, os.fstat(f.fileno()).st_size
 
 
-def batch_runner(app: ASGIApp, deployments: Deployments, config: BatchConfig) -> BatchRunner:
-    """The runner of the batches under config.state_dir, its lines sent to `app` in process."""
+def batch_runner(app: ASGIApp, deployments: Deployments, config: BatchConfig,
+                 store: BatchStore | None = None) -> BatchRunner:
+    """The runner of the batches under config.state_dir (`store`, when it was opened already), its lines sent to
+    `app` in process."""
     def in_flight() -> int:
         return config.max_in_flight or sum(d.engine.stats().total_slots for d in deployments.generators())
 
-    store = BatchStore(Path(config.state_dir), config.max_disk_bytes)
+    store = store or config.open()
     return BatchRunner(store, AppCaller(app), priority=config.priority, max_lines=config.max_lines,
                        in_flight=in_flight, max_line_bytes=config.max_line_bytes)
 

@@ -171,3 +171,16 @@ def test_a_start_on_a_database_with_many_bad_pages_is_refused_in_one_line(tmp_pa
     with pytest.raises(StoreDamaged) as caught:
         BatchStore(tmp_path).close()
     assert "\n" not in str(caught.value) and "move it aside" in str(caught.value), str(caught.value)
+
+
+def test_a_bad_state_directory_stops_the_start_before_any_model_loads(tmp_path):
+    """A damaged, foreign or misplaced database was refused only after the models had loaded and self-checked
+    (minutes on a busy machine)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "servelm.db").write_bytes(b"not a database at all" * 100)
+    done = subprocess.run([sys.executable, "-m", "servelm", "serve", "--state-dir", str(tmp_path), "--port", "0"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1 and "loading" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("servelm: ") and str(tmp_path) in done.stderr
