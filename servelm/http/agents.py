@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from servelm.errors import ApiError, InvalidParameter
+from servelm.errors import ApiError
 from servelm.http.auth import check_access
 from servelm.http.errors import anthropic_error
 from servelm.http.openapi import doc
-from servelm.http.routes import Route, app_state, generate, parse_body, request_context
+from servelm.http.routes import Route, app_state, check_listing, generate, parse_body, request_context
 from servelm.http.streams import named_sse
 from servelm.protocol.anthropic import CountTokensRequest, MessageResponse, MessagesRequest, TokenCount
 from servelm.protocol.responses import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest
@@ -47,9 +47,7 @@ async def delete_response(response_id: str, request: Request) -> JSONResponse:
 
 async def list_input_items(response_id: str, request: Request, order: str = "desc", limit: int = 20,
                            after: str | None = None) -> JSONResponse:
-    if order not in ("asc", "desc") or not 1 <= limit <= 100:
-        raise InvalidParameter("order must be asc or desc, and limit between 1 and 100.",
-                               "order" if order not in ("asc", "desc") else "limit")
+    check_listing(request, order, limit)
     page = await asyncio.to_thread(app_state(request).services.responses.input_item_list,
                                    request_context(request.scope).owner, response_id, order, limit, after)
     return JSONResponse(page.model_dump(mode="json"))

@@ -10,9 +10,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from servelm.errors import InvalidParameter
 from servelm.http.openapi import doc
-from servelm.http.routes import Route, app_state, parse_body, request_context
+from servelm.http.routes import Route, app_state, check_listing, parse_body, request_context
 from servelm.protocol.conversations import (
     AddItems,
     ConversationItemList,
@@ -49,18 +48,17 @@ async def delete_conversation(conversation_id: str, request: Request) -> JSONRes
 
 async def list_items(conversation_id: str, request: Request, order: str = "desc", limit: int = 20,
                      after: str | None = None) -> JSONResponse:
-    if order not in ("asc", "desc"):
-        raise InvalidParameter("order must be asc or desc.", "order")
-    if not 1 <= limit <= MAX_PAGE:
-        raise InvalidParameter(f"limit must be between 1 and {MAX_PAGE}.", "limit")
+    check_listing(request, order, limit, MAX_PAGE)
     return await _answer(request, "items", conversation_id, order, limit, after)
 
 
 async def add_items(conversation_id: str, request: Request) -> JSONResponse:
+    check_listing(request)
     return await _answer(request, "add", conversation_id, await parse_body(request, AddItems))
 
 
 async def get_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
+    check_listing(request)
     return await _answer(request, "item", conversation_id, item_id)
 
 

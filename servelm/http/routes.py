@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from servelm import tracing
-from servelm.errors import ModelNotFound
+from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.http.asgi import Scope
 from servelm.http.auth import can_use, check_access, current_key, sees_counters
 from servelm.http.errors import validation_error
@@ -74,6 +74,25 @@ def app_state(request: Request) -> AppState:
     if not isinstance(state, AppState):
         raise TypeError(f"app.state.{STATE_KEY} is a {type(state).__name__}, not the AppState create_app sets")
     return state
+
+
+# what OpenAI's include may name (IncludeEnum): a stored item is answered whole, so each adds nothing here
+INCLUDABLE = frozenset({"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                        "message.input_image.image_url", "computer_call_output.output.image_url",
+                        "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"})
+
+
+def check_listing(request: Request, order: str | None = None, limit: int | None = None, most: int = 100) -> None:
+    """A 400 naming the query parameter of a list or item route that is not OpenAI's: `order` (asc or desc),
+    `limit` (1 to `most`), `include` (IncludeEnum's values)."""
+    if order is not None and order not in ("asc", "desc"):
+        raise InvalidParameter("order must be asc or desc.", "order")
+    if limit is not None and not 1 <= limit <= most:
+        raise InvalidParameter(f"limit must be between 1 and {most}.", "limit")
+    for value in [*request.query_params.getlist("include"), *request.query_params.getlist("include[]")]:
+        if value not in INCLUDABLE:
+            raise InvalidParameter(f"include may name {', '.join(sorted(INCLUDABLE))}; not {value[:64]!r}.",
+                                   "include")
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

@@ -184,3 +184,18 @@ def test_a_bad_state_directory_stops_the_start_before_any_model_loads(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 1 and "loading" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith("servelm: ") and str(tmp_path) in done.stderr
+
+
+@pytest.mark.parametrize("path", ["/v1/conversations/{c}/items", "/v1/conversations/{c}/items/{i}",
+                                  "/v1/responses/{r}/input_items"])
+def test_an_include_value_openai_does_not_know_is_a_400(fake_server, path):
+    """include=bogus was taken and ignored (OpenAI answers 400)."""
+    base = fake_server.base_url
+    conversation = httpx.post(f"{base}/v1/conversations", json={"items": [
+        {"type": "message", "role": "user", "content": "hi"}]}).json()
+    item = httpx.get(f"{base}/v1/conversations/{conversation['id']}/items").json()["data"][0]["id"]
+    response = httpx.post(f"{base}/v1/responses", json={"model": "fake-model", "input": "x", "max_output_tokens": 2}).json()
+    url = base + path.format(c=conversation["id"], i=item, r=response["id"])
+    assert httpx.get(url, params={"include": "message.output_text.logprobs"}).status_code == 200
+    answer = httpx.get(url, params={"include": "bogus"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "include", answer.text
