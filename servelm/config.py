@@ -584,7 +584,8 @@ class McpServerSpec(BaseModel):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     allowed_tools: list[str] | None = None  # only these of its tools (default: all)
-    require_approval: Literal["always", "never"] = "always"  # OpenAI's default; a request's own setting wins
+    # unset: OpenAI's default, always, and a request's own setting wins; set to always: no request may loosen it
+    require_approval: Literal["always", "never"] | None = None
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerSpec:

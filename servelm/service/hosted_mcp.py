@@ -51,7 +51,7 @@ class ServerSpec(Protocol):
     def allowed_tools(self) -> list[str] | None: ...
 
     @property
-    def require_approval(self) -> str: ...
+    def require_approval(self) -> str | None: ...
 
 
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")  # an HTTP header name (RFC 9110's token)
@@ -111,7 +111,7 @@ class Configured:
     async def _describe(self, label: str, spec: ServerSpec, limits: McpLimits) -> dict[str, Any]:
         entry: dict[str, Any] = {"server_label": label, "description": spec.description,
                                  "transport": "stdio" if spec.command else "streamable_http",
-                                 "require_approval": spec.require_approval}
+                                 "require_approval": spec.require_approval or "always"}
         if label in self.stdio and self.stdio[label].status == "restarting":  # not waited for: known down
             return {**entry, "status": "restarting", "tools": []}
         try:
@@ -244,7 +244,7 @@ def _server(tool: McpTool, where: str, settings: McpSettings) -> McpServer:
             raise InvalidParameter(f"The server {tool.server_label!r} asks for approval of every call (its "
                                    "operator's setting): a request may not turn that off.", f"{where}.require_approval")
         return McpServer(spec.label, spec.url or "", where, names,
-                         tool.require_approval if tool.require_approval is not None else spec.require_approval,
+                         tool.require_approval if tool.require_approval is not None else spec.require_approval or "always",
                          dict(spec.headers), configured=True)
     if tool.connector_id is not None:
         raise InvalidParameter("Connectors are not served here; give the MCP server's server_url.",
