@@ -84,19 +84,18 @@ def test_azure_model_info(azure: ChatCompletionsClient) -> None:
 
 
 def test_ovms_v3_through_openai(base_url: str) -> None:
-    v3 = client_for(base_url, path="/v3")
-    v1 = client_for(base_url)
-    assert [m.id for m in v3.models.list().data] == [m.id for m in v1.models.list().data]
-    msgs = [{"role": "user", "content": ASK}]
-    # OVMS's default temperature is 0: greedy, the same text as an explicit temperature 0 on /v1
-    a = v3.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
-    b = v1.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
-    assert a.choices[0].message.content == b.choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       v3.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, stream=True) if c.choices)
-    assert streamed == b.choices[0].message.content
-    c = v3.completions.create(model=MODEL, prompt="The sky is", max_tokens=5)
-    assert c.choices[0].text and c.usage.completion_tokens <= 5
+    with client_for(base_url, path="/v3") as v3, client_for(base_url) as v1:
+        assert [m.id for m in v3.models.list().data] == [m.id for m in v1.models.list().data]
+        msgs = [{"role": "user", "content": ASK}]
+        # OVMS's default temperature is 0: greedy, the same text as an explicit temperature 0 on /v1
+        a = v3.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12)
+        b = v1.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           v3.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, stream=True) if c.choices)
+        assert streamed == b.choices[0].message.content
+        c = v3.completions.create(model=MODEL, prompt="The sky is", max_tokens=5)
+        assert c.choices[0].text and c.usage.completion_tokens <= 5
 
 
 def test_sagemaker_invocations(base_url: str) -> None:

@@ -89,7 +89,8 @@ def test_cached_prompts_are_per_key(tmp_path_factory) -> None:
         messages = [{"role": "system", "content": "You answer questions about lighthouses. " * 8}, *user("Why?")]
 
         def cached(key: str) -> int:
-            r = client_for(srv.base_url, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+            with client_for(srv.base_url, key) as client:
+                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
             return r.usage.prompt_tokens_details.cached_tokens
 
         assert cached("sk-one") == 0

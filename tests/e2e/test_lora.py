@@ -46,8 +46,8 @@ async def answers(base_url: str, models: list[str], messages=STORY) -> list[str]
 
 async def test_adapters_load_run_together_exactly_and_unload(adapters, tmp_path_factory):
     two, three, gemma = adapters
-    with own_server(tmp_path_factory, "--lora", f"two={two}", "--no-embedding-model") as srv:
-        client = client_for(srv.base_url)
+    with own_server(tmp_path_factory, "--lora", f"two={two}", "--no-embedding-model") as srv, \
+            client_for(srv.base_url) as client:  # closed before its server stops: no socket left to the collector
         cards = {m.id: m.model_extra for m in client.models.list().data}
         assert cards["two"]["parent"] == MODEL and cards["two"]["root"] == two
         r = httpx.post(f"{srv.base_url}/v1/load_lora_adapter", json={"lora_name": "three", "lora_path": three})

@@ -32,14 +32,15 @@ def models_dir(tmp_path_factory):
 
 
 def statuses(base_url: str, key: str = "none") -> dict[str, str]:
-    cards = client_for(base_url, key).models.list().data
+    with client_for(base_url, key) as client:
+        cards = client.models.list().data
     return {c.id: c.model_extra["status"]["value"] for c in cards}
 
 
 def test_only_a_models_dir_serves_its_models_on_demand_with_lru_and_admin_routes(models_dir, tmp_path_factory):
     with own_server(tmp_path_factory, "--models-dir", str(models_dir), "--models-max", "1", "--api-key", "sk-user",
-                    "--admin-key", "sk-admin", "--idle-unload-s", "-1") as srv:
-        user = client_for(srv.base_url, "sk-user")
+                    "--admin-key", "sk-admin", "--idle-unload-s", "-1") as srv, \
+            client_for(srv.base_url, "sk-user") as user:  # closed before its server stops
         assert statuses(srv.base_url, "sk-user") == {"smol": "unloaded", "gemma": "unloaded"}
         smol = user.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Say hi."}],
                                             max_tokens=8, temperature=0)
