@@ -56,12 +56,14 @@ class SqlResponses:
             db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
                        (owner, response_id, self._clock(), size, body))
             count, total = db.execute("SELECT COUNT(*), SUM(bytes) FROM responses WHERE owner = ?", (owner,)).fetchone()
-            for oldest, taken in db.execute("SELECT id, bytes FROM responses WHERE owner = ? ORDER BY stored_at, rowid",
-                                            (owner,)).fetchall():
-                if count <= limits.max_entries and total <= limits.max_bytes:
-                    break
-                db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, oldest))
-                count, total = count - 1, total - taken
+            while count > limits.max_entries or total > limits.max_bytes:  # the key's oldest out, a page at a time
+                page = db.execute("SELECT id, bytes FROM responses WHERE owner = ? ORDER BY stored_at, rowid LIMIT 64",
+                                  (owner,)).fetchall()
+                for oldest, taken in page:
+                    if count <= limits.max_entries and total <= limits.max_bytes:
+                        break
+                    db.execute("DELETE FROM responses WHERE owner = ? AND id = ?", (owner, oldest))
+                    count, total = count - 1, total - taken
 
     def get(self, owner: str, response_id: str) -> StoredResponse | None:
         found = self.db.rows("SELECT body FROM responses WHERE owner = ? AND id = ? AND stored_at >= ?",
