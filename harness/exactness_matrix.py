@@ -7,7 +7,8 @@ same file, each measured in a process of its own (ggml's tiled K-quant switch is
 - kernel: the kernel fences (tiled kernel off, then two rows a call, no repacked weights, or both);
 - shape: the fast kernels kept and every call given a shape that takes one path (repacked Q4_K in rows by 4);
 - tiled: the same with the tiled kernel on (GGML_CPU_TILED_MM=1: every micro-batch 8 rows or more).
-Each reads 4 prompts of 126 tokens (in chunks of the runner's max_rows), one stream decoding, 16 streams decoding;
+Each reads 4 prompts of 126 tokens (its whole tile, then chunks of the runner's max_rows, as the scheduler cuts
+them), one stream decoding, 16 streams decoding;
 each the best of three runs, and of `--rounds` processes per mode, the modes interleaved. Measure on a quiet
 machine: llama.cpp's threads spin.
 
@@ -43,8 +44,9 @@ def _measure(path: str, mode: str, threads: int | None = None) -> dict:
     rng = np.random.default_rng(0)
     toks = [int(t) for t in rng.integers(100, min(runner.vocab_size, 30000), 400)]
 
-    def chunk(slot: int, start: int, tokens: list[int], want: bool = True) -> ScheduledChunk:
-        return ScheduledChunk(None, slot, start, tuple(tokens), toks[start - 1] if start else None, samplers=("x",) if want else ())
+    def chunk(slot: int, start: int, tokens: list[int], want: bool = True, tiled: bool = False) -> ScheduledChunk:
+        return ScheduledChunk(None, slot, start, tuple(tokens), toks[start - 1] if start else None,
+                              samplers=("x",) if want else (), tiled=tiled)
 
     clear = [Clear(s) for s in range(16)]
 
@@ -60,9 +62,10 @@ def _measure(path: str, mode: str, threads: int | None = None) -> dict:
             wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
         return wall, cpu
 
-    rows = runner.max_rows
-    prompt = timed([StepPlan([chunk(s, a, toks[a:min(a + rows, 126)], a + rows >= 126)])
-                    for s in range(4) for a in range(0, 126, rows)])
+    rows, tile = runner.max_rows, runner.tile_rows
+    tiles = 126 // tile * tile if tile else 0  # as the scheduler reads it: its whole tiles, then rows
+    cuts = ([(0, tiles)] if tiles else []) + [(a, min(a + rows, 126)) for a in range(tiles, 126, rows)]
+    prompt = timed([StepPlan([chunk(s, a, toks[a:b], b == 126, a < tiles)]) for s in range(4) for a, b in cuts])
     one = timed([StepPlan([chunk(0, p, [toks[p]])]) for p in range(48)])
     sixteen = timed([StepPlan([chunk(s, p, [toks[p]]) for s in range(16)]) for p in range(32)])
     out = {"exact": runner.exactness.exact, "exactness": runner.exactness.describe()}

@@ -105,7 +105,8 @@ class LocalEngine:
         self.pacer = pacer  # the scheduler asks it how much prompt a decoding step may read; each step teaches it
         speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
-                                   max_rows=runner.max_rows, prefix_cache=prefix_cache, speculator=speculator,
+                                   max_rows=runner.max_rows, tile_rows=runner.tile_rows, prefix_cache=prefix_cache,
+                                   speculator=speculator,
                                    spill=spill, pacer=pacer, aging_s=priority_aging_s)
         self.clock = PhaseClock()  # the engine thread's time by phase (engine/clock.py)
         self.output = OutputProcessor(runner, grammars, self.clock)

@@ -89,6 +89,9 @@ class ScheduledChunk:
     # the last `drafted` tokens are guesses (engine/speculate.py): a row for each, after the sampler's row
     drafted: int = 0
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale) its rows are computed with
+    # whole tiles of the runner's tile_rows, read on flash attention's tiled kernel (ModelRunner.tile_rows): in a call
+    # of their own, so that every micro-batch gives each of its streams whole tiles
+    tiled: bool = False
 
     @property
     def wants_logits(self) -> bool:
@@ -144,14 +147,15 @@ class StepPlan:
 
     def calls(self) -> list[list[int]]:
         """The chunks (by index, in slot order) cut into llama_decode calls, as few as keep every row exact: one call
-        for each set of LoRA adapters (they apply to a whole call), less any chunk whose last token would be a
+        for each set of LoRA adapters (they apply to a whole call) and another for its chunks of whole tiles (each
+        micro-batch of which then gives every stream whole tiles), less any chunk whose last token would be a
         micro-batch of its own (_lone_row), which goes in a call of its own. An image's chunk is a call of its own,
         last (llama.cpp takes a batch of embeddings or of tokens, not both)."""
         out: list[list[int]] = []
         chunks = self.chunks
         text = sorted((i for i, c in enumerate(chunks) if c.media is None),
-                      key=lambda i: (chunks[i].adapters, chunks[i].slot))
-        for _, group in groupby(text, key=lambda i: chunks[i].adapters):
+                      key=lambda i: (chunks[i].adapters, chunks[i].tiled, chunks[i].slot))
+        for _, group in groupby(text, key=lambda i: (chunks[i].adapters, chunks[i].tiled)):
             call = list(group)
             while len(call) > 1 and (lone := self._lone_row(call)) is not None:
                 call.remove(lone)
@@ -166,7 +170,8 @@ class StepPlan:
         (chunk index, first token, tokens). A runner that lays a call out in this order (micro-batch by
         micro-batch, each in slot order) gets them back as they are, its outputs in its own order. Each is
         computed with the same kernels whatever else it holds, so a row's logits do not depend on its neighbours
-        (docs/exactness.md): a stream's rows stay below MAX_ROWS as its chunk does."""
+        (docs/exactness.md): a stream's rows stay below MAX_ROWS as its chunk does, or (a call of tiled chunks) are
+        whole tiles as its chunk's are."""
         chunks = self.chunks
         slots = [chunks[i].slot for i in call]
         sizes = [len(chunks[i].tokens) for i in call]

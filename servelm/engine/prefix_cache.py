@@ -29,13 +29,19 @@ from dataclasses import dataclass
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save
 from servelm.engine.sequence import Sequence, SequenceGroup
-from servelm.engine.slots import Adapters, Slot, Slots, common_prefix
+from servelm.engine.slots import Adapters, Slot, Slots, common_prefix, usable
 from servelm.engine.spill import Spilled, SpillStore
 
 log = logging.getLogger("servelm.engine")
 
 DEFER_PREFIX = 64  # shared prompt tokens still being read that are worth waiting a step or two for
 MIN_RESTORE = 32  # prompt tokens a spilled entry must hold beyond the slots' best to be read back (about 10 ms)
+
+
+def spill_scope(scope: str, tiled: int) -> str:
+    """The spill store's scope of an entry whose cells below `tiled` were read in whole tiles: a request finds
+    there only entries read as its own prompt would be (an entry of another `tiled` holds other cells)."""
+    return f"{scope}\x1ftiled {tiled}" if tiled else scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +61,10 @@ class CacheStats:
 
 
 class PrefixCache:
-    def __init__(self, num_slots: int, *, enabled: bool = True, spill: SpillStore | None = None) -> None:
+    def __init__(self, num_slots: int, *, enabled: bool = True, spill: SpillStore | None = None,
+                 tile: int = 1) -> None:
         self.enabled = enabled  # False: a slot keeps nothing, and no request reads cached cells
-        self.slots = Slots(num_slots)
+        self.slots = Slots(num_slots, tile)
         self.spill = spill if enabled else None  # where entries the slots give up go (None: they are lost)
         self.ops: list[KVOp] = []  # queued for the next plan
         self._restoring: dict[int, Spilled] = {}  # this step's Restore ops: the spilled entry by slot
@@ -119,7 +126,7 @@ class PrefixCache:
         """Where a new sequence of `group` with these tokens starts (a slot at rest: the caller checked that one
         is), and how many of its leading tokens that slot's cells hold by then; the operations that get them there
         are queued (the entry given up saved first, a copy, a restore) and the hit counted."""
-        placed = self.slots.place(tokens, group.scope, self.reads(group), group.adapters)
+        placed = self.slots.place(tokens, group.scope, self.reads(group), group.adapters, group.tiled_end)
         assert placed is not None  # the caller checked that enough slots rest
         if group.whole(placed.reuse) != placed.reuse:  # not into the middle of an image
             placed = dataclasses.replace(placed, reuse=group.whole(placed.reuse))
@@ -176,7 +183,8 @@ class PrefixCache:
         for reader in readers:
             if reader.scope != group.scope:
                 continue
-            shared = common_prefix(reader.prompt_token_ids, prompt, len(prompt) - 1)
+            shared = usable(common_prefix(reader.prompt_token_ids, prompt, len(prompt) - 1), reader.tiled_end,
+                            group.tiled_end, self.slots.tile)
             if shared - reader.cached_tokens >= DEFER_PREFIX and reader.seqs[0].num_computed < shared:
                 return True
         return False
@@ -216,16 +224,16 @@ class PrefixCache:
         """The resting slot's entry is about to be given up: its cells go to the spill store first (a Save op ahead
         of the op that overwrites them), if they are worth keeping and in its stream already (not a copy's yet)."""
         if self.spill is not None and slot.seq is None and slot.index not in self._copied_to \
-                and self.spill.wants(slot.cached, slot.scope):
-            self.ops.append(Save(slot.index, self.spill.spill(slot.cached, slot.scope)))
+                and self.spill.wants(slot.cached, spill_scope(slot.scope, slot.tiled)):
+            self.ops.append(Save(slot.index, self.spill.spill(slot.cached, spill_scope(slot.scope, slot.tiled))))
 
     def _spilled(self, group: SequenceGroup, tokens: list[int], reuse: int) -> tuple[Spilled, bytes, int] | None:
         """A spilled entry, its state and how many of the sequence's `tokens` it holds, when it holds at least
         MIN_RESTORE more than the slots offer (`reuse`)."""
         if self.spill is None or not self.reads(group):
             return None
-        entry, n = self.spill.best(tokens, group.scope, len(tokens) - 1)
-        n = group.whole(n)
+        entry, n = self.spill.best(tokens, spill_scope(group.scope, group.tiled_end), len(tokens) - 1)
+        n = group.whole(usable(n, group.tiled_end, group.tiled_end, self.slots.tile))
         if entry is None or n < reuse + MIN_RESTORE:
             return None
         data = self.spill.load(entry)
@@ -240,9 +248,10 @@ class PrefixCache:
             return
         spill.settle()
         for slot in self.slots.slots:  # cells a copy has not written yet are not what the slot holds
-            if slot.seq is None and slot.index not in self._copied_to and spill.wants(slot.cached, slot.scope):
+            scope = spill_scope(slot.scope, slot.tiled)
+            if slot.seq is None and slot.index not in self._copied_to and spill.wants(slot.cached, scope):
                 try:
-                    spill.persist(slot.cached, slot.scope, save(slot.index))
+                    spill.persist(slot.cached, scope, save(slot.index))
                 except Exception:  # one slot's state must not keep the others from disk
                     log.exception("the prefix cache entry of slot %d was not saved", slot.index)
         spill.close()

@@ -97,6 +97,9 @@ class ModelRunner(Protocol):
     num_slots: int  # sequences that may hold KV at once; ids 0..num_slots-1, a stream each
     max_step_tokens: int  # tokens one step may carry
     max_rows: int  # tokens one sequence may read in one step
+    # a chunk of this many rows of a stream or more takes another kernel, whose rows do not depend on the chunk's
+    # size either: a prompt's leading whole tiles are read in multiples of it (0: no such kernel)
+    tile_rows: int
     call_cost_rows: float  # a forward call's own cost in rows' time (engine/speculate.py weighs drafts by it)
     lone_row_from: int | None  # from here on a lone single row is read with its previous position (two rows' cost)
     kv_cell_bytes: int  # one KV cell's size

@@ -60,7 +60,7 @@ AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further
 
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
-                 prefix_cache: bool = True, speculator: Speculator | None = None,
+                 tile_rows: int = 0, prefix_cache: bool = True, speculator: Speculator | None = None,
                  spill: SpillStore | None = None, pacer: StepPacer | None = None, aging_s: float = 60.0) -> None:
         if num_slots < 1 or context_window < 1 or max_step_tokens < num_slots or max_rows < 1:
             raise ValueError("need num_slots, context_window and max_rows >= 1, and max_step_tokens >= num_slots")
@@ -68,7 +68,9 @@ class Scheduler:
         self.context_window = context_window
         self.max_step_tokens = max_step_tokens
         self.max_rows = max_rows
-        self.cache = PrefixCache(num_slots, enabled=prefix_cache, spill=spill)  # the slots, where sequences run
+        self.tile_rows = tile_rows  # a prompt's leading whole tiles are read in chunks of whole tiles (0: none)
+        # the slots, where sequences run
+        self.cache = PrefixCache(num_slots, enabled=prefix_cache, spill=spill, tile=tile_rows or 1)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in admission order
         self.speculator = speculator  # drafts for decoding sequences (None: no speculative decoding)
@@ -106,9 +108,19 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         if len(group.seqs) > self.num_slots:
             raise ValueError(f"a request of {len(group.seqs)} choices exceeds the {self.num_slots} sequence slots")
+        group.tiled_end = self._tiled_end(group)
         self.waiting.append(group)
         for seq in group.seqs:
             self._seqs[seq.key] = seq
+
+    def _tiled_end(self, group: SequenceGroup) -> int:
+        """Where the prompt's whole tiles end: its positions before that are read in chunks of whole tiles (the
+        runner's tiled kernel), the rest in chunks below a tile, so which kernel computes a position depends on the
+        prompt alone (docs/exactness.md). None for a prompt with images or read for its logprobs."""
+        tile = self.tile_rows
+        if not tile or group.media or group.params.prompt_logprobs is not None:
+            return 0
+        return group.prompt_len // tile * tile
 
     def sequence(self, key: SeqKey) -> Sequence | None:
         """A waiting or running sequence, by key (a view: change it only through update)."""
@@ -277,7 +289,9 @@ class Scheduler:
         pos = seq.num_computed
         span = seq.group.span_at(pos)
         if span is None:
-            take = min(self._pending(seq), budget)
+            take = self._pending(seq, budget, plan)
+            if not take:
+                return 0
         elif plan.has_media:
             return 0
         else:
@@ -285,11 +299,16 @@ class Scheduler:
         plan.chunks.append(self._chunk(seq, take, span))
         return take
 
-    def _pending(self, seq: Sequence) -> int:
-        """Tokens the sequence may read this step: all pending, up to max_rows and up to its next image; a prompt
-        read for its logprobs goes in chunks of PROMPT_LOGPROBS_CHUNK (each of its tokens is a vocabulary-wide
-        logits row)."""
-        n = min(seq.num_pending, self.max_rows)
+    def _pending(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Tokens the sequence may read this step within `budget`: all pending, up to max_rows and up to its next
+        image; a prompt read for its logprobs goes in chunks of PROMPT_LOGPROBS_CHUNK (each of its tokens is a
+        vocabulary-wide logits row). Before its tiled_end, whole tiles: as many as the budget holds, and one past
+        it when no other prompt is read this step (so that a small budget still moves it on)."""
+        end, tile = seq.group.tiled_end, self.tile_rows
+        if seq.num_computed < end:
+            alone = plan.num_tokens == plan.decode_tokens
+            return max(min(end - seq.num_computed, budget) // tile, int(alone)) * tile
+        n = min(seq.num_pending, self.max_rows, budget)
         if seq.group.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
         span = seq.group.next_span(seq.num_computed)
@@ -344,7 +363,7 @@ class Scheduler:
         prev = seq.token_ids[start - 1] if start > 0 and seq.token_ids[start - 1] >= 0 else None  # not an image's
         media, offset = (span.chunk, start - span.start) if span is not None else (None, 0)
         return ScheduledChunk(seq.key, seq.slot, start, tokens, prev, samplers, all_logits, media, offset,
-                              adapters=seq.group.adapters)
+                              adapters=seq.group.adapters, tiled=start < seq.group.tiled_end)
 
     def update(self, plan: StepPlan, sampled: SampledStep, result: StepResult) -> list[SequenceGroup]:
         """Record a step: the cells its pass computed (and its refused restores), the tokens drawn (a drafted chunk's

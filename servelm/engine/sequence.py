@@ -74,6 +74,9 @@ class SequenceGroup:
     priority: int = 0  # lower runs first (vLLM's); equal ones first come, first served
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters its rows are computed with (name, scale)
     preempted: int = 0  # times its sequence gave its slot up to a request ranked above it
+    # its prompt positions below this are read in whole tiles of the runner's tile_rows (flash attention's tiled
+    # kernel), the rest a few rows at a time (its row kernel): set by the scheduler when it is added (0: none)
+    tiled_end: int = 0
     # perf_counter times: received by the engine, first scheduled (its prompt begins), its first token
     received_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0

@@ -44,6 +44,15 @@ def common_prefix(a: Seq[int], b: Seq[int], limit: int) -> int:
     return n
 
 
+def usable(shared: int, cells_tiled: int, tiled_end: int, tile: int) -> int:
+    """Of `shared` leading cells that hold a prompt's tokens, how many the prompt may reuse: those computed on the
+    flash-attention kernel its own read would take. Cells below `cells_tiled` were read in whole tiles, and so are
+    the prompt's own positions below `tiled_end` (Scheduler.add), the rest a few rows at a time; a cut inside the
+    prompt's tiled part falls back to a whole tile, so that the rest is read in whole tiles too."""
+    n = shared if cells_tiled == tiled_end else min(shared, cells_tiled, tiled_end)
+    return n if n >= tiled_end else n // tile * tile
+
+
 @dataclass(eq=False, slots=True)
 class Slot:
     index: int
@@ -52,6 +61,7 @@ class Slot:
     scope: str = ""  # whose cells they are
     used: int = 0  # the clock when it last held or lent cells
     pinned_until: float = 0.0  # monotonic time: until then its entry is given up only after unpinned ones
+    tiled: int = 0  # at rest: its cells below this were read in whole tiles (SequenceGroup.tiled_end)
 
     @property
     def tokens(self) -> Seq[int]:
@@ -63,6 +73,11 @@ class Slot:
     @property
     def cells(self) -> int:
         return self.seq.num_computed if self.seq is not None else len(self.cached)
+
+    @property
+    def tiled_cells(self) -> int:
+        """Its cells below this were read in whole tiles."""
+        return self.seq.group.tiled_end if self.seq is not None else self.tiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +91,7 @@ class Placement:
 @dataclass
 class Slots:
     count: int
+    tile: int = 1  # the runner's tile_rows (1: none)
     slots: list[Slot] = field(init=False)
     _clock: int = field(init=False, default=0)
 
@@ -94,26 +110,28 @@ class Slots:
     def cached_cells(self) -> int:
         return sum(len(s.cached) for s in self.slots if s.seq is None)
 
-    def best_match(self, tokens: Seq[int], limit: int, scope: str) -> tuple[Slot | None, int]:
-        """The slot (idle or running) whose cells share the longest prefix with `tokens`, within `scope`."""
+    def best_match(self, tokens: Seq[int], limit: int, scope: str, tiled_end: int = 0) -> tuple[Slot | None, int]:
+        """The slot (idle or running) whose cells share the longest usable prefix with `tokens` (a prompt read in
+        whole tiles below `tiled_end`), within `scope`."""
         best, best_key = None, (0, False)
         for slot in self.slots:
             if slot.scope != scope or not slot.cells:
                 continue
-            key = (common_prefix(slot.tokens, tokens, limit), slot.seq is None)  # equal: one at rest, no copy
+            n = usable(common_prefix(slot.tokens, tokens, limit), slot.tiled_cells, tiled_end, self.tile)
+            key = (n, slot.seq is None)  # equal: one at rest, no copy
             if key > best_key:
                 best, best_key = slot, key
         return (best, best_key[0]) if best_key[0] else (None, 0)
 
     def place(self, tokens: Seq[int], scope: str, reads_cache: bool,
-              adapters: Adapters = ()) -> Placement | None:
+              adapters: Adapters = (), tiled_end: int = 0) -> Placement | None:
         """Where a sequence with this prompt starts, or None when no slot is at rest. The last prompt token is
         always read (its logits are needed). `adapters`: its LoRA adapters (it shares passes only with slots of
-        the same ones)."""
+        the same ones); `tiled_end`: its prompt is read in whole tiles below that (SequenceGroup.tiled_end)."""
         idle = self.idle
         if not idle:
             return None
-        best, n = self.best_match(tokens, len(tokens) - 1, scope) if reads_cache else (None, 0)
+        best, n = self.best_match(tokens, len(tokens) - 1, scope, tiled_end) if reads_cache else (None, 0)
         if best is None or n < MIN_REUSE:
             return self._make_room(Placement(self.spare(adapters=adapters)))
         near = self._nearest(idle, adapters)
@@ -169,6 +187,7 @@ class Slots:
     def move(self, src: Slot, dst: Slot) -> None:
         """src's entry now lies in dst (the caller copies the cells)."""
         dst.cached, dst.scope, dst.used, dst.pinned_until = src.cached, src.scope, src.used, src.pinned_until
+        dst.tiled = src.tiled
 
     def take(self, slot: Slot, seq: Sequence, scope: str) -> None:
         slot.seq, slot.cached, slot.scope, slot.used, slot.pinned_until = seq, (), scope, self.tick(), 0.0
@@ -176,5 +195,6 @@ class Slots:
     def release(self, slot: Slot, keep: Seq[int], pin_seconds: float = 0.0) -> None:
         """The sequence is over: the slot rests, keeping the cells of `keep` (what it computed) as a cache entry,
         pinned for `pin_seconds`."""
+        slot.tiled = slot.tiled_cells
         slot.seq, slot.cached, slot.used = None, tuple(keep), self.tick()
         slot.pinned_until = time.monotonic() + pin_seconds if pin_seconds else 0.0

@@ -86,6 +86,7 @@ class FakeRunner:
         max_step_tokens: int = 32,
         context_window: int = 128,
         max_rows: int = 63,
+        tile_rows: int = 64,
         step_delay: float = 0.0,
         fim_tokens: tuple[int, int, int] | None = None,
         projector: FakeProjector | None = None,
@@ -101,6 +102,7 @@ class FakeRunner:
         self.kv_cells = num_slots * context_window
         self.adapters: dict[str, int] = {}  # fake LoRA adapters: name → the shift of every logits row
         self.max_rows = max_rows
+        self.tile_rows = tile_rows
         self.call_cost_rows = 1.5
         self.lone_row_from: int | None = None  # it reads a lone row alone
         self.kv_cell_bytes = 64
@@ -110,6 +112,7 @@ class FakeRunner:
         self.state_fingerprint = "fake-model"
         self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
+        self.tiled: dict[int, int] = {}  # slot → its leading cells read in whole tiles (the rest were not)
         # slots a Copy wrote or read since the last forward pass: llama.cpp makes a copy between streams at its next
         # decode, so a Save of its destination or a Restore into either slot before then reads or loses wrong cells
         self.copied_to: set[int] = set()
@@ -157,16 +160,19 @@ class FakeRunner:
         for op in plan.ops:
             if isinstance(op, Copy) and op.src in failed:
                 self.cells.pop(op.dst, None)
+                self.tiled.pop(op.dst, None)
                 failed.add(op.dst)
             elif isinstance(op, Keep) and op.slot in failed:
                 continue  # an empty stream keeps its nothing (llama.cpp's seq_rm past n of it does nothing)
             elif isinstance(op, Clear):
                 self.cells.pop(op.slot, None)
+                self.tiled.pop(op.slot, None)
             elif isinstance(op, Keep):
                 held = self.cells.get(op.slot, [])
                 if len(held) < op.n:
                     raise FakeKVError(f"keep {op.n} cells of slot {op.slot}, which holds {len(held)}")
                 self.cells[op.slot] = held[: op.n]
+                self.tiled[op.slot] = min(self.tiled.get(op.slot, 0), op.n)
             elif isinstance(op, Save) and op.slot in self.copied_to:
                 raise FakeKVError(f"save of slot {op.slot}, which a copy writes only at the next forward pass")
             elif isinstance(op, Restore) and op.slot in self.copied_to | self.copied_from:
@@ -187,6 +193,7 @@ class FakeRunner:
                     raise FakeKVError(f"copy of {op.n} cells from slot {op.src}, which holds "
                                       f"{len(self.cells.get(op.src, []))}")
                 self.cells[op.dst] = list(self.cells[op.src][: op.n])
+                self.tiled[op.dst] = min(self.tiled.get(op.src, 0), op.n)
                 self.copied_to.add(op.dst)
                 self.copied_from.add(op.src)
         if failed:
@@ -198,7 +205,13 @@ class FakeRunner:
             held = self.cells.setdefault(chunk.slot, [])
             if chunk.start != len(held):
                 raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
-            if len(chunk.tokens) > self.max_rows and (chunk.media is None or chunk.media.causal):
+            if chunk.tiled:  # whole tiles, after cells that were all read so (else a position's kernel would vary)
+                tile = self.tile_rows
+                if not tile or len(chunk.tokens) % tile or self.tiled.get(chunk.slot, 0) != chunk.start:
+                    raise FakeKVError(f"a tiled chunk of {len(chunk.tokens)} tokens at {chunk.start} of slot "
+                                      f"{chunk.slot}, after {self.tiled.get(chunk.slot, 0)} tiled cells")
+                self.tiled[chunk.slot] = chunk.start + len(chunk.tokens)
+            elif len(chunk.tokens) > self.max_rows and (chunk.media is None or chunk.media.causal):
                 raise FakeKVError(f"a chunk of {len(chunk.tokens)} tokens: more than {self.max_rows} rows of a stream")
             if chunk.start and chunk.prev_token != (held[-1] if held[-1] >= 0 else None):  # none after an image
                 raise FakeKVError(f"chunk at {chunk.start} of slot {chunk.slot}: prev_token {chunk.prev_token}, "
@@ -232,13 +245,14 @@ class FakeRunner:
         self.adapters.pop(name, None)
 
     def save_seq(self, slot: int) -> bytes:
-        return json.dumps(["fake-state", self.cells.get(slot, [])]).encode()
+        return json.dumps(["fake-state", self.cells.get(slot, []), self.tiled.get(slot, 0)]).encode()
 
     def load_seq(self, slot: int, data: bytes) -> None:
-        kind, cells = json.loads(data)
+        kind, cells, tiled = json.loads(data)
         if kind != "fake-state":
             raise FakeKVError("not a state this runner saved")
         self.cells[slot] = list(cells)
+        self.tiled[slot] = tiled
 
     def logits_after(self, token: int) -> np.ndarray:
         """The fake model's row after `token`: its successor is far more likely than anything else, and
@@ -256,6 +270,7 @@ class FakeRunner:
 
     def close(self) -> None:
         self.cells.clear()
+        self.tiled.clear()
 
 
 class FakeProjector:

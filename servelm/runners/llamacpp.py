@@ -9,8 +9,11 @@ pointer is created and freed here.
 A sequence's logits are bitwise the same whatever shares its steps, however its prompt is chunked, and whether
 its prefix was read or copied from the cache (docs/exactness.md). ggml's CPU flash attention has three kernels: a
 row-at-a-time one, a tiled one for 64 or more query rows of a stream, and a split-KV one for a single row of a
-single stream once 512 cells are in view; they round differently. So every row is computed by the first:
-- a sequence reads at most MAX_ROWS (63) tokens a step (the scheduler keeps to it);
+single stream once 512 cells are in view; they round differently. So every row is computed by the first, but
+the leading whole tiles of a prompt (SequenceGroup.tiled_end), which are by the second, whatever shares their
+call (its rows are computed a tile of 64 at a time, zero-padded, each row on its own):
+- a sequence reads at most MAX_ROWS (63) tokens a step (the scheduler keeps to it), but in its prompt's whole
+  tiles: those it reads a multiple of `tile_rows` (64) at a time, in a call of their own (StepPlan.calls);
 - a call is laid out micro-batch by micro-batch as llama.cpp's own micro-batching cuts it (from the first sequence
   with tokens left, the run of consecutive sequence ids with tokens left, as many tokens from each as the shortest
   has: StepPlan.micro_batches), so that every micro-batch is the one planned: decoding and prompt-reading slots
@@ -74,6 +77,7 @@ _LOG_LEVEL_WARN = 3
 # the KV cache's types: ggml's type, and its block (values, bytes): q8_0 is 32 int8 and a float16 scale
 _KV_TYPES = {"f16": (C.GGML_TYPE_F16, 1, 2), "q8_0": (C.GGML_TYPE_Q8_0, 32, 34), "q4_0": (C.GGML_TYPE_Q4_0, 32, 18)}
 MAX_ROWS = 63  # a stream's rows in one micro-batch: below flash attention's tiled kernel (64)
+FA_TILE_ROWS = 64  # ... from which on its tiled kernel takes them (GGML_FA_TILE_Q): a prompt's whole tiles go so
 # A single row of a single stream goes to the split-KV kernel once its view is 512 cells (llama.cpp pads the view
 # to 256: from position 256 on); from here on, such a row gets its previous position beside it.
 LONE_ROW_FROM = 240
@@ -557,9 +561,12 @@ class LlamaCppRunner:
         self.kv_cells = num_slots * self.context_window
         self.max_step_tokens = max(max_step_tokens, num_slots)
         self.max_rows = MAX_ROWS
+        # a prompt's whole tiles on flash attention's tiled kernel: on the CPU (a GPU's kernels take other shapes)
+        self.tile_rows = FA_TILE_ROWS if self.placement == "CPU" else 0
         self.call_cost_rows = CALL_COST_ROWS
         self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
-        self._capacity = self.max_step_tokens + PAD_ROOM  # a call's tokens, a shape fence's pads included
+        # a call's tokens (one tile of a prompt may go past a small step's budget), a shape fence's pads included
+        self._capacity = max(self.max_step_tokens, self.tile_rows) + PAD_ROOM
         self.exactness = Exactness(False, checked=False)  # load_exact checks it
         self.forward_calls = 0  # llama_decode calls since start
         self._adapters: dict[str, Any] = {}  # LoRA adapters by name: llama.cpp's llama_adapter_lora pointers
@@ -624,6 +631,7 @@ class LlamaCppRunner:
         if fence.repack != self.repack:
             raise ValueError("a fence's repacking is chosen at load: reload the model for another")
         self.fence = fence
+        self.tile_rows = FA_TILE_ROWS if self.placement == "CPU" else 0  # the self-check checks them again
         self.lone_row_from = 0 if fence.min_rows > 1 else LONE_ROW_FROM
         self.max_rows = MAX_ROWS // fence.multiple * fence.multiple
         asked, cells = self._window  # a sequence's last position leaves room in its stream for the pads after it
@@ -783,7 +791,7 @@ class LlamaCppRunner:
         widen = [self._pads(plan, m) for m in micros] if fence.shape else [0] * len(micros)
         # a shape fence pads a micro-batch only where it is each stream's last: a chunk with more after it goes alone
         stuck = [i for m, j in zip(micros, widen, strict=True) if j < 0 for i, o, k in m if o + k < len(chunks[i].tokens)]
-        room = self.max_step_tokens + (PAD_ROOM if fence.shape else 0)
+        room = self._capacity - (0 if fence.shape else PAD_ROOM)
         wide = sum(len(chunks[i].tokens) for i in call) + len(lone) + sum(len(m) * j for m, j in zip(micros, widen, strict=True))
         if len(call) > 1 and (stuck or (lone or fence.shape) and wide > room):
             rest = [i for i in call if i not in lone and i not in stuck]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from servelm.engine.local import LocalEngine
 from servelm.engine.plan import Restore, Save
+from servelm.engine.prefix_cache import spill_scope
 from servelm.engine.spill import MIN_SPILL, SUFFIX, SpillStore, directory_key, read_header, write_state
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.runners.fake import FakeRunner
@@ -158,7 +159,9 @@ async def test_a_state_the_runner_refuses_is_dropped_and_the_prompt_read_while_n
     model's). It failed every request in the step, kept reporting its cached tokens with a wrong answer, and stayed on
     disk. Now: the entry and its file go, the slot is emptied, its request reads its prompt and answers as without a
     cache, its neighbours never notice, and the failure is logged and counted."""
-    forged = write_state(tmp_path, "fake-model", "", tuple(LONG), b'["another-models-state", [1, 2, 3]]',
+    # under the scope the prompt looks in: no key, its whole tiles read so (engine/prefix_cache.py)
+    forged = write_state(tmp_path, "fake-model", spill_scope("", len(LONG) // 64 * 64), tuple(LONG),
+                         b'["another-models-state", [1, 2, 3]]',
                          directory_key(tmp_path))[0]
     eng = LocalEngine(FakeRunner(num_slots=5, max_step_tokens=64, context_window=256),
                       spill=SpillStore("fake-model", 1 << 20, tmp_path, 1 << 20))
