@@ -4,7 +4,8 @@ A step's wall time is close to linear in what it carries: t ≈ a + b·(decode r
 step's fixed cost (the loop, a llama_decode call's own), b a decoding row's (its pass, its logits row, its sampling)
 and c a prompt token's. The pacer fits a, b and c to the steps just run (least squares, older steps weighing less and
 less), and gives a step that decodes d rows the prompt tokens that keep it within the target:
-(target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on. A step that decodes nothing reads
+(target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on (and a prompt's whole tiles
+a tile at a time, even past it: engine/scheduler.py). A step that decodes nothing reads
 its whole budget (nobody's tokens wait on it: the first-token lead is kept). Until it has seen both kinds of step, it
 limits nothing. Chunk sizes change no answer: a prompt's cells are the same however it is cut (docs/exactness.md).
 """

@@ -6,9 +6,12 @@ these change a sequence's state (status, slot, tokens, cells computed, drafts) a
 (the counts /health and /metrics show) is read-only. Each step
 carries one token for every decoding sequence, then prompt chunks (first come, first served) under the step's
 token budget, so a long prompt is read a chunk at a time while the others keep decoding; with a pacer
-(engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an inter-token target. A sequence reads at
-most `max_rows` tokens a step (the runner's kernels give a row the same numerics whatever shares its step only
-below that: docs/exactness.md). Sequences are admitted and retired between steps.
+(engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an inter-token target. A prompt's
+leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in chunks of whole tiles, on the runner's
+tiled kernel, one tile a step even past a smaller budget; the rest of it, and every generated token, at most
+`max_rows` a step, on its row kernel (each kernel gives a row the same numerics whatever shares its step, and which
+one reads a position depends on the prompt alone: docs/exactness.md). Sequences are admitted and retired between
+steps.
 
 Each sequence holds a slot: a KV stream of its own, as long as the context window, so a sequence can always
 grow to the window; only a request ranked above it takes its slot away. A slot at rest keeps its cells as the prefix cache
@@ -116,11 +119,14 @@ class Scheduler:
     def _tiled_end(self, group: SequenceGroup) -> int:
         """Where the prompt's whole tiles end: its positions before that are read in chunks of whole tiles (the
         runner's tiled kernel), the rest in chunks below a tile, so which kernel computes a position depends on the
-        prompt alone (docs/exactness.md). None for a prompt with images or read for its logprobs."""
+        prompt alone (docs/exactness.md). Never its last two tokens: a single row (a prompt's last token, or an
+        answer's) may be read with its previous position again beside it, on the row kernel (the llama.cpp runner's
+        lone rows), so the position before it must be a row's (and _pending reads two or more right after the
+        tiles). None for a prompt with images or read for its logprobs."""
         tile = self.tile_rows
         if not tile or group.media or group.params.prompt_logprobs is not None:
             return 0
-        return group.prompt_len // tile * tile
+        return max(group.prompt_len - 2, 0) // tile * tile
 
     def sequence(self, key: SeqKey) -> Sequence | None:
         """A waiting or running sequence, by key (a view: change it only through update)."""
@@ -309,6 +315,8 @@ class Scheduler:
             alone = plan.num_tokens == plan.decode_tokens
             return max(min(end - seq.num_computed, budget) // tile, int(alone)) * tile
         n = min(seq.num_pending, self.max_rows, budget)
+        if end and seq.num_computed == end:  # never a single row right after the tiles (_tiled_end)
+            n = max(n, 2)
         if seq.group.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
         span = seq.group.next_span(seq.num_computed)

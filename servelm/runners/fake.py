@@ -211,6 +211,10 @@ class FakeRunner:
                     raise FakeKVError(f"a tiled chunk of {len(chunk.tokens)} tokens at {chunk.start} of slot "
                                       f"{chunk.slot}, after {self.tiled.get(chunk.slot, 0)} tiled cells")
                 self.tiled[chunk.slot] = chunk.start + len(chunk.tokens)
+            elif len(chunk.tokens) == 1 and 0 < chunk.start <= self.tiled.get(chunk.slot, 0):
+                # a lone row: the llama.cpp runner may read its previous position again beside it, on the row kernel,
+                # which would rewrite a tiled cell with other values
+                raise FakeKVError(f"a single row at {chunk.start} of slot {chunk.slot}, right after tiled cells")
             elif len(chunk.tokens) > self.max_rows and (chunk.media is None or chunk.media.causal):
                 raise FakeKVError(f"a chunk of {len(chunk.tokens)} tokens: more than {self.max_rows} rows of a stream")
             if chunk.start and chunk.prev_token != (held[-1] if held[-1] >= 0 else None):  # none after an image

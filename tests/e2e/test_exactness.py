@@ -53,6 +53,18 @@ def signature(response) -> tuple:
 
 
 CASES = [(p, k) for p in PROMPTS for k in KINDS]
+# prompts (token ids) at a tile's edge: a prompt's whole tiles of 64 are read on flash attention's tiled kernel,
+# and a single row right after them once re-read a tiled cell on the row kernel (tests/adversarial/test_tiles.py)
+EDGES = (256, 257, 258, 513)
+
+
+def edge_request(n: int) -> dict:
+    return {"model": MODEL, "prompt": [100 + (i * 37) % 5000 for i in range(n)], "max_tokens": 4, "temperature": 0,
+            "logprobs": 5}
+
+
+def edge_signature(response) -> tuple:
+    return response.choices[0].text, response.choices[0].logprobs.top_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +73,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with own_server(tmp_path_factory, "--no-prefix-cache", "--speculative", "off", *FAST) as srv:
         client = client_for(srv.base_url)
         out = {case: signature(client.chat.completions.create(**request(*case))) for case in CASES}
+        out |= {("edge", str(n)): edge_signature(client.completions.create(**edge_request(n))) for n in EDGES}
     assert any(len(text) > 40 for text, _ in out.values())
     return out
 
@@ -81,6 +94,17 @@ async def test_eight_identical_requests_at_once_each_answer_as_one_alone(referen
     async with aclient(cached) as client:
         answers = await asyncio.gather(*[client.chat.completions.create(**request(*case)) for _ in range(8)])
     assert all(signature(a) == reference[case] for a in answers)
+
+
+async def test_prompts_at_a_tiles_edge_answer_alone_as_together(reference, cached) -> None:
+    """Prompts of 64k, 64k + 1 and 64k + 2 tokens, all at once and then one at a time (from the cache), as alone on
+    the reference: the rows right after a prompt's tiles are computed the same whatever shares their step."""
+    async with aclient(cached) as client:
+        together = await asyncio.gather(*[client.completions.create(**edge_request(n)) for n in EDGES])
+        alone = [await client.completions.create(**edge_request(n)) for n in EDGES]
+    want = [reference[("edge", str(n))] for n in EDGES]
+    assert [edge_signature(r) for r in together] == want
+    assert [edge_signature(r) for r in alone] == want
 
 
 async def test_beside_unrelated_requests_of_other_lengths_every_answer_is_its_own_alone(reference, cached) -> None:

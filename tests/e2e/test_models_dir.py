@@ -86,4 +86,5 @@ def test_a_model_woken_from_disk_answers_a_resumed_conversation_warm(models_dir,
     assert first.usage.prompt_tokens > 800
     assert woken.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1, "read from disk"
     assert woken.choices[0].message.content == first.choices[0].message.content
-    assert follow.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    # the next turn reuses the woken entry's whole tiles of 64 (the rest was read in rows: docs/exactness.md)
+    assert follow.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 2) // 64 * 64

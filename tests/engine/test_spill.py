@@ -160,7 +160,7 @@ async def test_a_state_the_runner_refuses_is_dropped_and_the_prompt_read_while_n
     disk. Now: the entry and its file go, the slot is emptied, its request reads its prompt and answers as without a
     cache, its neighbours never notice, and the failure is logged and counted."""
     # under the scope the prompt looks in: no key, its whole tiles read so (engine/prefix_cache.py)
-    forged = write_state(tmp_path, "fake-model", spill_scope("", len(LONG) // 64 * 64), tuple(LONG),
+    forged = write_state(tmp_path, "fake-model", spill_scope("", (len(LONG) - 2) // 64 * 64), tuple(LONG),
                          b'["another-models-state", [1, 2, 3]]',
                          directory_key(tmp_path))[0]
     eng = LocalEngine(FakeRunner(num_slots=5, max_step_tokens=64, context_window=256),

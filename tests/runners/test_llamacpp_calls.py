@@ -54,7 +54,9 @@ class Shell(LlamaCppRunner):
     def __init__(self, fence: Fence) -> None:  # no model: only what _step and _decode read
         self.fence = fence
         self.max_step_tokens = BATCH
-        self._tok, self._pos, self._seq, self._out, self._batch = llamacpp._batch(BATCH + PAD_ROOM, outputs=False)
+        self.tile_rows = llamacpp.FA_TILE_ROWS
+        self._capacity = max(BATCH, self.tile_rows) + PAD_ROOM
+        self._tok, self._pos, self._seq, self._out, self._batch = llamacpp._batch(self._capacity, outputs=False)
         self._logits = np.empty((BATCH + 1, 1), dtype=np.float32)
         self._applied = ()
         self._mem = None
