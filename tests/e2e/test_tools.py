@@ -191,7 +191,7 @@ def test_tool_choice_none_never_calls(client: openai.OpenAI, stream: bool) -> No
 
 def test_tool_choice_required(client: openai.OpenAI, stream: bool) -> None:
     out = tool_chat(client, stream=stream, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
-                    temperature=0.8, seed=1)
+                    temperature=0.8, seed=2)
     assert_valid_calls(out, TOOLS)
     assert len(out.calls) >= 2, "this seed calls twice when parallel calls are allowed (the next test's contrast)"
     assert len({c.id for c in out.calls}) == len(out.calls), "call ids must be distinct"
@@ -199,7 +199,7 @@ def test_tool_choice_required(client: openai.OpenAI, stream: bool) -> None:
 
 def test_parallel_tool_calls_false_makes_one_call(client: openai.OpenAI, stream: bool) -> None:
     out = tool_chat(client, stream=stream, messages=ASK, tools=TOOLS, tool_choice="required",
-                    parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=1)
+                    parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=2)
     assert_valid_calls(out, TOOLS)
     assert len(out.calls) == 1, out.calls
 
