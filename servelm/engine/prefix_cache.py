@@ -223,9 +223,10 @@ class PrefixCache:
     def _save(self, slot: Slot) -> None:
         """The resting slot's entry is about to be given up: its cells go to the spill store first (a Save op ahead
         of the op that overwrites them), if they are worth keeping and in its stream already (not a copy's yet)."""
+        scope = spill_scope(slot.scope, slot.tiled)
         if self.spill is not None and slot.seq is None and slot.index not in self._copied_to \
-                and self.spill.wants(slot.cached, spill_scope(slot.scope, slot.tiled)):
-            self.ops.append(Save(slot.index, self.spill.spill(slot.cached, spill_scope(slot.scope, slot.tiled))))
+                and self.spill.wants(slot.cached, scope):
+            self.ops.append(Save(slot.index, self.spill.spill(slot.cached, scope)))
 
     def _spilled(self, group: SequenceGroup, tokens: list[int], reuse: int) -> tuple[Spilled, bytes, int] | None:
         """A spilled entry, its state and how many of the sequence's `tokens` it holds, when it holds at least
