@@ -561,8 +561,7 @@ class LlamaCppRunner:
         self.kv_cells = num_slots * self.context_window
         self.max_step_tokens = max(max_step_tokens, num_slots)
         self.max_rows = MAX_ROWS
-        # a prompt's whole tiles on flash attention's tiled kernel: on the CPU (a GPU's kernels take other shapes)
-        self.tile_rows = FA_TILE_ROWS if self.placement == "CPU" else 0
+        self.tile_rows = self._tile_rows()
         self.call_cost_rows = CALL_COST_ROWS
         self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
         # a call's tokens (one tile of a prompt may go past a small step's budget), a shape fence's pads included
@@ -631,11 +630,15 @@ class LlamaCppRunner:
         if fence.repack != self.repack:
             raise ValueError("a fence's repacking is chosen at load: reload the model for another")
         self.fence = fence
-        self.tile_rows = FA_TILE_ROWS if self.placement == "CPU" else 0  # the self-check checks them again
+        self.tile_rows = self._tile_rows()  # the self-check checks them again
         self.lone_row_from = 0 if fence.min_rows > 1 else LONE_ROW_FROM
         self.max_rows = MAX_ROWS // fence.multiple * fence.multiple
         asked, cells = self._window  # a sequence's last position leaves room in its stream for the pads after it
         self.context_window = min(asked, cells - max(fence.min_rows, fence.multiple) + 1) if fence.shape else asked
+
+    def _tile_rows(self) -> int:
+        """A prompt's whole tiles on flash attention's tiled kernel: on the CPU (a GPU's kernels take other shapes)."""
+        return FA_TILE_ROWS if self.placement == "CPU" else 0
 
     def _budgeted_context(self, trained: int, slots: int, budget_mib: int, name: str) -> int:
         """The context window a KV budget holds for `slots` streams: the trained context, or less (a multiple of
