@@ -12,8 +12,8 @@ import ctypes
 import time
 from types import TracebackType
 
-# decode: llama.cpp computing the pass (its own perf counters); runner: the rest of the runner's step (batches, KV
-# operations, logits copies, and the wait for the GIL when llama_decode returns); sample: logits to tokens (bias,
+# decode: inside llama_decode (the pass, and the wait for the GIL as it returns), timed around the call; runner: the
+# rest of the runner's step (batches, KV operations, logits copies); sample: logits to tokens (bias,
 # penalties, temperature, top-k/p, the draw); logprobs: the drawn tokens' logprobs and alternatives, prompt scores;
 # grammar: masks and matcher advances; detokenize: tokens to text and stop strings; output: the output stage's own
 # work (stop rules, GenerationOutputs); send: handing the outputs to the event loop; loop: the rest of the engine's

@@ -108,7 +108,7 @@ class ModelRunner(Protocol):
 
     @property
     def decode_seconds(self) -> float:
-        """llama.cpp's time computing the forward passes since start (the runner's own work and waits excluded)."""
+        """Wall time in the forward passes since start (the runner's own Python around them excluded)."""
         ...
 
     def token_bytes(self, token: int) -> bytes:
