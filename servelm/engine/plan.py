@@ -89,8 +89,8 @@ class ScheduledChunk:
     # the last `drafted` tokens are guesses (engine/speculate.py): a row for each, after the sampler's row
     drafted: int = 0
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters (name, scale) its rows are computed with
-    # whole tiles of the runner's tile_rows, read on flash attention's tiled kernel (ModelRunner.tile_rows): in a call
-    # of their own, so that every micro-batch gives each of its streams whole tiles
+    # a tile of the runner's tile_rows or more, read on flash attention's tiled kernel (ModelRunner.tile_rows): in a
+    # call with tiled chunks of its length alone, so that every micro-batch gives each of its streams all of its rows
     tiled: bool = False
 
     @property
@@ -147,15 +147,18 @@ class StepPlan:
 
     def calls(self) -> list[list[int]]:
         """The chunks (by index, in slot order) cut into llama_decode calls, as few as keep every row exact: one call
-        for each set of LoRA adapters (they apply to a whole call) and another for its chunks of whole tiles (each
-        micro-batch of which then gives every stream whole tiles), less any chunk whose last token would be a
-        micro-batch of its own (_lone_row), which goes in a call of its own. An image's chunk is a call of its own,
-        last (llama.cpp takes a batch of embeddings or of tokens, not both)."""
+        for each set of LoRA adapters (they apply to a whole call) and another for each length of its tiled chunks
+        (every micro-batch of which then gives each stream its whole chunk), less any chunk whose last token would be
+        a micro-batch of its own (_lone_row), which goes in a call of its own. An image's chunk is a call of its
+        own, last (llama.cpp takes a batch of embeddings or of tokens, not both)."""
         out: list[list[int]] = []
         chunks = self.chunks
-        text = sorted((i for i, c in enumerate(chunks) if c.media is None),
-                      key=lambda i: (chunks[i].adapters, chunks[i].tiled, chunks[i].slot))
-        for _, group in groupby(text, key=lambda i: (chunks[i].adapters, chunks[i].tiled)):
+
+        def kind(i: int) -> tuple[tuple[tuple[str, float], ...], int]:
+            return chunks[i].adapters, len(chunks[i].tokens) if chunks[i].tiled else 0
+
+        text = sorted((i for i, c in enumerate(chunks) if c.media is None), key=lambda i: (*kind(i), chunks[i].slot))
+        for _, group in groupby(text, key=kind):
             call = list(group)
             while len(call) > 1 and (lone := self._lone_row(call)) is not None:
                 call.remove(lone)
@@ -170,8 +173,8 @@ class StepPlan:
         (chunk index, first token, tokens). A runner that lays a call out in this order (micro-batch by
         micro-batch, each in slot order) gets them back as they are, its outputs in its own order. Each is
         computed with the same kernels whatever else it holds, so a row's logits do not depend on its neighbours
-        (docs/exactness.md): a stream's rows stay below MAX_ROWS as its chunk does, or (a call of tiled chunks) are
-        whole tiles as its chunk's are."""
+        (docs/exactness.md): a stream's rows stay below MAX_ROWS as its chunk does, or (a call of tiled chunks, all
+        of one length) are its whole chunk."""
         chunks = self.chunks
         slots = [chunks[i].slot for i in call]
         sizes = [len(chunks[i].tokens) for i in call]

@@ -308,12 +308,16 @@ class Scheduler:
     def _pending(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Tokens the sequence may read this step within `budget`: all pending, up to max_rows and up to its next
         image; a prompt read for its logprobs goes in chunks of PROMPT_LOGPROBS_CHUNK (each of its tokens is a
-        vocabulary-wide logits row). Before its tiled_end, whole tiles: as many as the budget holds, and one past
-        it when no other prompt is read this step (so that a small budget still moves it on)."""
+        vocabulary-wide logits row). Before its tiled_end, a tile or more, the rest of the tiled part a whole number
+        of tiles (a cached prefix may end inside a tile: the first chunk takes the odd rows too): as many tiles as the
+        budget holds, and one past it when no other prompt is read this step (so that a small budget still moves it
+        on)."""
         end, tile = seq.group.tiled_end, self.tile_rows
         if seq.num_computed < end:
-            alone = plan.num_tokens == plan.decode_tokens
-            return max(min(end - seq.num_computed, budget) // tile, int(alone)) * tile
+            left = end - seq.num_computed
+            odd = left % tile
+            tiles = max((min(left, budget) - odd) // tile, int(plan.num_tokens == plan.decode_tokens))
+            return odd + tiles * tile if tiles else 0
         n = min(seq.num_pending, self.max_rows, budget)
         if end and seq.num_computed == end:  # never a single row right after the tiles (_tiled_end)
             n = max(n, 2)

@@ -46,11 +46,12 @@ def common_prefix(a: Seq[int], b: Seq[int], limit: int) -> int:
 
 def usable(shared: int, cells_tiled: int, tiled_end: int, tile: int) -> int:
     """Of `shared` leading cells that hold a prompt's tokens, how many the prompt may reuse: those computed on the
-    flash-attention kernel its own read would take. Cells below `cells_tiled` were read in whole tiles, and so are
-    the prompt's own positions below `tiled_end` (Scheduler.add), the rest a few rows at a time; a cut inside the
-    prompt's tiled part falls back to a whole tile, so that the rest is read in whole tiles too."""
+    flash-attention kernel its own read would take. Cells below `cells_tiled` were read on the tiled kernel, and so
+    are the prompt's own positions below `tiled_end` (Scheduler.add), the rest a few rows at a time. A cut inside
+    the prompt's tiled part leaves at least a tile of it to read, so that the rest is read on the tiled kernel too
+    (a chunk of a tile or more; where it starts does not matter to a row's result)."""
     n = shared if cells_tiled == tiled_end else min(shared, cells_tiled, tiled_end)
-    return n if n >= tiled_end else n // tile * tile
+    return n if n >= tiled_end or tiled_end - n >= tile else tiled_end - tile
 
 
 @dataclass(eq=False, slots=True)

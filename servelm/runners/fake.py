@@ -200,14 +200,19 @@ class FakeRunner:
             self.steps.append(StepPlan([], plan.ops))
             raise RestoreFailed(failed)
         self.forward_calls += len(calls)  # the passes the llama.cpp runner would make
+        for call in calls:  # llama.cpp's micro-batches give a tiled chunk's stream a tile or more (its tiled kernel)
+            for piece in (p for mb in plan.micro_batches(call) for p in mb if plan.chunks[p[0]].tiled):
+                if piece[2] < self.tile_rows:
+                    raise FakeKVError(f"a micro-batch gives a tiled chunk of slot {plan.chunks[piece[0]].slot} "
+                                      f"{piece[2]} rows, less than a tile")
         rows: list[np.ndarray] = []
         for chunk in plan.chunks:
             held = self.cells.setdefault(chunk.slot, [])
             if chunk.start != len(held):
                 raise FakeKVError(f"slot {chunk.slot} holds {len(held)} cells but the chunk starts at {chunk.start}")
-            if chunk.tiled:  # whole tiles, after cells that were all read so (else a position's kernel would vary)
+            if chunk.tiled:  # a tile or more, after cells that were all read so (else a position's kernel would vary)
                 tile = self.tile_rows
-                if not tile or len(chunk.tokens) % tile or self.tiled.get(chunk.slot, 0) != chunk.start:
+                if not tile or len(chunk.tokens) < tile or self.tiled.get(chunk.slot, 0) != chunk.start:
                     raise FakeKVError(f"a tiled chunk of {len(chunk.tokens)} tokens at {chunk.start} of slot "
                                       f"{chunk.slot}, after {self.tiled.get(chunk.slot, 0)} tiled cells")
                 self.tiled[chunk.slot] = chunk.start + len(chunk.tokens)

@@ -11,9 +11,11 @@ its prefix was read or copied from the cache (docs/exactness.md). ggml's CPU fla
 row-at-a-time one, a tiled one for 64 or more query rows of a stream, and a split-KV one for a single row of a
 single stream once 512 cells are in view; they round differently. So every row is computed by the first, but
 the leading whole tiles of a prompt (SequenceGroup.tiled_end), which are by the second, whatever shares their
-call (its rows are computed a tile of 64 at a time, zero-padded, each row on its own):
+call (its rows are computed a tile of 64 at a time, zero-padded, each row on its own against key tiles from
+position 0, so neither the other rows of its chunk nor where the chunk starts change a row's result):
 - a sequence reads at most MAX_ROWS (63) tokens a step (the scheduler keeps to it), but in its prompt's whole
-  tiles: those it reads a multiple of `tile_rows` (64) at a time, in a call of their own (StepPlan.calls);
+  tiles: those it reads `tile_rows` (64) or more at a time, in a call with tiled chunks of the same length alone
+  (StepPlan.calls), so that llama.cpp gives each stream its whole chunk in one micro-batch;
 - a call is laid out micro-batch by micro-batch as llama.cpp's own micro-batching cuts it (from the first sequence
   with tokens left, the run of consecutive sequence ids with tokens left, as many tokens from each as the shortest
   has: StepPlan.micro_batches), so that every micro-batch is the one planned: decoding and prompt-reading slots
@@ -565,8 +567,9 @@ class LlamaCppRunner:
         self.tile_rows = self._tile_rows()
         self.call_cost_rows = CALL_COST_ROWS
         self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
-        # a call's tokens (one tile of a prompt may go past a small step's budget), a shape fence's pads included
-        self._capacity = max(self.max_step_tokens, self.tile_rows) + PAD_ROOM
+        # a call's tokens (a prompt's tiled chunk, under two tiles, may go past a small step's budget), a shape
+        # fence's pads included
+        self._capacity = max(self.max_step_tokens, 2 * self.tile_rows) + PAD_ROOM
         self.exactness = Exactness(False, checked=False)  # load_exact checks it
         self.forward_calls = 0  # llama_decode calls since start
         self._decode_s = 0.0  # their wall time (decode_seconds)

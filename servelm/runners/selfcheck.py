@@ -10,8 +10,9 @@ A runner that passes computes a row the same way whatever shares its call, which
 under load. The check takes a few dozen forward passes of the probe's length; it leaves the slots it used empty.
 
 A runner with tiles (ModelRunner.tile_rows: a prompt's whole tiles read on flash attention's tiled kernel) that
-passes has them checked too, on a probe of two tiles: read a tile a call alone, two tiles in one chunk, and a tile
-beside another sequence's tile; the row after each chunk is compared (every cell of the chunk is in its view).
+passes has them checked too, on a probe of two tiles: read a tile a call alone, two tiles in one chunk, the rest of
+them from inside the first tile on (a cached prefix's end), and a tile beside another sequence's tile; the row after
+each chunk is compared (every cell of the chunk is in its view).
 Should one differ, the runner reads no tiles (tile_rows 0), and says so in the log.
 """
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from servelm.engine.plan import Clear, ScheduledChunk, SeqKey, StepPlan
+from servelm.engine.plan import Clear, Keep, ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.runner import ModelRunner
 
 PROBE_TOKENS = 24
@@ -107,7 +108,8 @@ def check_exactness(runner: ModelRunner, length: int = PROBE_TOKENS) -> str:
 
 def _check_tiles(runner: ModelRunner, step: Callable[[list[ScheduledChunk], tuple[int, ...]], np.ndarray]) -> str:
     """Two tiles of probe tokens read a tile a call in slot 0 (the reference), then as one chunk of two tiles in
-    slot 1, then the first tile beside another sequence's (slots 2 and 3): "" when the last row of each read equals
+    slot 1, then in slot 1 again from inside the first tile on (its cells cut there, as a cached prefix's are), then
+    the first tile beside another sequence's (slots 2 and 3): "" when the last row of each read equals
     the reference's (each row attends to every cell of its chunk, so a cell computed otherwise shows in it), else
     what differed first. Checked where the context holds two tiles and a step carries them."""
     tile = runner.tile_rows
@@ -122,6 +124,9 @@ def _check_tiles(runner: ModelRunner, step: Callable[[list[ScheduledChunk], tupl
     first = step([chunk(0, 0, tile, toks)], (0,))[0]
     cmp = _Compare(np.stack([first, step([chunk(0, tile, tile, toks)], ())[0]]))
     cmp.row("as one chunk of two tiles", 1, step([chunk(1, 0, 2 * tile, toks)], (1,))[0])
+    cut = tile // 2 + 2  # the rest from here: more than a tile, starting inside the first
+    rest = runner.step(StepPlan([chunk(1, cut, 2 * tile - cut, toks)], [Keep(1, cut)]))
+    cmp.row("from inside its first tile on", 1, np.array(rest[0], copy=True))
     cmp.row("a tile beside another sequence's tile", 0, step([chunk(2, 0, tile, toks), chunk(3, 0, tile, other)],
                                                               (2, 3))[0])
     return cmp.failure

@@ -2,17 +2,19 @@
 tiles; its tail and every generated token a few rows at a time on the row kernel. Which kernel computes a position
 then depends on the prompt alone, so the prefix cache reuses only cells computed as a fresh read would compute
 them. Driven by hand, and against the fake runner, which checks that a tiled chunk is whole tiles after tiled cells
-only (runners/fake.py)."""
+only, a tile or more at a time, and that llama.cpp's micro-batches give each tiled chunk's stream all of it
+(runners/fake.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from servelm.engine.plan import ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.prefix_cache import spill_scope
 from servelm.engine.sequence import SequenceGroup
 from servelm.engine.slots import usable
 from servelm.engine.types import SamplingParams
-from servelm.runners.fake import FakeRunner
+from servelm.runners.fake import FakeKVError, FakeRunner
 from tests.engine.steps import Recording
 
 TILE = 64
@@ -30,7 +32,7 @@ def ask(s: Recording, rid: str, prompt, max_tokens: int = 2, **kw) -> SequenceGr
 
 def step(s: Recording, runner: FakeRunner):
     plan = s.schedule()
-    runner.step(plan)  # raises on a tiled chunk that is not whole tiles after tiled cells
+    runner.step(plan)  # raises on a tiled chunk under a tile, after untiled cells, or cut by a micro-batch
     s.record(plan, {seq: 7 for c in plan.chunks for seq in c.samplers})
     return plan
 
@@ -79,19 +81,23 @@ def test_no_tiles_for_a_prompt_read_for_its_logprobs_or_a_runner_without_them() 
 
 @pytest.mark.parametrize(("shared", "cells_tiled", "tiled_end", "want"), [
     (199, 192, 192, 199),  # the same prompt again: all but its last token
-    (150, 192, 256, 128),  # a shared prefix ending inside the tiles: back to a whole tile
+    (150, 192, 256, 150),  # a shared prefix ending inside the tiles: the rest (106) read as one tiled chunk
+    (220, 256, 256, 192),  # ... but at least a tile of them is left to read (a tiled chunk is a tile or more)
+    (34, 128, 128, 34),  # the chat template's opening, before a prompt's first tile ends
     (230, 192, 256, 192),  # a next turn: the entry's tiles, not its tail read in rows (the prompt reads them tiled)
     (230, 256, 192, 192),  # a shorter prompt: its own tiles; the entry's tiled cells past them are not its rows
     (40, 0, 0, 40),  # no tiles either side: any prefix
     (100, 0, 128, 0),  # an entry read in rows (a prompt read for its logprobs): none of the prompt's tiles
     (100, 0, 64, 0),
-    (30, 64, 128, 0),  # less than a tile
+    (30, 64, 128, 30),  # less than a tile, with more than a tile after it
+    (30, 64, 64, 0),  # ... and with less than a tile after it: none
 ])
 def test_what_a_prompt_may_reuse(shared: int, cells_tiled: int, tiled_end: int, want: int) -> None:
     assert usable(shared, cells_tiled, tiled_end, TILE) == want
 
 
-def test_a_cache_hit_inside_the_tiles_falls_back_to_a_whole_tile_and_answers_read_the_same_cells() -> None:
+def test_a_cache_hit_inside_the_tiles_reads_the_rest_of_them_as_one_tiled_chunk_and_answers_read_the_same_cells(
+) -> None:
     s = tiles(num_slots=3, prefix_cache=True)
     runner = FakeRunner(num_slots=3, context_window=1024, max_step_tokens=256)
     system = list(range(1, 151))
@@ -102,10 +108,45 @@ def test_a_cache_hit_inside_the_tiles_falls_back_to_a_whole_tile_and_answers_rea
     again = ask(s, "again", [*system, *range(200, 250)])
     later = ask(s, "later", [*system, *range(300, 450)])  # 300 tokens: tiles to 256, shares 150
     plan = step(s, runner)
-    assert again.cached_tokens == 199 and later.cached_tokens == 128
-    assert [(c.start, len(c.tokens), c.tiled) for c in plan.chunks] == [(199, 1, False), (128, 128, True)]
+    assert again.cached_tokens == 199 and later.cached_tokens == 150
+    assert [(c.start, len(c.tokens), c.tiled) for c in plan.chunks] == [(199, 1, False), (150, 106, True)]
 
 
 def test_an_entry_kept_in_the_spill_store_is_found_only_by_prompts_read_in_the_same_tiles() -> None:
     assert spill_scope("key", 0) == "key", "entries read in rows keep their scope (files from before tiles too)"
     assert spill_scope("key", 128) != spill_scope("key", 192) != spill_scope("other", 192)
+
+
+def test_after_a_hit_inside_a_tile_a_small_budget_reads_the_odd_rows_and_a_tile_in_one_chunk_when_alone() -> None:
+    s = Recording(3, 1024, 32, max_rows=63, tile_rows=TILE, prefix_cache=True)
+    runner = FakeRunner(num_slots=3, context_window=1024, max_step_tokens=32)
+    first = ask(s, "first", range(1, 200), max_tokens=1)  # tiles to 192
+    while first.seqs[0].num_computed < 199:
+        step(s, runner)
+    s.finish(first.seqs[0])
+    later = ask(s, "later", [*range(1, 101), *range(500, 700)])  # 300 tokens, tiles to 256: shares 100 of them
+    plans = [step(s, runner) for _ in range(3)]
+    assert later.cached_tokens == 100
+    assert read(s, plans, later)[:2] == [(92, True), (64, True)], "the 28 odd rows and a tile, then a tile"
+
+
+def test_tiled_chunks_share_a_call_only_with_tiled_chunks_of_their_length() -> None:
+    """llama.cpp cuts a call into micro-batches of as many tokens from each stream as the shortest has left: a
+    tiled chunk of 92 beside one of 128 would leave the second's last 36 rows a micro-batch on the row kernel."""
+    odd = StepPlan([ScheduledChunk(SeqKey(0), 0, 0, tuple(range(92)), tiled=True),
+                    ScheduledChunk(SeqKey(1), 1, 0, tuple(range(128)), tiled=True),
+                    ScheduledChunk(SeqKey(2), 2, 0, tuple(range(92)), tiled=True)])
+    assert sorted(sorted(call) for call in odd.calls()) == [[0, 2], [1]]
+    mixed = FakeRunner(num_slots=3, context_window=1024, max_step_tokens=512)
+    mixed.step(odd)  # as the plan cuts it: each micro-batch gives a stream its whole chunk
+    with pytest.raises(FakeKVError, match="less than a tile"):
+        FakeRunner(num_slots=2, context_window=1024, max_step_tokens=512).step(
+            _OneCall([ScheduledChunk(SeqKey(0), 0, 0, tuple(range(92)), tiled=True),
+                      ScheduledChunk(SeqKey(1), 1, 0, tuple(range(128)), tiled=True)]))
+
+
+class _OneCall(StepPlan):
+    """A plan that puts all its chunks in one call (as the plan did before calls split tiled chunks by length)."""
+
+    def calls(self) -> list[list[int]]:
+        return [list(range(len(self.chunks)))]
