@@ -7,7 +7,7 @@ these change a sequence's state (status, slot, tokens, cells computed, drafts) a
 carries one token for every decoding sequence, then prompt chunks (first come, first served) under the step's
 token budget, so a long prompt is read a chunk at a time while the others keep decoding; with a pacer
 (engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an inter-token target. A prompt's
-leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in chunks of whole tiles, on the runner's
+leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in chunks of a tile or more, on the runner's
 tiled kernel, one tile a step even past a smaller budget; the rest of it, and every generated token, at most
 `max_rows` a step, on its row kernel (each kernel gives a row the same numerics whatever shares its step, and which
 one reads a position depends on the prompt alone: docs/exactness.md). Sequences are admitted and retired between
@@ -117,7 +117,7 @@ class Scheduler:
             self._seqs[seq.key] = seq
 
     def _tiled_end(self, group: SequenceGroup) -> int:
-        """Where the prompt's whole tiles end: its positions before that are read in chunks of whole tiles (the
+        """Where the prompt's whole tiles end: its positions before that are read in chunks of a tile or more (the
         runner's tiled kernel), the rest in chunks below a tile, so which kernel computes a position depends on the
         prompt alone (docs/exactness.md). Never its last two tokens: a single row (a prompt's last token, or an
         answer's) may be read with its previous position again beside it, on the row kernel (the llama.cpp runner's
