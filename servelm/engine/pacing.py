@@ -5,9 +5,11 @@ step's fixed cost (the loop, a llama_decode call's own), b a decoding row's (its
 and c a prompt token's. The pacer fits a, b and c to the steps just run (least squares, older steps weighing less and
 less), and gives a step that decodes d rows the prompt tokens that keep it within the target:
 (target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on (and a prompt's whole tiles
-a tile at a time, even past it: engine/scheduler.py). A step that decodes nothing reads
-its whole budget (nobody's tokens wait on it: the first-token lead is kept). Until it has seen both kinds of step, it
-limits nothing. Chunk sizes change no answer: a prompt's cells are the same however it is cut (docs/exactness.md).
+a tile at a time, even past it: engine/scheduler.py). A step that decodes nothing reads its whole budget (nobody's
+tokens wait on it: the first-token lead is kept; so many requests that arrive together are read together, and then
+decode together in one call a step). Until it has seen both kinds of step, or while prompt tokens look free, a
+decoding step reads at most UNFIT tokens of prompt. Chunk sizes change no answer: a prompt's cells are the same
+however it is cut (docs/exactness.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 FLOOR = 16  # prompt tokens a decoding step may always read (below: a long prompt would wait many steps per chunk)
 HALF_LIFE = 64  # steps after which an observation weighs half as much
 MIN_STEPS = 8  # steps seen with a prompt in them, and without, before the fit is used
+UNFIT = 256  # prompt tokens a decoding step may read before the fit is used
 
 
 class StepPacer:
@@ -57,11 +60,11 @@ class StepPacer:
 
     def prompt_budget(self, decode_rows: int) -> int | None:
         """The prompt tokens a step decoding `decode_rows` rows may read (None: no limit)."""
+        if decode_rows == 0:
+            return None
         costs = self.costs
-        if decode_rows == 0 or costs is None:
-            return None
+        if costs is None or costs[2] <= 0:  # not fitted yet, or on too little variety (prompt tokens look free)
+            return UNFIT
         a, b, c = costs
-        if c <= 0:  # prompt tokens look free (a fit on too little variety): no limit rather than a wrong one
-            return None
         room = self.target_s - max(a, 0.0) - max(b, 0.0) * decode_rows
         return max(self.floor, int(room / c))

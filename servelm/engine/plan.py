@@ -17,6 +17,10 @@ from servelm.engine.types import MediaChunk as MediaChunk  # what a runner reads
 
 SeqKey = NewType("SeqKey", int)  # a sequence, as the engine's stages name it (engine/sequence.py's Sequence.key)
 Piece = tuple[int, int, int]  # a chunk's tokens in one micro-batch: (chunk index, first token, tokens)
+# Logits rows a step makes at most beyond one a sequence (a decoding row, a prompt's last): guesses and rows read for
+# prompt logprobs stop there, whatever the step's token budget. A row is the whole vocabulary in float32 (1 MiB on a
+# 262k one), which llama.cpp's output buffer and the runner's copy each hold, so this bounds their memory.
+LOGITS_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,10 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         return bool(self.chunks or self.ops)
+
+    @property
+    def logits_rows(self) -> int:
+        return sum(c.num_rows for c in self.chunks)
 
     @property
     def max_drafted(self) -> int:

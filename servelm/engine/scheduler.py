@@ -49,7 +49,7 @@ from collections import deque
 from servelm.engine.beam import beam_hosts
 from servelm.engine.output import BeamMove, Failed, Finish, StepResult
 from servelm.engine.pacing import StepPacer
-from servelm.engine.plan import ScheduledChunk, SeqKey, StepPlan
+from servelm.engine.plan import LOGITS_ROWS, ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.prefix_cache import PrefixCache
 from servelm.engine.sampler import SampledStep
 from servelm.engine.sequence import SeqStatus, Sequence, SequenceGroup
@@ -222,8 +222,9 @@ class Scheduler:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
                     plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
                     budget -= 1
-        if self.speculator is not None and plan.chunks and budget > 0:
-            budget -= self.speculator.draft(plan, budget, self.max_rows, self._draft_candidates(plan))
+        if self.speculator is not None and plan.chunks and budget > 0:  # each guess is a logits row
+            room = min(budget, LOGITS_ROWS)
+            budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
         if plan.decode_tokens and self.pacer is not None:  # keep the decoding streams' next token within the target
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
@@ -322,7 +323,9 @@ class Scheduler:
         if end and seq.num_computed == end:  # never a single row right after the tiles (_tiled_end)
             n = max(n, 2)
         if seq.group.params.prompt_logprobs is not None and seq.num_computed < seq.prompt_len:
-            n = min(n, PROMPT_LOGPROBS_CHUNK)
+            n = min(n, PROMPT_LOGPROBS_CHUNK, LOGITS_ROWS - plan.logits_rows)  # a logits row each
+            if n <= 0:
+                return 0
         span = seq.group.next_span(seq.num_computed)
         return min(n, span.start - seq.num_computed) if span is not None else n
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from servelm.engine.local import LocalEngine
-from servelm.engine.pacing import FLOOR, MIN_STEPS, StepPacer
+from servelm.engine.pacing import FLOOR, MIN_STEPS, UNFIT, StepPacer
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.runners.fake import FakeRunner
 
@@ -35,12 +35,12 @@ def test_it_learns_a_steps_costs_and_keeps_a_decoding_step_within_the_target() -
     assert pacer.prompt_budget(1) > budget, "fewer decoding rows leave more room for prompts"
 
 
-def test_a_step_that_decodes_nothing_and_an_untrained_pacer_limit_nothing() -> None:
+def test_a_step_that_decodes_nothing_is_not_limited_and_an_untrained_pacer_keeps_a_decoding_step_small() -> None:
     assert trained(0.150).prompt_budget(0) is None
     fresh = StepPacer(0.150)
     for _ in range(MIN_STEPS):
         fresh.observe(4, 100, cost(4, 100))  # never a step without a prompt: no fit yet
-    assert fresh.prompt_budget(4) is None
+    assert fresh.prompt_budget(4) == UNFIT, "before it knows the costs, a decoding step reads a modest chunk"
 
 
 def test_prompts_always_move_on() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.engine.plan import Clear, Copy, Keep
+from servelm.engine.plan import LOGITS_ROWS, Clear, Copy, Keep
 from servelm.engine.sequence import SeqStatus, SequenceGroup
 from servelm.engine.types import SamplingParams
 from tests.engine.steps import Recording
@@ -383,3 +383,16 @@ def test_base_sequences_still_fill_slots_side_by_side():
         s.add(group(f"r{i}", 5))
     run_step(s)
     assert len(run_step(s).calls()) == 1
+
+
+def test_a_steps_logits_rows_stay_bounded_whatever_its_token_budget():
+    """Every token of a prompt read for its logprobs is a vocabulary-wide logits row (1 MiB each on a 262k
+    vocabulary), so a large step budget must not become as many logits rows: past LOGITS_ROWS a step reads no more
+    of such prompts, and only the one row a sequence a prompt's end or a decoding step makes."""
+    s = sched(num_slots=16, max_step_tokens=2048)
+    for i in range(16):
+        s.add(SequenceGroup(f"r{i}", tuple(range(1, 101)), SamplingParams(max_tokens=4, prompt_logprobs=0)))
+    for _ in range(10):  # 1,600 prompt rows, LOGITS_ROWS a step at most
+        plan = run_step(s)
+        assert sum(c.num_rows for c in plan.chunks) <= LOGITS_ROWS + 16, [c.num_rows for c in plan.chunks]
+    assert all(seq.num_computed > 100 for g in s.running for seq in g.seqs), "every prompt was read, and decodes"
