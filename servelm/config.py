@@ -72,7 +72,8 @@ class EngineSettings(BaseSettings):
         768, ge=1, description="memory for the KV cache when --context-window is not given: the context window is "
         "the model's trained context or what this holds for --max-num-seqs streams, whichever is less (rounded "
         "down to 256; the default model: 23 KB a cell, 16 x 2,048 cells in 720 MiB)")
-    max_step_tokens: int = Field(2048, ge=16, description="tokens in one step: decode tokens plus prompt chunks (a "
+    max_step_tokens: int = Field(2048, ge=16, le=16384, description="tokens in one step: decode tokens plus prompt "
+                                 "chunks, at most 16,384, which size llama.cpp's batch and compute buffers (a "
                                  "sequence reads a prompt's whole tiles of 64 in chunks up to this, at least one "
                                  "tile, and its other rows at most 63 a step; a step that also decodes reads what "
                                  "--itl-target-ms allows)")

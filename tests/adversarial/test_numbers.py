@@ -138,3 +138,13 @@ def test_the_batch_priority_is_never_below_what_a_key_may_ask_for():
     with pytest.raises(ValidationError, match="batch_priority"):
         ServerSettings(batch_priority=-1)
     assert ServerSettings(batch_priority=0).batch_priority == 0
+
+
+@pytest.mark.parametrize("value", ["16385", "1000000000"])
+def test_a_step_budget_past_its_bound_is_refused_at_start_up(value: str, capsys) -> None:
+    """--max-step-tokens sizes llama.cpp's batch and compute buffers: 10^9 passed the check and the server then grew
+    its memory for minutes without ever answering. It is bounded (16,384) and a larger value is refused at once."""
+    from servelm.__main__ import main
+
+    assert main(["serve", "--max-step-tokens", value, "--no-embedding-model"]) == 2
+    assert "16384" in capsys.readouterr().err
