@@ -32,7 +32,7 @@ from servelm.config import (
 from servelm.constrain.grammars import GrammarLimits, Grammars, MiB
 from servelm.engine.base import Embedder, Engine
 from servelm.engine.pacing import StepPacer
-from servelm.engine.plan import LOGITS_ROWS
+from servelm.engine.plan import max_logits_rows
 from servelm.engine.runner import ModelInfo, ModelVocabulary, ServedRunner
 from servelm.engine.spill import SpillStore
 from servelm.engine.wrappers.adapted import AdaptedEngine
@@ -129,7 +129,7 @@ def build_deployment(name: str, runner: ServedRunner, options: DeploymentOptions
     projector = getattr(runner, "projector", None)  # a vision projector: images in prompts
     memory = {
         "weights": model.weights_bytes, "kv_cache": runner.kv_cells * runner.kv_cell_bytes,
-        "logits": (min(runner.max_step_tokens, LOGITS_ROWS + runner.num_slots) + 1) * runner.vocab_size * 4,
+        "logits": (min(runner.max_step_tokens, max_logits_rows(runner.num_slots)) + 1) * runner.vocab_size * 4,
         "grammar_cache": grammars.limits.cache_bytes,
         "prefix_cache_ram": spill.ram_bytes if spill is not None else 0,
         "image_embeddings": projector.kept_bytes_max if projector is not None else 0,

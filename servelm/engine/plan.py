@@ -23,6 +23,11 @@ Piece = tuple[int, int, int]  # a chunk's tokens in one micro-batch: (chunk inde
 LOGITS_ROWS = 256
 
 
+def max_logits_rows(num_slots: int) -> int:
+    """The logits rows a step of a runner with `num_slots` slots makes at most."""
+    return LOGITS_ROWS + num_slots
+
+
 @dataclass(frozen=True, slots=True)
 class Clear:
     """The slot's stream is emptied."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from servelm.engine.plan import LOGITS_ROWS, Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, MediaChunk, Restore, Save, StepPlan, max_logits_rows
 from servelm.engine.runner import Exactness, RestoreFailed
 
 EOS = 0
@@ -200,8 +200,9 @@ class FakeRunner:
             self.steps.append(StepPlan([], plan.ops))
             raise RestoreFailed(failed)
         self.forward_calls += len(calls)  # the passes the llama.cpp runner would make
-        if plan.logits_rows > LOGITS_ROWS + self.num_slots:  # the llama.cpp runner's buffer holds no more
-            raise FakeKVError(f"a step of {plan.logits_rows} logits rows, more than {LOGITS_ROWS} and one a slot")
+        if plan.logits_rows > max_logits_rows(self.num_slots):  # the llama.cpp runner's buffer holds no more
+            raise FakeKVError(f"a step of {plan.logits_rows} logits rows, more than "
+                              f"{max_logits_rows(self.num_slots)}")
         for call in calls:  # llama.cpp's micro-batches give a tiled chunk's stream a tile or more (its tiled kernel)
             for piece in (p for mb in plan.micro_batches(call) for p in mb if plan.chunks[p[0]].tiled):
                 if piece[2] < self.tile_rows:

@@ -65,7 +65,7 @@ os.environ.setdefault("GGML_CPU_TILED_MM", "0")
 import llama_cpp as C  # noqa: E402
 import numpy as np  # noqa: E402
 
-from servelm.engine.plan import LOGITS_ROWS, Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan
+from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan, max_logits_rows
 from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
 from servelm.gguf_header import open_regular
 from servelm.runners.media import Projector
@@ -665,8 +665,8 @@ class LlamaCppRunner:
     # -- the batch --------------------------------------------------------------------------------
     def _init_batch(self, size: int) -> None:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)
-        # a plan's logits rows: at most LOGITS_ROWS beyond one a sequence (engine/plan.py), however long the step
-        self._logits = np.empty((min(size, LOGITS_ROWS + self.num_slots), self.vocab_size), dtype=np.float32)
+        # a plan's logits rows, however long the step (engine/plan.py)
+        self._logits = np.empty((min(size, max_logits_rows(self.num_slots)), self.vocab_size), dtype=np.float32)
         self._media_batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any] | None = None
         if self.projector is not None:
             self._media_batch = _batch(self.max_step_tokens, outputs=False, embd=self.projector.n_embd)
