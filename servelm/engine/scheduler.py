@@ -58,6 +58,9 @@ from servelm.engine.spill import SpillStore
 from servelm.engine.types import MediaSpan
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
+# A decoding step reads all the prompts waiting past the pacer's limit when they are more than the streams decoding
+# and this short, on average (_catches_up): requests sent together, then decoding together.
+CATCH_UP_TOKENS = 256
 AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further out ages as the nearer end)
 
 
@@ -226,7 +229,8 @@ class Scheduler:
             room = min(budget, LOGITS_ROWS)
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
-        if plan.decode_tokens and self.pacer is not None:  # keep the decoding streams' next token within the target
+        # keep the decoding streams' next token within the target, unless the prompts go in at once (_catches_up)
+        if plan.decode_tokens and self.pacer is not None and not self._catches_up(budget, len(plan.chunks), urgent):
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
             budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
@@ -258,6 +262,29 @@ class Scheduler:
                     budget -= self._read(seq, budget, plan)
         plan.ops = self.cache.take_ops(bool(plan.chunks))
         return plan
+
+    def _catches_up(self, budget: int, decoding: int, urgent: SequenceGroup | None) -> bool:
+        """Whether a decoding step reads every prompt there is to read, past the pacer's limit: when those reading
+        outnumber the streams decoding, every waiting request fits a slot, and the prompts are short (CATCH_UP_TOKENS
+        a reader or fewer) and fit what is left of the step's budget. Requests sent together but received a moment
+        apart are then read together and decode together from the next step on, one call a step, where paced they
+        would be read a tile a step beside the first ones' decoding for tens of steps, each of them a call with
+        few rows. The decoding streams wait one slower step; long prompts are paced whatever their number."""
+        if urgent is not None:
+            return False
+        readers = tokens = 0
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.status is SeqStatus.RUNNING and seq.num_pending > 1:
+                    readers += 1
+                    tokens += seq.num_pending
+        slots = 0
+        for group in self.waiting:
+            slots += len(group.live)
+            tokens += group.prompt_len  # a fork copies the first sequence's prompt cells; cached ones count whole
+        readers += slots
+        return (readers > decoding and tokens <= min(budget, CATCH_UP_TOKENS * readers)
+                and slots <= self.cache.free_slots)
 
     def _urgent_reader(self) -> SequenceGroup | None:
         """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the

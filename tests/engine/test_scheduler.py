@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from servelm.engine.plan import LOGITS_ROWS, Clear, Copy, Keep
+from servelm.engine.pacing import FLOOR, MIN_STEPS, StepPacer
+from servelm.engine.plan import LOGITS_ROWS, Clear, Copy, Keep, StepPlan
+from servelm.engine.scheduler import CATCH_UP_TOKENS
 from servelm.engine.sequence import SeqStatus, SequenceGroup
 from servelm.engine.types import SamplingParams
 from tests.engine.steps import Recording
@@ -396,3 +398,49 @@ def test_a_steps_logits_rows_stay_bounded_whatever_its_token_budget():
         plan = run_step(s)
         assert sum(c.num_rows for c in plan.chunks) <= LOGITS_ROWS + 16, [c.num_rows for c in plan.chunks]
     assert all(seq.num_computed > 100 for g in s.running for seq in g.seqs), "every prompt was read, and decodes"
+
+
+def slow_decoding_pacer() -> StepPacer:
+    """A pacer fitted to steps of 5 ms, plus 200 ms a decoding row and 2 ms a prompt token, with a 200 ms
+    target: a decoding step may read its floor of prompt."""
+    pacer = StepPacer(0.2)
+    for i in range(3 * MIN_STEPS):
+        d, p = 1 + i % 16, (i * 37) % 200
+        pacer.observe(d, 0, 0.005 + 0.2 * d)
+        pacer.observe(d, p, 0.005 + 0.2 * d + 0.002 * p)
+    assert pacer.prompt_budget(1) == FLOOR
+    return pacer
+
+
+def decoding_with(arrivals: int, prompt_len: int, decoding: int = 1, budget: int = 2048) -> tuple[Recording, StepPlan]:
+    """`decoding` requests decode on a paced scheduler when `arrivals` requests of `prompt_len` tokens arrive: the
+    scheduler and the plan of the step after they arrive."""
+    s = sched(num_slots=16, max_step_tokens=budget, pacer=slow_decoding_pacer())
+    for i in range(decoding):
+        s.add(group(f"d{i}", 10, max_tokens=64))
+    run_step(s)
+    for i in range(arrivals):
+        s.add(group(f"a{i}", prompt_len, max_tokens=64))
+    return s, run_step(s)
+
+
+def test_prompts_that_all_fit_one_step_and_outnumber_the_decoding_are_read_at_once_then_decode_together():
+    """Requests sent together reach the engine a moment apart: the first decodes while the rest arrive. Paced, they
+    would be read 16 tokens a step beside its decoding; outnumbering it, short and all fitting the step's budget,
+    they are read in one step and decode together in the next: one step a token for all of them."""
+    s, plan = decoding_with(arrivals=6, prompt_len=40)
+    assert plan.decode_tokens == 1 and plan.num_tokens == 1 + 6 * 40, "every arrival read whole beside the decoding"
+    after = run_step(s)
+    assert after.decode_tokens == after.num_tokens == 7, "from then on all seven decode in each step"
+
+
+@pytest.mark.parametrize("why, kw", [
+    ("too many tokens for the step's budget", dict(arrivals=6, prompt_len=40, budget=200)),
+    ("no more readers than decoding streams", dict(arrivals=3, prompt_len=40, decoding=3)),
+    ("a long prompt", dict(arrivals=2, prompt_len=400, budget=512)),
+    ("prompts longer than CATCH_UP_TOKENS on average", dict(arrivals=3, prompt_len=CATCH_UP_TOKENS + 30)),
+])
+def test_otherwise_the_pacer_keeps_the_decoding_streams_next_token_within_its_target(why, kw):
+    s, plan = decoding_with(**kw)
+    read = plan.num_tokens - plan.decode_tokens
+    assert plan.decode_tokens and 0 < read <= FLOOR, (why, read)
