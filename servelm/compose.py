@@ -397,7 +397,7 @@ def _fingerprint(source: str) -> str:
 def default_specs(settings: ServerSettings) -> list[DeploymentSpec]:
     """Without a config file: the chat model of --model-path / --model-id, and the embedding model."""
     specs = [DeploymentSpec(
-        name=settings.model_id, model=str(settings.resolved_model_path()), kind="chat",
+        name=settings.resolved_model_id(), model=str(settings.resolved_model_path()), kind="chat",
         chat_template=settings.chat_template, embedding_window=settings.chat_embedding_window, engine=settings.engine,
         special_tokens_in_content=settings.special_tokens_in_content, reasoning_markers=settings.reasoning_markers,
         mmproj=settings.mmproj, loras=[LoraSpec.parse(text) for text in settings.lora],

@@ -142,7 +142,9 @@ class ServerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     model_path: Path | None = Field(None, description="a GGUF file to serve (default: the embedded SmolLM2-135M-Instruct)")
-    model_id: ModelName = Field(DEFAULT_MODEL_ID, description="the model id clients ask for (printable)")
+    model_id: ModelName | None = Field(None, description="the model id clients ask for (printable) (default: "
+                                       f"{DEFAULT_MODEL_ID} for the embedded model, a --model-path file's name "
+                                       "less .gguf for another)")
     chat_template: Path | None = Field(
         None, description="a Jinja chat template file to use instead of the one in the model file (tool calls "
         "follow the template: one that renders `tools` in Hermes, Llama 3 or Mistral syntax is used natively)",
@@ -336,6 +338,11 @@ class ServerSettings(BaseSettings):
 
     def resolved_model_path(self) -> Path:
         return self.model_path or embedded_model_path()
+
+    def resolved_model_id(self) -> str:
+        if self.model_id is not None:
+            return self.model_id
+        return self.model_path.name.removesuffix(".gguf") if self.model_path is not None else DEFAULT_MODEL_ID
 
     def resolved_embedding_model_path(self) -> Path | None:
         """The embedding model to serve, or None. A missing default file is None (the caller says so); a

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from servelm.compose import Builder, DeploymentOptions, Plan, build_deployment
-from servelm.config import ServerSettings
+from servelm.config import DEFAULT_MODEL_ID, ServerSettings
 from servelm.runners.fake import FakeRunner
 
 
@@ -85,3 +85,12 @@ def test_a_deployment_is_built_whole_and_never_changed():
     assert (deployment.max_waiting, deployment.min_priority, deployment.adapters is not None) == (3, -2, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         deployment.max_waiting = 4  # type: ignore[misc]
+
+
+def test_a_model_file_is_served_under_its_own_name_unless_given_one(tmp_path):
+    """/v1/models must not name the embedded model for another file: without --model-id, a --model-path file is
+    served under its file's name (as the reranker is), and the embedded model under its own."""
+    assert [s.name for s in Plan.read(settings(tmp_path)).specs] == ["m"]
+    assert [s.name for s in Plan.read(settings(tmp_path, model_id="mine")).specs] == ["mine"]
+    embedded = ServerSettings(embedding_model=False)
+    assert [s.name for s in Plan.read(embedded).specs] == [DEFAULT_MODEL_ID]
