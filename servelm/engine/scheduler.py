@@ -279,12 +279,13 @@ class Scheduler:
                     readers += 1
                     tokens += seq.num_pending
         slots = 0
-        for group in self.waiting:
+        for group in self.waiting:  # a walk of the free slots' worth at most, however long the queue
             slots += len(group.live)
             tokens += group.prompt_len  # a fork copies the first sequence's prompt cells; cached ones count whole
+            if slots > self.cache.free_slots or tokens > budget:
+                return False
         readers += slots
-        return (readers > decoding and tokens <= min(budget, CATCH_UP_TOKENS * readers)
-                and slots <= self.cache.free_slots)
+        return readers > decoding and tokens <= min(budget, CATCH_UP_TOKENS * readers)
 
     def _urgent_reader(self) -> SequenceGroup | None:
         """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the
