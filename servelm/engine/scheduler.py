@@ -246,6 +246,8 @@ class Scheduler:
         for group in list(self.waiting):
             if budget <= 0:
                 break
+            if self._holds_back(group, urgent):
+                continue  # as the running ones it would hold back do: the urgent prompt is read alone
             if readers and self.cache.awaits(group, readers):
                 continue  # a running request is reading the prompt this one begins with: reuse it, soon
             if len(group.live) > self.cache.free_slots:
@@ -290,9 +292,10 @@ class Scheduler:
     def _urgent_reader(self) -> SequenceGroup | None:
         """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the
         best-ranked waiting one when enough slots rest for it), when running ones of a lower priority that rank below
-        it run beside it: those hold back (no row this step) until it is read, so a request's first token comes as
-        soon as it would on an idle engine. None: no one holds back. Holding back changes no answer (a row's logits
-        do not depend on its step). A request that has waited long enough to outrank it does not hold back."""
+        it run beside it: those hold back (no row this step), and waiting ones below it are not admitted, until it
+        is read, so a request's first token comes as soon as it would on an idle engine. None: no one holds back.
+        Holding back changes no answer (a row's logits do not depend on its step). A request that has waited long
+        enough to outrank it does not hold back."""
         readers = [g for g in self.running if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
         if self.waiting and len(self.waiting[0].live) <= self.cache.free_slots:  # (one that cannot fit holds no one)
             readers.append(self.waiting[0])

@@ -7,6 +7,10 @@ for an urgent one.
 - A flood at priority -1000 starved a priority-0 client (aging, one level a minute, took about 17 hours to make up
   the gap). Aging now counts priorities within ±AGING_SPAN: past 2 × AGING_SPAN levels of waiting, nothing that
   arrives later ranks above a request, whatever its priority.
+- A burst of long priority-0 prompts, then one short priority -5 request while a priority-0 stream decoded: the
+  stream held back (as it should) for the urgent prompt, but the burst's waiting prompts were read in the same
+  step, and with nothing decoding that step took the whole 2,048-token budget: 8.5 s before the urgent request's
+  first token, and as long a gap in the stream. Waiting requests that rank below the urgent one now wait too.
 - With keys on, a key goes below priority 0 only when granted (`min_priority` in its [[keys]] table or key-file line),
   or as an admin key.
 """
@@ -69,6 +73,20 @@ def test_an_old_running_request_does_not_hold_back_for_newer_urgent_prompts():
 
 
 # -- over HTTP: the starved client ---------------------------------------------------------------------------
+def test_an_urgent_prompt_is_read_alone_not_with_the_lower_priority_prompts_waiting():
+    s = sched(num_slots=4, max_step_tokens=2048, aging_s=0, context_window=1024)
+    s.add(ranked("stream", 5, 0, max_tokens=50))
+    run_step(s)
+    for i in range(2):
+        s.add(ranked(f"long-{i}", 900, 0, max_tokens=4))
+    s.add(ranked("urgent", 8, -5, max_tokens=4))
+    plan = run_step(s)
+    assert {s.group(c).request_id for c in plan.chunks} == {"urgent"} and plan.num_tokens == 8, \
+        "only the urgent prompt is read: its first token does not wait for 1,800 tokens of others"
+    plan = run_step(s)
+    assert {"urgent", "stream"} <= {s.group(c).request_id for c in plan.chunks}, "then the stream decodes again"
+
+
 def test_a_flood_of_urgent_requests_leaves_a_priority_0_client_its_turn():
     """Two slots, six threads sending priority -1000 without pause, and a priority-0 request among them. With aging
     at 0.05 s a level, the old aging made it wait 1000 levels (50 s, so until the flood ended); it now waits about
