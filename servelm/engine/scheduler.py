@@ -239,7 +239,7 @@ class Scheduler:
             for seq in group.seqs:
                 if budget <= 0:
                     break
-                if seq.status is SeqStatus.RUNNING and seq.num_pending > 1:
+                if seq.reads_prompt:
                     budget -= self._read(seq, budget, plan)
         readers = self._prompt_readers()
         blocked = False  # a group ahead did not fit, and the ones behind may overtake it
@@ -277,7 +277,7 @@ class Scheduler:
         readers = tokens = 0
         for group in self.running:
             for seq in group.seqs:
-                if seq.status is SeqStatus.RUNNING and seq.num_pending > 1:
+                if seq.reads_prompt:
                     readers += 1
                     tokens += seq.num_pending
         slots = 0
@@ -296,7 +296,7 @@ class Scheduler:
         is read, so a request's first token comes as soon as it would on an idle engine. None: no one holds back.
         Holding back changes no answer (a row's logits do not depend on its step). A request that has waited long
         enough to outrank it does not hold back."""
-        readers = [g for g in self.running if any(s.status is SeqStatus.RUNNING and s.num_pending > 1 for s in g.seqs)]
+        readers = [g for g in self.running if any(s.reads_prompt for s in g.seqs)]
         if self.waiting and len(self.waiting[0].live) <= self.cache.free_slots:  # (one that cannot fit holds no one)
             readers.append(self.waiting[0])
         if not readers:

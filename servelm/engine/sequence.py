@@ -55,6 +55,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     @property
+    def reads_prompt(self) -> bool:
+        """Running, with more than its next token still to compute: a prompt (or what is left of one) to read."""
+        return self.status is SeqStatus.RUNNING and self.num_pending > 1
+
+    @property
     def holds_slot(self) -> bool:
         return self.slot is not None
 
