@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, Restore, Save
 from servelm.engine.sequence import Sequence, SequenceGroup
-from servelm.engine.slots import Adapters, Slot, Slots, common_prefix, usable
+from servelm.engine.slots import MIN_REUSE, Adapters, Slot, Slots, common_prefix, usable
 from servelm.engine.spill import Spilled, SpillStore
 
 log = logging.getLogger("servelm.engine")
@@ -94,6 +94,15 @@ class PrefixCache:
     def reads(self, group: SequenceGroup) -> bool:
         """Whether the request starts from cached cells (one that wants its prompt's logprobs reads every token)."""
         return self.enabled and group.params.prompt_logprobs is None
+
+    def reusable(self, group: SequenceGroup) -> int:
+        """How many of the request's leading prompt tokens a slot's cells hold now: about what placing it would
+        reuse (a spilled entry aside), so the prompt left to read is the rest."""
+        if not self.reads(group):
+            return 0
+        prompt = group.prompt_token_ids
+        n = self.slots.best_match(prompt, len(prompt) - 1, group.scope, group.tiled_end)[1]
+        return group.whole(n) if n >= MIN_REUSE else 0
 
     def stats(self) -> CacheStats:
         spill = self.spill

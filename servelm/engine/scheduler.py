@@ -267,11 +267,12 @@ class Scheduler:
 
     def _catches_up(self, budget: int, decoding: int, urgent: SequenceGroup | None) -> bool:
         """Whether a decoding step reads every prompt there is to read, past the pacer's limit: when those reading
-        outnumber the streams decoding, every waiting request fits a slot, and the prompts are short (CATCH_UP_TOKENS
-        a reader or fewer) and fit what is left of the step's budget. Requests sent together but received a moment
-        apart are then read together and decode together from the next step on, one call a step, where paced they
-        would be read a tile a step beside the first ones' decoding for tens of steps, each of them a call with
-        few rows. The decoding streams wait one slower step; long prompts are paced whatever their number."""
+        outnumber the streams decoding, every waiting request fits a slot, and what is left to read of the prompts
+        (past the cells the cache holds: questions after a shared system prompt) is short (CATCH_UP_TOKENS a reader
+        or fewer) and fits what is left of the step's budget. Requests sent together but received a moment apart
+        are then read together and decode together from the next step on, one call a step, where paced they would
+        be read a tile a step beside the first ones' decoding for tens of steps, each of them a call with few rows.
+        The decoding streams wait one slower step; long prompts are paced whatever their number."""
         if urgent is not None:
             return False
         readers = tokens = 0
@@ -283,8 +284,11 @@ class Scheduler:
         slots = 0
         for group in self.waiting:  # a walk of the free slots' worth at most, however long the queue
             slots += len(group.live)
-            tokens += group.prompt_len  # a fork copies the first sequence's prompt cells; cached ones count whole
-            if slots > self.cache.free_slots or tokens > budget:
+            if slots > self.cache.free_slots:
+                return False
+            # what is left to read past the cells the cache holds (a fork copies the first sequence's)
+            tokens += group.prompt_len - self.cache.reusable(group)
+            if tokens > budget:
                 return False
         readers += slots
         return readers > decoding and tokens <= min(budget, CATCH_UP_TOKENS * readers)

@@ -434,6 +434,26 @@ def test_prompts_that_all_fit_one_step_and_outnumber_the_decoding_are_read_at_on
     assert after.decode_tokens == after.num_tokens == 7, "from then on all seven decode in each step"
 
 
+def test_a_cached_shared_prompt_counts_only_what_is_left_to_read():
+    """Questions past a long system prompt the cache holds: each arrival has a few tokens left to read, not its
+    whole prompt, so arrivals that outnumber the decoding stream are read at once, not paced a few tokens a step
+    (counted whole, 3 x 620 tokens would be long prompts)."""
+    system = tuple(range(1000, 1600))
+    s = sched(num_slots=16, max_step_tokens=2048, pacer=slow_decoding_pacer(), prefix_cache=True, context_window=1024)
+    first = SequenceGroup("first", system + (1,) * 20, SamplingParams(max_tokens=1))
+    s.add(first)
+    while first.seqs[0].num_pending > 1:
+        run_step(s)
+    s.finish(first.seqs[0])  # its cells rest in its slot, the system prompt's among them
+    s.add(group("decoding", 10, max_tokens=64))
+    run_step(s)
+    for i in range(3):
+        s.add(SequenceGroup(f"q{i}", system + (2 + i,) * 20, SamplingParams(max_tokens=8)))
+    plan = run_step(s)
+    assert plan.decode_tokens == 1 and plan.num_tokens == 1 + 3 * 20, "every question read whole beside the decoding"
+    assert all(c.start == 600 for c in plan.chunks if len(c.tokens) > 1), "past the cached system prompt"
+
+
 @pytest.mark.parametrize("why, kw", [
     ("too many tokens for the step's budget", dict(arrivals=6, prompt_len=40, budget=200)),
     ("no more readers than decoding streams", dict(arrivals=3, prompt_len=40, decoding=3)),
