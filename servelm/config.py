@@ -80,9 +80,10 @@ class EngineSettings(BaseSettings):
     itl_target_ms: float = Field(
         200.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
         "much prompt as the engine's measured step costs keep within this (at least 16 tokens, so prompts move "
-        "on), unless the prompts waiting outnumber the streams decoding and are short (256 tokens each on "
-        "average, all within the step's budget): then all are read in that step, so they decode together; a step "
-        "with nothing to decode reads its whole budget. 0: no target (--max-step-tokens alone)")
+        "on), unless the prompts waiting outnumber the streams decoding and what is left of them to read past the "
+        "prefix cache is short (256 tokens each on average, all within the step's budget): then all are read in "
+        "that step, so they decode together; a step with nothing to decode reads its whole budget. 0: no target "
+        "(--max-step-tokens alone)")
     priority_aging_s: float = Field(
         60.0, ge=0, description="seconds of waiting that count as one priority level, so that a low priority (a "
         "batch's lines) still runs while higher ones keep coming: the request received first wins once the gap in "
