@@ -42,6 +42,8 @@ T = TypeVar("T")
 _helpers: tuple[ThreadPoolExecutor | None, int] | None = None  # the helper threads (None on one core), how many
 _helpers_lock = threading.Lock()
 _local = threading.local()  # each thread's float64 scratch row (token_logprobs)
+_pending = 0  # helper tasks handed out and not ended: they may still read a step's rows (settle)
+_pending_changed = threading.Condition()
 
 
 def _pool() -> tuple[ThreadPoolExecutor | None, int]:
@@ -80,6 +82,22 @@ class _Rows(Generic[T]):
             self.take()
         except Exception:  # noqa: BLE001 - the caller's to raise, from its own computation of the row
             pass
+        finally:
+            _ended()
+
+
+def _ended() -> None:
+    global _pending
+    with _pending_changed:
+        _pending -= 1
+        _pending_changed.notify_all()
+
+
+def settle() -> None:
+    """Wait until no helper task handed out by by_rows may still read its rows: a caller about to free the memory
+    they lie in (runners/llamacpp.py: llama.cpp's logits buffer, given up for a larger one) calls this first."""
+    with _pending_changed:
+        _pending_changed.wait_for(lambda: _pending == 0)
 
 
 def by_rows(n: int, work: int, fn: Callable[[int], T]) -> list[T]:
@@ -87,16 +105,19 @@ def by_rows(n: int, work: int, fn: Callable[[int], T]) -> list[T]:
     take rows too, as they wake. The caller never waits for them: once no row is left to take, it computes again any
     row a helper has not finished (the same result, bit for bit), so a helper that wakes late or is preempted costs
     at most the rows it holds. fn must only read what it shares (a late helper may still read the rows; its result
-    goes nowhere)."""
+    goes nowhere; settle() waits until none may still read them)."""
     pool, helpers = _pool() if n > 1 and work >= SHARE_ELEMENTS else (None, 0)
     if pool is None:  # little work, or one core
         return [fn(i) for i in range(n)]
+    global _pending
     rows = _Rows(n, fn)
     try:
         for _ in range(min(helpers, n - 1)):
+            with _pending_changed:
+                _pending += 1
             pool.submit(rows.help)
     except RuntimeError:  # the interpreter is shutting down: the caller takes every row
-        pass
+        _ended()
     rows.take()
     out = list(rows.out)  # a copy: a late helper writes into rows.out only
     for i, value in enumerate(out):

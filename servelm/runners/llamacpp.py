@@ -67,6 +67,7 @@ import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan, max_logits_rows
 from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
+from servelm.engine.sampling import settle
 from servelm.gguf_header import open_regular
 from servelm.runners.media import Projector
 from servelm.runners.selfcheck import check_exactness
@@ -521,6 +522,16 @@ class LlamaModel:
             self._model = None
 
 
+def _in_order(places: list[tuple[int, int]], total: int) -> bool:
+    """Whether a call's logits rows are the plan's rows 0..total, in order, and only those."""
+    r = 0
+    for row, k in places:
+        if row != r:
+            return False
+        r += k
+    return r == total
+
+
 class LlamaCppRunner:
     """The executor (engine/runner.py's ModelRunner) on a LlamaModel: the context with its KV streams, the batches,
     the KV operations and the LoRA adapters. Given a path it loads its model (repack, gpu_layers, main_gpu and
@@ -667,6 +678,10 @@ class LlamaCppRunner:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=False)
         # a plan's logits rows, however long the step (engine/plan.py)
         self._logits = np.empty((min(size, max_logits_rows(self.num_slots)), self.vocab_size), dtype=np.float32)
+        # the last call's logits in llama.cpp's own buffer, and where each run of them goes in self._logits, until
+        # copied there (_flush) or handed out whole (a step of one call whose rows lie in the plan's order)
+        self._held: tuple[np.ndarray, list[tuple[int, int]]] | None = None
+        self._out_rows = 0  # the most logits rows a call has had: more may make llama.cpp move its buffer
         self._media_batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any] | None = None
         if self.projector is not None:
             self._media_batch = _batch(self.max_step_tokens, outputs=False, embd=self.projector.n_embd)
@@ -737,9 +752,26 @@ class LlamaCppRunner:
         calls = plan.calls()
         # the calls with the adapters set now go first: each change of them costs llama.cpp a graph reservation
         calls.sort(key=lambda call: (plan.chunks[call[0]].media is not None, plan.chunks[call[0]].adapters != self._applied))
+        before = self.forward_calls
         for call in calls:
             self._decode(plan, call, first)
+        held = self._held
+        if held is not None and self.forward_calls == before + 1 and _in_order(held[1], total):
+            self._held = None  # the step's one call made its rows in the plan's order: no copy of them
+            return held[0][:total]
+        self._flush()
         return self._logits[:total]
+
+    def _flush(self) -> None:
+        """The held call's logits rows copied to their places in self._logits (before another call overwrites them)."""
+        if self._held is not None:
+            out, places = self._held
+            self._held = None
+            r = 0
+            for row, k in places:
+                if row >= 0:
+                    self._logits[row : row + k] = out[r : r + k]
+                r += k
 
     def _apply(self, op: KVOp, failed: set[int]) -> None:
         if isinstance(op, Clear):
@@ -900,9 +932,13 @@ class LlamaCppRunner:
                 C.llama_set_causal_attn(self._ctx, True)
 
     def _run(self, batch: Any, places: list[tuple[int, int]]) -> None:
-        """llama_decode, then the logits rows it made to their places in self._logits: (row, rows) per chunk."""
+        """llama_decode; the logits rows it made are held in llama.cpp's buffer (self._held), with where they go in
+        self._logits: (row, rows) per run of them, -1 for none."""
+        self._flush()
         self.forward_calls += 1
         got = sum(k for _, k in places)
+        if got > self._out_rows:  # llama.cpp may free its logits buffer for a larger one: no helper thread of the
+            settle()  # sampler may still read rows of the old one (sampling.by_rows never waits for them)
         start = time.perf_counter()
         try:
             rc = C.llama_decode(self._ctx, batch)
@@ -913,13 +949,9 @@ class LlamaCppRunner:
             raise KVCacheFull("llama.cpp found no KV cache slot for the batch")
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with code {rc}")
+        self._out_rows = max(self._out_rows, got)
         if got:
-            out = np.ctypeslib.as_array(logits, shape=(got, self.vocab_size))
-            r = 0
-            for row, k in places:
-                if row >= 0:
-                    self._logits[row : row + k] = out[r : r + k]
-                r += k
+            self._held = (np.ctypeslib.as_array(logits, shape=(got, self.vocab_size)), places)
 
     @property
     def decode_seconds(self) -> float:

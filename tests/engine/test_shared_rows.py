@@ -4,6 +4,7 @@ as one thread's, a row's exception raised to the caller, and no wait for a helpe
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -62,6 +63,35 @@ def test_a_stalled_helper_does_not_hold_the_caller_up() -> None:
 
     try:
         assert by_rows(16, sampling.SHARE_ELEMENTS, fn) == list(range(1, 17))
+    finally:
+        release.set()
+
+
+def test_settle_waits_for_a_helper_still_reading_rows_after_the_caller_went_on() -> None:
+    """The runner gives llama.cpp's logits buffer up only once no helper may still read a step's rows: settle()
+    returns once the stalled helper's row is done, not before."""
+    if not sampling._pool()[1]:
+        pytest.skip("one core: no helper threads")
+    caller, release, reading = threading.get_ident(), threading.Event(), threading.Event()
+
+    def fn(i: int) -> int:
+        if threading.get_ident() != caller:
+            reading.set()
+            release.wait(5)
+        else:
+            time.sleep(0.01)  # so that a helper wakes while rows are left
+        return i
+
+    try:
+        assert by_rows(16, sampling.SHARE_ELEMENTS, fn) == list(range(16))
+        assert reading.wait(5), "a helper took a row"
+        settled = threading.Event()
+        waiter = threading.Thread(target=lambda: (sampling.settle(), settled.set()))
+        waiter.start()
+        assert not settled.wait(0.2), "settle() returned while a helper still reads"
+        release.set()
+        assert settled.wait(5), "settle() returns once the helper is done"
+        waiter.join()
     finally:
         release.set()
 

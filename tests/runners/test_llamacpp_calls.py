@@ -61,12 +61,19 @@ class Shell(LlamaCppRunner):
         self._applied = ()
         self._mem = None
         self.forward_calls = 0
+        self._held = None
         self.decoded: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]] = []
 
     def _run(self, batch, places) -> None:
+        """Recorded; its logits rows held as llama.cpp's buffer would hold them: each row's value is its call's
+        number (from 1) times 1000 plus the row's place in the plan (-1 for a row asked only for the fence)."""
+        self._flush()
         n = batch.n_tokens
         self.forward_calls += 1
         self.decoded.append((self._seq[:n].copy(), self._pos[:n].copy(), self._out[:n].copy(), list(places)))
+        rows = [r for row, k in places for r in (range(row, row + k) if row >= 0 else [-1] * k)]
+        if rows:
+            self._held = (np.array([[self.forward_calls * 1000 + r] for r in rows], dtype=np.float32), list(places))
 
 
 @pytest.fixture(autouse=True)
@@ -201,3 +208,23 @@ def test_a_fence_s_rule_is_checked_and_read_as_the_server_reports_it():
     for bad in ({"min_rows": 0}, {"min_rows": PAD_ROOM}, {"multiple": 3}):
         with pytest.raises(ValueError, match="a fence's rows"):
             Fence(**bad)
+
+
+def test_a_step_of_one_call_hands_out_llama_cpps_rows_and_a_step_of_several_their_copies():
+    """A step whose one call made its logits rows in the plan's order returns them where llama.cpp left them (no
+    copy of a large vocabulary's rows); otherwise each call's rows are copied to their places before the next call
+    overwrites them."""
+    one = Shell(Fence())
+    plan = StepPlan([chunk(s, 10, 1) for s in range(4)])
+    out = one._step(plan)
+    assert out is not None and not np.shares_memory(out, one._logits), "the call's own rows"
+    assert out[:, 0].tolist() == [1000, 1001, 1002, 1003]
+    several = Shell(Fence())
+    # a full step whose lone rows past LONE_ROW_FROM have no room to be widened: calls of their own
+    plan = StepPlan([chunk(s, LONE_ROW_FROM, 1) for s in (0, 2, 4)] + [chunk(6, 0, 40), chunk(7, 0, 40),
+                                                                       chunk(9, 0, 40), chunk(10, 0, 40),
+                                                                       chunk(12, 0, 40), chunk(13, 0, 53)])
+    out = several._step(plan)
+    assert several.forward_calls == 4 and np.shares_memory(out, several._logits)
+    assert {int(v) // 1000 for v in out[:, 0]} == {1, 2, 3, 4}, "the rows of every call"
+    assert [int(v) % 1000 for v in out[:, 0]] == list(range(len(plan.chunks))), "each at its place"
