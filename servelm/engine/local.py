@@ -29,6 +29,7 @@ from servelm.engine.pacing import StepPacer
 from servelm.engine.plan import StepPlan
 from servelm.engine.runner import ModelRunner, RestoreFailed
 from servelm.engine.sampler import SampledStep, StepSampler
+from servelm.engine.sampling import settle
 from servelm.engine.scheduler import Scheduler
 from servelm.engine.sequence import SequenceGroup
 from servelm.engine.speculate import Speculator
@@ -101,6 +102,8 @@ class LocalEngine:
                  speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None,
                  priority_aging_s: float = 60.0) -> None:
         self.runner = runner
+        if hasattr(runner, "settle_readers"):  # it may free the memory a step's logits rows lie in: not while the
+            runner.settle_readers = settle  # sampler's helper threads may still read them (sampling.by_rows)
         self.grammars = grammars
         self.pacer = pacer  # the scheduler asks it how much prompt a decoding step may read; each step teaches it
         speculator = Speculator(runner.call_cost_rows, runner.lone_row_from) if speculative else None

@@ -67,7 +67,6 @@ import numpy as np  # noqa: E402
 
 from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, ScheduledChunk, StepPlan, max_logits_rows
 from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
-from servelm.engine.sampling import settle
 from servelm.gguf_header import open_regular
 from servelm.runners.media import Projector
 from servelm.runners.selfcheck import check_exactness
@@ -583,6 +582,9 @@ class LlamaCppRunner:
         self._capacity = max(self.max_step_tokens, 2 * self.tile_rows) + PAD_ROOM
         self.exactness = Exactness(False, checked=False)  # load_exact checks it
         self.forward_calls = 0  # llama_decode calls since start
+        # waits until nothing reads the rows a step handed out (the engine sets it: its sampler's helper threads may
+        # still read them), before a call that may make llama.cpp give their buffer up for a larger one
+        self.settle_readers: Callable[[], None] = lambda: None
         self._decode_s = 0.0  # their wall time (decode_seconds)
         self._adapters: dict[str, Any] = {}  # LoRA adapters by name: llama.cpp's llama_adapter_lora pointers
         self._applied: tuple[tuple[str, float], ...] = ()  # the adapters set on the context now
@@ -937,8 +939,8 @@ class LlamaCppRunner:
         self._flush()
         self.forward_calls += 1
         got = sum(k for _, k in places)
-        if got > self._out_rows:  # llama.cpp may free its logits buffer for a larger one: no helper thread of the
-            settle()  # sampler may still read rows of the old one (sampling.by_rows never waits for them)
+        if got > self._out_rows:  # llama.cpp may free its logits buffer for a larger one: no one may read the old
+            self.settle_readers()
         start = time.perf_counter()
         try:
             rc = C.llama_decode(self._ctx, batch)

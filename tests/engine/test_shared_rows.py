@@ -99,3 +99,15 @@ def test_settle_waits_for_a_helper_still_reading_rows_after_the_caller_went_on()
 def test_small_work_stays_on_the_calling_thread() -> None:
     threads = by_rows(8, sampling.SHARE_ELEMENTS - 1, lambda i: threading.get_ident())
     assert set(threads) == {threading.get_ident()}
+
+
+def test_the_engine_has_a_runner_that_may_give_its_rows_memory_up_settle_the_helpers_first() -> None:
+    """LocalEngine hands a runner with a settle_readers hook (runners/llamacpp.py: before a call that may make
+    llama.cpp move its logits buffer) the sampler's settle()."""
+    from servelm.engine.local import LocalEngine
+    from servelm.runners.fake import FakeRunner
+
+    runner = FakeRunner(num_slots=2, max_step_tokens=16)
+    runner.settle_readers = lambda: None  # type: ignore[attr-defined]
+    LocalEngine(runner)
+    assert runner.settle_readers is sampling.settle  # type: ignore[attr-defined]
