@@ -86,6 +86,12 @@ class _Rows(Generic[T]):
             _ended()
 
 
+def _handed_out() -> None:
+    global _pending
+    with _pending_changed:
+        _pending += 1
+
+
 def _ended() -> None:
     global _pending
     with _pending_changed:
@@ -109,12 +115,10 @@ def by_rows(n: int, work: int, fn: Callable[[int], T]) -> list[T]:
     pool, helpers = _pool() if n > 1 and work >= SHARE_ELEMENTS else (None, 0)
     if pool is None:  # little work, or one core
         return [fn(i) for i in range(n)]
-    global _pending
     rows = _Rows(n, fn)
     try:
         for _ in range(min(helpers, n - 1)):
-            with _pending_changed:
-                _pending += 1
+            _handed_out()
             pool.submit(rows.help)
     except RuntimeError:  # the interpreter is shutting down: the caller takes every row
         _ended()
