@@ -122,11 +122,22 @@ class Speculator:
         """What the decode chunks cost in rows' time: each micro-batch's own cost (a read of the weights), each
         token's row, and the row a lone row reads again. Kept by the step's shape (all it depends on): a step's
         drafting decisions ask for the same shapes again and again."""
-        shape = tuple((c.slot, len(c.tokens), c.adapters, c.media is None, self._rereads(c)) for c in chunks)
+        return self._cost_of(tuple(map(self._shape, chunks)), chunks)
+
+    def _shape(self, chunk: ScheduledChunk) -> tuple[object, ...]:
+        """All of a chunk its cost depends on: the second item is its length."""
+        return (chunk.slot, len(chunk.tokens), chunk.adapters, chunk.media is None, self._rereads(chunk))
+
+    def _cost_of(self, shape: tuple[tuple[object, ...], ...], chunks: list[ScheduledChunk], at: int | None = None,
+                 guess: Seq[int] = ()) -> float:
+        """cost() of the chunks by their `shape`, with chunk `at` (if any) drafted `guess`: only computed when no
+        step has had that shape yet."""
         cost = self._costs.get(shape)
         if cost is None:
             if len(self._costs) >= COST_CACHE:
                 self._costs.clear()
+            if at is not None:
+                chunks = [*chunks[:at], _drafted(chunks[at], guess), *chunks[at + 1 :]]
             cost = self._costs[shape] = self._cost(chunks)
         return cost
 
@@ -155,28 +166,50 @@ class Speculator:
         if not offers:
             return 0
         made = float(len(chunks))  # the step's expected tokens, and its cost in rows' time
-        cost = self.cost(chunks)
+        shapes = list(map(self._shape, chunks))
+        cost = self._cost_of(tuple(shapes), chunks)
         added = 0
         for rate, i, guess in sorted(offers, key=lambda o: -o[0]):
             guess = guess[: budget - added]
+            if not guess:
+                candidates[i].drafter.rest()
+                continue
             # the first guess's cost (a row, and the calls a longer chunk splits off, or nothing in place of a lone
-            # row's re-read); each further guess is a row more
-            first = self.cost([*chunks[:i], _drafted(chunks[i], guess[:1]), *chunks[i + 1 :]]) - cost if guess else 0
-            best, best_k = made / cost, 0
-            for k in range(1, len(guess) + 1):
-                value = (made + expected_kept(rate, k)) / (cost + first + k - 1)
-                if value > best:
-                    best, best_k = value, k
+            # row's re-read); each further guess is a row more. Its shape is the step's with chunk i a token longer.
+            slot, length, *rest = shapes[i]
+            longer = (*shapes[:i], (slot, length + 1, *rest), *shapes[i + 1 :])
+            first = self._cost_of(longer, chunks, i, guess[:1]) - cost
+            best_k, best_kept = _best_draft(made, cost + first - 1, made / cost, rate, len(guess))
             if not best_k:
                 candidates[i].drafter.rest()
                 continue
             chunks[i] = _drafted(chunks[i], guess[:best_k])
-            made += expected_kept(rate, best_k)
-            cost = self.cost(chunks)
+            shapes[i] = self._shape(chunks[i])
+            made += best_kept
+            cost = self._cost_of(tuple(shapes), chunks)
             added += best_k
         return added
 
 
-def _drafted(chunk: ScheduledChunk, guess: list[int]) -> ScheduledChunk:
+def _best_draft(made: float, base: float, best: float, rate: float, longest: int) -> tuple[int, float]:
+    """The draft length k (0: none) that makes (made + expected_kept(rate, k)) / (base + k) highest, if above `best`,
+    and its expected_kept. The sum grows a term a guess, each smaller than the one before, while the cost grows a
+    row: once a guess lowers the ratio, every longer draft lowers it more (the ratio after it lies between the ratio
+    before and that guess's term, which the next term is below), so the search stops there."""
+    best_k, best_kept = 0, 0.0
+    kept = 0.0
+    previous = None
+    for k in range(1, longest + 1):
+        kept += rate**k  # expected_kept(rate, k), the same sum in the same order
+        value = (made + kept) / (base + k)
+        if previous is not None and value <= previous:
+            break
+        previous = value
+        if value > best:
+            best, best_k, best_kept = value, k, kept
+    return best_k, best_kept
+
+
+def _drafted(chunk: ScheduledChunk, guess: Seq[int]) -> ScheduledChunk:
     return replace(chunk, tokens=(*chunk.tokens, *guess), drafted=len(guess))
 

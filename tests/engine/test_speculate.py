@@ -11,7 +11,7 @@ import pytest
 from servelm.engine.local import LocalEngine
 from servelm.engine.plan import Keep, ScheduledChunk, SeqKey, StepPlan
 from servelm.engine.sequence import SeqStatus, SequenceGroup
-from servelm.engine.speculate import PRIOR, Candidate, Drafter, Speculator, expected_kept
+from servelm.engine.speculate import PRIOR, Candidate, Drafter, Speculator, _best_draft, expected_kept
 from servelm.engine.types import GenerationRequest, SamplingParams
 from servelm.runners.fake import END_TOKEN, FakeRunner
 
@@ -56,6 +56,28 @@ def test_the_rate_falls_on_failed_guesses_and_drifts_back_while_resting():
 def test_expected_kept_is_a_geometric_sum():
     assert expected_kept(1.0, 4) == 4
     assert expected_kept(0.5, 2) == pytest.approx(0.75)
+
+
+def test_the_draft_length_search_stops_early_and_finds_what_trying_every_length_finds():
+    """_best_draft stops at the first guess that lowers the step's tokens per row-time; trying every length (the
+    definition) must pick the same length and expected tokens, bit for bit."""
+    rng = random.Random(7)
+    stopped_early = 0
+    for _ in range(5000):
+        made = float(rng.randint(1, 16))
+        cost = made + rng.choice([0.5, 1.5, 3.0, 4.5]) + rng.randint(0, 6)
+        first = rng.choice([0.0, 1.0, 2.5, 4.0])
+        rate = rng.choice([1.0, 0.999, rng.random(), rng.random() ** 4])
+        longest = rng.randint(0, 16)
+        best, best_k = made / cost, 0
+        for k in range(1, longest + 1):
+            value = (made + expected_kept(rate, k)) / (cost + first + k - 1)
+            if value > best:
+                best, best_k = value, k
+        got = _best_draft(made, cost + first - 1, made / cost, rate, longest)
+        assert got == (best_k, expected_kept(rate, best_k) if best_k else 0.0), (made, cost, first, rate, longest)
+        stopped_early += 0 < best_k < longest
+    assert stopped_early > 100, "the cases must include drafts shorter than the longest guess"
 
 
 # -- the policy -----------------------------------------------------------------------------------
