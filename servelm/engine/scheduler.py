@@ -230,7 +230,8 @@ class Scheduler:
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
         # keep the decoding streams' next token within the target, unless the prompts go in at once (_catches_up)
-        if plan.decode_tokens and self.pacer is not None and not self._catches_up(budget, len(plan.chunks), urgent):
+        if (plan.decode_tokens and self.pacer is not None and self._prompts_to_read()
+                and not self._catches_up(budget, len(plan.chunks), urgent)):
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
             budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
@@ -264,6 +265,10 @@ class Scheduler:
                     budget -= self._read(seq, budget, plan)
         plan.ops = self.cache.take_ops(bool(plan.chunks))
         return plan
+
+    def _prompts_to_read(self) -> bool:
+        """Whether a request waits or a running one reads its prompt (else no step need ask the pacer's fit)."""
+        return bool(self.waiting) or any(seq.reads_prompt for group in self.running for seq in group.seqs)
 
     def _catches_up(self, budget: int, decoding: int, urgent: SequenceGroup | None) -> bool:
         """Whether a decoding step reads every prompt there is to read, past the pacer's limit: when those reading
