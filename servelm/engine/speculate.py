@@ -37,6 +37,8 @@ PRIOR = 0.5  # a new sequence's rate of kept guesses
 LEARN = 0.15  # weight of one verified position in the moving rate
 DRIFT = 0.01  # per step without a draft, the rate moves this much of the way back to PRIOR
 COST_CACHE = 4096  # step shapes whose cost is kept (a few steps' worth of drafting decisions); emptied when full
+# all of a chunk its cost depends on: its slot, its length, its adapters, whether it is text, whether it reads again
+Shape = tuple[int, int, tuple[tuple[str, float], ...], bool, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,7 @@ class Speculator:
     def __init__(self, call_cost_rows: float, lone_row_from: int | None = None) -> None:
         self.call_cost = call_cost_rows
         self.lone_row_from = lone_row_from
-        self._costs: dict[tuple[tuple[object, ...], ...], float] = {}  # cost() by the chunks' shape
+        self._costs: dict[tuple[Shape, ...], float] = {}  # cost() by the chunks' shapes
 
     def _rereads(self, chunk: ScheduledChunk) -> bool:
         """Whether the chunk's token, as a lone row, is read with its previous position (lone_row_from)."""
@@ -124,11 +126,10 @@ class Speculator:
         drafting decisions ask for the same shapes again and again."""
         return self._cost_of(tuple(map(self._shape, chunks)), chunks)
 
-    def _shape(self, chunk: ScheduledChunk) -> tuple[object, ...]:
-        """All of a chunk its cost depends on: the second item is its length."""
+    def _shape(self, chunk: ScheduledChunk) -> Shape:
         return (chunk.slot, len(chunk.tokens), chunk.adapters, chunk.media is None, self._rereads(chunk))
 
-    def _cost_of(self, shape: tuple[tuple[object, ...], ...], chunks: list[ScheduledChunk], at: int | None = None,
+    def _cost_of(self, shape: tuple[Shape, ...], chunks: list[ScheduledChunk], at: int | None = None,
                  guess: Seq[int] = ()) -> float:
         """cost() of the chunks by their `shape`, with chunk `at` (if any) drafted `guess`: only computed when no
         step has had that shape yet."""
@@ -176,8 +177,8 @@ class Speculator:
                 continue
             # the first guess's cost (a row, and the calls a longer chunk splits off, or nothing in place of a lone
             # row's re-read); each further guess is a row more. Its shape is the step's with chunk i a token longer.
-            slot, length, *rest = shapes[i]
-            longer = (*shapes[:i], (slot, length + 1, *rest), *shapes[i + 1 :])
+            slot, length, adapters, text, rereads = shapes[i]
+            longer = (*shapes[:i], (slot, length + 1, adapters, text, rereads), *shapes[i + 1 :])
             first = self._cost_of(longer, chunks, i, guess[:1]) - cost
             best_k, best_kept = _best_draft(made, cost + first - 1, made / cost, rate, len(guess))
             if not best_k:
