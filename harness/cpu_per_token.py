@@ -12,7 +12,8 @@ chats at each level of streams (temperature 0, max_tokens fixed by banning the m
 and the part of it outside the model's pass (less its decode and runner phases), the CPU time of the threads that share
 a step's whole-row sampling passes with it (servelm-sample), and the event loop thread's CPU time
 with its parts in the streams' chunks (`servelm_stream_cpu_seconds_total`: serialize, write; `rest`: the hop from the
-engine, the service layers, HTTP). `sample+logprobs a step` is the figure of Gemma 3's large vocabulary.
+engine, the service layers, HTTP), and the garbage collector's pauses, whichever thread they fell on
+(`servelm_gc_pause_seconds_total`). `sample+logprobs a step` is the figure of Gemma 3's large vocabulary.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def scrape(url: str) -> dict[str, float]:
         add(f"thread:{thread}", value)
     for part, value in re.findall(r'^servelm_stream_cpu_seconds_total{part="(\w+)"} (\S+)$', text, re.M):
         add(f"stream:{part}", value)
+    for value in re.findall(r'^servelm_gc_pause_seconds_total{[^}]*} (\S+)$', text, re.M):
+        add("gc", value)
     for key, name in (("steps", "servelm_engine_steps_total"), ("tokens", "servelm_generation_tokens_total"),
                       ("calls", "servelm_engine_forward_calls_total")):
         for value in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M):
@@ -78,6 +81,7 @@ def per_token(delta: dict[str, float]) -> dict[str, float]:
     ms["  write"] = 1000 * write / tokens
     ms["  rest (hop, services, HTTP)"] = 1000 * max(0.0, loop - serialize - write) / tokens
     ms["server CPU outside the pass"] = ms["engine phases outside the pass"] + ms["event loop CPU"]
+    ms["  of all threads: garbage collection (the GIL held)"] = 1000 * delta.get("gc", 0.0) / tokens
     ms["tokens a step"] = delta.get("tokens", 0.0) / steps
     ms["llama_decode calls a step"] = delta.get("calls", 0.0) / steps
     ms["sample+logprobs a step"] = 1000 * (delta.get("phase:sample", 0.0) + delta.get("phase:logprobs", 0.0)) / steps

@@ -9,8 +9,10 @@ layer's MeteredEngine calls without knowing about Prometheus.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -183,6 +185,40 @@ class _ThreadCollector(Collector):
         return []
 
 
+# Seconds spent in the cyclic garbage collector by generation, process-wide (one callback, whatever the apps): a
+# collection holds the GIL, so every thread (the engine's next step, every stream's chunk) waited that long.
+GC_PAUSE_SECONDS = [0.0, 0.0, 0.0]
+_gc_started: list[float] = []
+
+
+def _time_collections(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+    elif _gc_started:
+        GC_PAUSE_SECONDS[info["generation"]] += time.perf_counter() - _gc_started.pop()
+
+
+gc.callbacks.append(_time_collections)
+
+
+class _GcCollector(Collector):
+    """The garbage collector's pauses, and the objects frozen out of its way (servelm serve freezes what it built
+    before serving)."""
+
+    def collect(self) -> Iterator[Metric]:
+        pauses = CounterMetricFamily("servelm_gc_pause_seconds", "seconds in the cyclic garbage collector by "
+                                     "generation (2: a full collection); it holds the GIL, so every thread waited",
+                                     labels=["generation"])
+        for generation, seconds in enumerate(GC_PAUSE_SECONDS):
+            pauses.add_metric([str(generation)], seconds)
+        yield pauses
+        yield GaugeMetricFamily("servelm_gc_frozen_objects", "objects frozen out of every collection: what the server "
+                                "built before serving (modules, models, vocabulary tables)", gc.get_freeze_count())
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
 class _BatchCollector(Collector):
     """The Batch API's batches by status and lines answered, read from its store when Prometheus scrapes."""
 
@@ -303,6 +339,7 @@ class Metrics:
         r.register(_EngineCollector(engine_gauges))
         self._loop_thread: int | None = None  # the event loop's thread (watch_loop runs on it)
         r.register(_ThreadCollector(lambda: self._loop_thread))
+        r.register(_GcCollector())
 
     async def watch_loop(self) -> None:
         """Measure the running event loop's lag until cancelled: a timer every LOOP_TICK, and how late it ran."""
