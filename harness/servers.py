@@ -97,11 +97,26 @@ def has_flag(help_output: str, flag: str) -> bool:
     return re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", help_output, re.M) is not None
 
 
+def same_prompts(model: Path) -> list[str]:
+    """`--no-jinja --chat-template NAME` where servelm renders the model's prompts with llama.cpp's built-in template
+    for its architecture (a model file with no template of its own, as Gemma 3's): llama-server falls back to ChatML
+    there, and would read other prompts (Gemma 3: 125 tokens where servelm reads 111). Its Jinja engine would take
+    NAME for a template's source."""
+    from servelm.gguf_header import read_metadata
+    from servelm.runners.llamacpp import builtin_template_for
+
+    meta = read_metadata(model, lambda key: key in ("general.architecture", "tokenizer.chat_template"))
+    if meta.get("tokenizer.chat_template"):
+        return []
+    name = builtin_template_for(str(meta.get("general.architecture", "")))
+    return ["--no-jinja", "--chat-template", name] if name else []
+
+
 def llama_server_spec(binary: Path, model: Path, port: int, parallel: int, ctx: int, threads: int,
                       extra: list[str]) -> ServerSpec:
     flags = help_text(binary)
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(parallel), "-c", str(ctx), "-t", str(threads), "--alias", MODEL_ID]
+            "-np", str(parallel), "-c", str(ctx), "-t", str(threads), "--alias", MODEL_ID, *same_prompts(model)]
     argv += [f for f in ("--no-webui", "--kv-unified") if has_flag(flags, f)]
     return ServerSpec("llama-server", argv + extra, port)
 
@@ -111,7 +126,7 @@ def llama_server_defaults_spec(binary: Path, model: Path, port: int, threads: in
     """llama-server as a user starts it: the model, the address and the threads; its own slots and context."""
     flags = help_text(binary)
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "--alias", MODEL_ID]
+            "--alias", MODEL_ID, *same_prompts(model)]
     argv += [f for f in ("--no-webui",) if has_flag(flags, f)]
     return ServerSpec(name, argv + extra, port)
 

@@ -153,6 +153,16 @@ def _builtin_templates() -> set[str]:
     return {name.decode() for name in out if name}
 
 
+def builtin_template_for(architecture: str) -> str | None:
+    """The name of llama.cpp's built-in chat template for a model architecture (gemma3 → gemma), if it has one
+    other than ChatML: what a model file with no chat template of its own is rendered with."""
+    names = _builtin_templates()
+    for name in (architecture, architecture.rstrip("0123456789")):
+        if name in names and name != "chatml":
+            return name
+    return None
+
+
 def _load_progress(model_path: str | Path) -> Any:
     """A progress callback for llama_model_load_from_file that logs every tenth of the load, so that a long
     load shows it is moving. The caller keeps it alive while llama.cpp may call it."""
@@ -487,12 +497,7 @@ class LlamaModel:
     def builtin_template(self) -> str | None:
         """The name of llama.cpp's built-in chat template for this model's architecture (gemma3 → gemma), if it
         has one."""
-        arch = self.architecture
-        names = _builtin_templates()
-        for name in (arch, arch.rstrip("0123456789")):
-            if name in names and name != "chatml":
-                return name
-        return None
+        return builtin_template_for(self.architecture)
 
     def apply_builtin_template(self, name: str, messages: list[tuple[str, str]], add_generation_prompt: bool) -> str:
         """Messages (role, content) rendered by llama.cpp's built-in template `name`."""
