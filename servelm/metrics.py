@@ -212,8 +212,9 @@ class _GcCollector(Collector):
         for generation, seconds in enumerate(GC_PAUSE_SECONDS):
             pauses.add_metric([str(generation)], seconds)
         yield pauses
-        yield GaugeMetricFamily("servelm_gc_frozen_objects", "objects frozen out of every collection: what the server "
-                                "built before serving (modules, models, vocabulary tables)", gc.get_freeze_count())
+        yield GaugeMetricFamily("servelm_gc_frozen_objects", "objects frozen out of every collection that are still "
+                                "alive: what the server built before serving (modules, models, vocabulary tables), "
+                                "less what has gone since", gc.get_freeze_count())
 
     def describe(self) -> list[Metric]:
         return []
