@@ -188,14 +188,14 @@ class _ThreadCollector(Collector):
 # Seconds spent in the cyclic garbage collector by generation, process-wide (one callback, whatever the apps): a
 # collection holds the GIL, so every thread (the engine's next step, every stream's chunk) waited that long.
 GC_PAUSE_SECONDS = [0.0, 0.0, 0.0]
-_gc_started: list[float] = []
+_gc_started = [0.0]  # when the collection running began (collections never overlap: one at a time, GIL held)
 
 
 def _time_collections(phase: str, info: dict[str, int]) -> None:
     if phase == "start":
-        _gc_started[:] = [time.perf_counter()]
-    elif _gc_started:
-        GC_PAUSE_SECONDS[info["generation"]] += time.perf_counter() - _gc_started.pop()
+        _gc_started[0] = time.perf_counter()
+    else:
+        GC_PAUSE_SECONDS[info["generation"]] += time.perf_counter() - _gc_started[0]
 
 
 gc.callbacks.append(_time_collections)
