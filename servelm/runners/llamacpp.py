@@ -689,6 +689,7 @@ class LlamaCppRunner:
         # copied there (_flush) or handed out whole (a step of one call whose rows lie in the plan's order)
         self._held: tuple[np.ndarray, list[tuple[int, int]]] | None = None
         self._out_rows = 0  # the most logits rows a call has had: more may make llama.cpp move its buffer
+        self._views: dict[tuple[int, int], np.ndarray] = {}  # llama.cpp's logits buffer as arrays: (address, rows)
         self._media_batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Any] | None = None
         if self.projector is not None:
             self._media_batch = _batch(self.max_step_tokens, outputs=False, embd=self.projector.n_embd)
@@ -958,7 +959,19 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama_decode failed with code {rc}")
         self._out_rows = max(self._out_rows, got)
         if got:
-            self._held = (np.ctypeslib.as_array(logits, shape=(got, self.vocab_size)), places)
+            self._held = (self._view(logits, got), places)
+
+    def _view(self, logits: Any, rows: int) -> np.ndarray:
+        """The first `rows` rows of llama.cpp's logits buffer as an array over it, made once for each address and
+        number of rows (numpy's ctypes bridge costs tens of microseconds a call, a share of a one-stream step); the
+        views of a buffer llama.cpp has given up are dropped when another address appears."""
+        key = (ctypes.addressof(logits.contents), rows)
+        view = self._views.get(key)
+        if view is None:
+            if any(address != key[0] for address, _ in self._views):
+                self._views.clear()
+            view = self._views[key] = np.ctypeslib.as_array(logits, shape=(rows, self.vocab_size))
+        return view
 
     @property
     def decode_seconds(self) -> float:

@@ -4,6 +4,8 @@ place. tests/runners/test_llamacpp_exactness.py and the self-check compare the r
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -228,3 +230,22 @@ def test_a_step_of_one_call_hands_out_llama_cpps_rows_and_a_step_of_several_thei
     assert several.forward_calls == 4 and np.shares_memory(out, several._logits)
     assert {int(v) // 1000 for v in out[:, 0]} == {1, 2, 3, 4}, "the rows of every call"
     assert [int(v) % 1000 for v in out[:, 0]] == list(range(len(plan.chunks))), "each at its place"
+
+
+def test_llama_cpps_logits_buffer_is_viewed_once_for_each_address_and_number_of_rows():
+    """The rows a call made are handed out as an array over llama.cpp's own buffer, made once for each (address,
+    rows): later calls' rows read through the same array; a buffer llama.cpp moved gets new arrays and the old
+    ones are dropped."""
+    runner = object.__new__(LlamaCppRunner)
+    runner.vocab_size, runner._views = 4, {}
+    first = (ctypes.c_float * 12)(*range(12))
+    at = ctypes.cast(first, ctypes.POINTER(ctypes.c_float))
+    two = runner._view(at, 2)
+    assert two.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and runner._view(at, 2) is two
+    first[5] = 50.0  # the next call's rows, written where the last call's were
+    assert two[1, 1] == 50.0, "an array over the buffer, not a copy"
+    assert runner._view(at, 3).shape == (3, 4) and len(runner._views) == 2
+    moved = (ctypes.c_float * 16)(*range(100, 116))
+    assert runner._view(ctypes.cast(moved, ctypes.POINTER(ctypes.c_float)), 2).tolist() == [[100, 101, 102, 103],
+                                                                                         [104, 105, 106, 107]]
+    assert len(runner._views) == 1, "the old buffer's arrays are dropped"
