@@ -13,7 +13,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -220,6 +220,31 @@ class _GcCollector(Collector):
         return []
 
 
+class _ReplicaGcCollector(Collector):
+    """Under Ray: the garbage collector's pauses and frozen objects of each deployment's replicas (their own
+    processes), added up over the replicas."""
+
+    def __init__(self, source: Callable[[], Iterable[tuple[str, int, Sequence[float]]]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        pauses = CounterMetricFamily("servelm_replica_gc_pause_seconds", "under --ray: seconds in the garbage "
+                                     "collector of the deployment's replicas, by generation (each holds its "
+                                     "replica's GIL, so its engine waited)", labels=["model", "generation"])
+        frozen = GaugeMetricFamily("servelm_replica_gc_frozen_objects", "under --ray: objects the deployment's "
+                                   "replicas froze out of every collection (what they built) that are still alive",
+                                   labels=["model"])
+        for model, count, seconds in self._source():
+            frozen.add_metric([model], count)
+            for generation, spent in enumerate(seconds):
+                pauses.add_metric([model, str(generation)], spent)
+        yield pauses
+        yield frozen
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
 class _BatchCollector(Collector):
     """The Batch API's batches by status and lines answered, read from its store when Prometheus scrapes."""
 
@@ -371,6 +396,11 @@ class Metrics:
     def watch_adapters(self, source: Callable[[], Iterable[tuple[str, str, bool, int]]]) -> None:
         """Collect the LoRA adapters' (model, adapter, loaded, requests) from `source`."""
         self.registry.register(_AdapterCollector(source))
+
+    def watch_replicas(self, source: Callable[[], Iterable[tuple[str, int, Sequence[float]]]]) -> None:
+        """Collect the Ray replicas' garbage-collector figures from `source`: (model, frozen objects, pause seconds
+        by generation), added up over each deployment's replicas."""
+        self.registry.register(_ReplicaGcCollector(source))
 
     def watch_models(self, source: Callable[[], Iterable[ModelCounts]]) -> None:
         """Collect the on-demand models' counts from `source` (servelm/fleet.py's Fleet.counts)."""

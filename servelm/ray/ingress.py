@@ -29,6 +29,7 @@ from servelm.compose import Built, Closer, check_guards
 from servelm.config import DeploymentSpec
 from servelm.fleet import Fleet, FleetLimits
 from servelm.http.app import AppOptions
+from servelm.http.state import STATE_KEY
 from servelm.models import resolve_model_source
 from servelm.ray.remote import RemoteEmbedder, RemoteEngine, ReplicaAdapters, ReplicaSet
 from servelm.ray.replica import ReplicaInfo
@@ -91,7 +92,19 @@ class Ingress:
                          store=None if durable else RayStore(options.responses),
                          conversations=None if durable else RayConversations(options.conversations),
                          catalog=self._catalog, tracing=tracing)
+        getattr(app.state, STATE_KEY).metrics.watch_replicas(self._replica_gc)
         return ReplicaHeader(FreshStats(app, self._sets))
+
+    def _replica_gc(self) -> list[tuple[str, int, list[float]]]:
+        """Each deployment's replicas' garbage-collector figures, added up (as last polled: /metrics refreshes them)."""
+        found = []
+        for s in self._sets:
+            pauses = [0.0, 0.0, 0.0]
+            for stats in s.latest:
+                for generation, seconds in enumerate(stats.gc_pause_seconds[:3]):
+                    pauses[generation] += seconds
+            found.append((s.name, sum(stats.gc_frozen for stats in s.latest), pauses))
+        return found
 
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()

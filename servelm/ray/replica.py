@@ -16,11 +16,18 @@ DeploymentHandle:
   loaded here, so a request goes where they already are.
 
 Ray Serve calls `check_health` periodically: an engine thread that died fails it, and the replica is replaced.
+
+What a replica builds (Ray's and servelm's modules, its model, the vocabulary tables) lives as long as the model:
+it is frozen out of the garbage collector's way, so that a full collection reads only what came since instead of
+holding the engine thread's GIL for a tenth of a second. Ray Serve freezes what a replica's start built; a model
+loaded on demand is frozen once loaded, and an unload thaws everything first, so that the model's cycles go with
+it. `stats()` tells the ingress the replica's collector figures (/metrics: servelm_replica_gc_*).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -35,6 +42,7 @@ from servelm.engine.embedding import EmbeddingStats
 from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest
 from servelm.errors import InvalidParameter, ServiceUnavailable
 from servelm.fleet import free
+from servelm.metrics import GC_PAUSE_SECONDS
 from servelm.service.registry.adapters import Adapters
 from servelm.service.registry.deployments import Deployment, ModelFacts, TextDeployment, all_alive
 from servelm.tracing import RequestTrace, TraceSettings, Tracing
@@ -71,6 +79,8 @@ class ReplicaStats:
     engine: EngineStats | None
     embedder: EmbeddingStats | None
     adapters: tuple[tuple[str, bool, int], ...] = ()  # its LoRA adapters: (name, loaded, requests run with it)
+    gc_frozen: int = 0  # objects frozen out of the garbage collector's way (what it built), still alive
+    gc_pause_seconds: tuple[float, ...] = ()  # seconds in the collector by generation, since the replica started
 
 
 def replica_id() -> str:
@@ -102,6 +112,7 @@ class ModelReplica:
             built.close()
             raise
         self._built = built
+        _freeze()
 
     @property
     def _deployment(self) -> Deployment:
@@ -121,7 +132,9 @@ class ModelReplica:
         async with self._loading:
             built, self._built = self._built, None
             if built is not None:
+                gc.unfreeze()  # the model's objects, its cycles too, go with it; what is left is frozen again
                 await asyncio.to_thread(free, built)
+                await asyncio.to_thread(_freeze)
                 log.info("replica %s unloaded %r", self._id, self._spec.name)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[str | list[GenerationOutput], None]:
@@ -178,13 +191,14 @@ class ModelReplica:
         return await embedder.embed(inputs, caller)
 
     def stats(self) -> ReplicaStats:
+        frozen, pauses = gc.get_freeze_count(), tuple(GC_PAUSE_SECONDS)
         if self._built is None:
-            return ReplicaStats(self._id, None, None)
+            return ReplicaStats(self._id, None, None, gc_frozen=frozen, gc_pause_seconds=pauses)
         d = self._deployment
         held = d.adapters.all() if isinstance(d, TextDeployment) and d.adapters is not None else []
         adapters = tuple((a.name, a.loaded, a.requests) for a in held)
         return ReplicaStats(self._id, d.engine.stats() if isinstance(d, TextDeployment) else None,
-                            d.embedder.stats() if d.embedder is not None else None, adapters)
+                            d.embedder.stats() if d.embedder is not None else None, adapters, frozen, pauses)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve's routing stats, read by the router: whether the model is loaded, and its loaded adapters."""
@@ -238,6 +252,12 @@ class ModelReplica:
         tracing = getattr(self, "_tracing", None)
         if tracing is not None:
             tracing.shutdown()  # its buffered spans go out, or are dropped past the bound
+
+
+def _freeze() -> None:
+    """Everything alive now frozen out of every later collection (after one that drops what is already garbage)."""
+    gc.collect()
+    gc.freeze()
 
 
 _END = object()

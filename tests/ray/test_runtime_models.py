@@ -7,6 +7,7 @@ and a replica, and a reranker (scripts/make_test_reranker.py) scored on a replic
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,11 @@ def test_an_on_demand_model_loads_when_named_and_unloads_by_route(server: RaySer
     assert answer(server, LATER).choices[0].message.content == base
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert f'servelm_model_loads_total{{model="{LATER}",outcome="loaded"}} 2.0' in metrics
+    # what a load built (the model, its vocabulary tables) is frozen out of the garbage collector's way, as what a
+    # replica builds at its start is: the on-demand replica holds as many frozen objects as each of the base's two
+    frozen = {m: float(v) for m, v in re.findall(r'^servelm_replica_gc_frozen_objects{model="([^"]+)"} (\S+)$',
+                                                  metrics, re.M)}
+    assert frozen[LATER] > 0.9 * frozen[MODEL] / 2, frozen
 
 
 def test_adapters_reach_every_replica_by_route(server: RayServer, loras) -> None:

@@ -4,6 +4,7 @@ the contract's basics, prefix-affine routing, and a replica killed mid-run."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,6 +95,13 @@ def test_models_health_metrics_and_embeddings(ray_server: RayServer) -> None:
     assert health["deployments"][MODEL]["exact"] is True
     metrics = httpx.get(f"{ray_server.base_url}/metrics", timeout=10).text
     assert "servelm_http_requests_total" in metrics and "servelm_time_to_first_token_seconds" in metrics
+    # the replicas' own garbage collectors: what each built at its start (Ray, the model, its vocabulary tables) is
+    # frozen out of their way, so that a full collection there does not hold its engine's GIL for a tenth of a second
+    frozen = re.search(rf'^servelm_replica_gc_frozen_objects{{model="{MODEL}"}} (\S+)$', metrics, re.M)
+    assert frozen is not None and float(frozen.group(1)) > 50_000, frozen
+    pauses = re.findall(rf'^servelm_replica_gc_pause_seconds_total{{generation="(\d)",model="{MODEL}"}} (\S+)$',
+                        metrics, re.M)
+    assert sorted(g for g, _ in pauses) == ["0", "1", "2"] and all(float(s) >= 0 for _, s in pauses), pauses
     vectors = client(ray_server).embeddings.create(model=MODEL, input=["bread", "cake"]).data
     assert len(vectors) == 2 and len(vectors[0].embedding) > 0
 
