@@ -17,10 +17,13 @@ forward call plus one per row, and makes one token per decoding sequence. A draf
 calls, when its longer chunk splits a run of one-token chunks: llama.cpp passes only equal-length chunks of
 consecutive sequences together) and is expected to add alpha + alpha^2 + ... + alpha^k tokens, alpha being the
 sequence's rate of kept guesses (a moving average over its verified positions). A sequence drafts the k that
-makes the step's expected tokens per row-time highest, and only when that beats the step without it. A sequence
-whose guesses fail stops drafting after a guess or two; its rate drifts back towards the prior while it does not
-draft, so it tries again now and then (one row every few dozen steps). Under load (16 decoding sequences) a draft
-pays only for a sequence whose guesses nearly always hold.
+makes the step's expected tokens per row-time highest, and only when that beats the step without it. A guess that
+was not worth its row still teaches the rate: once the sequence's next token is known, the rate moves as it would
+have had the guess been read (a shadow guess, which costs no row). So a sequence whose guesses fail stops drafting
+and spends no more rows finding out whether they still fail, and one whose guesses start to hold (an answer that
+begins to copy its prompt) starts drafting, under load too, where a draft pays only for a sequence whose guesses
+nearly always hold. A new sequence starts at PRIOR, below what a row costs at one stream: its first guesses are
+shadows.
 """
 
 from __future__ import annotations
@@ -33,9 +36,8 @@ from servelm.engine.plan import ScheduledChunk, StepPlan
 
 NGRAMS = (4, 3, 2, 1)  # n-gram lengths looked up, longest first
 MAX_DRAFT = 16  # guesses one sequence reads in a step at most
-PRIOR = 0.5  # a new sequence's rate of kept guesses
-LEARN = 0.15  # weight of one verified position in the moving rate
-DRIFT = 0.01  # per step without a draft, the rate moves this much of the way back to PRIOR
+PRIOR = 0.35  # a new sequence's rate of kept guesses
+LEARN = 0.15  # weight of one verified position (or shadow guess) in the moving rate
 COST_CACHE = 4096  # step shapes whose cost is kept (a few steps' worth of drafting decisions); emptied when full
 # all of a chunk its cost depends on: its slot, its length, its adapters, whether it is text, whether it reads again
 Shape = tuple[int, int, tuple[tuple[str, float], ...], bool, bool]
@@ -60,14 +62,22 @@ class Drafter:
     upto: int = 0  # n-grams ending at positions up to here are indexed
     rates: list[float] = field(default_factory=lambda: [PRIOR, PRIOR])  # [after n >= 2, after n = 1]
     weak: bool = False  # whether the latest guess came from a single token's match
+    shadowed: tuple[int, int, bool] | None = None  # a guess not drafted: (its position, its token, weak)
 
     @property
     def rate(self) -> float:
         return self.rates[self.weak]
 
     def propose(self, history: Seq[int], limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the latest earlier occurrence of history's last n-gram."""
+        """Up to `limit` tokens that followed the latest earlier occurrence of history's last n-gram (a shadow guess
+        whose token has come since is learned from first)."""
         end = len(history)
+        shadowed = self.shadowed
+        if shadowed is not None and end > shadowed[0]:
+            self.shadowed = None
+            position, token, weak = shadowed
+            held = history[position] == token
+            self.rates[weak] += LEARN * (1.0 - self.rates[weak]) if held else -LEARN * self.rates[weak]
         index = self.index
         for e in range(self.upto + 1, end):  # every n-gram that ends before the last token's position
             for n in NGRAMS:
@@ -95,9 +105,9 @@ class Drafter:
             rate -= LEARN * rate
         self.rates[self.weak] = rate
 
-    def rest(self) -> None:
-        """A step without a draft: the rates drift back towards the prior."""
-        self.rates = [r + DRIFT * (PRIOR - r) for r in self.rates]
+    def shadow(self, history: Seq[int], guess: Seq[int]) -> None:
+        """The guess `propose` made for history's next token was not drafted: learn from it once that token is known."""
+        self.shadowed = (len(history), guess[0], self.weak) if guess else None
 
 
 def expected_kept(rate: float, k: int) -> float:
@@ -160,10 +170,9 @@ class Speculator:
         for i, candidate in candidates.items():
             limit = min(MAX_DRAFT, max_rows - 1, candidate.room, budget)
             guess = candidate.drafter.propose(candidate.history, limit) if limit > 0 else []
+            candidate.drafter.shadow(candidate.history, guess)  # until it is drafted below
             if guess:
                 offers.append((candidate.drafter.rate, i, guess))
-            else:
-                candidate.drafter.rest()
         if not offers:
             return 0
         made = float(len(chunks))  # the step's expected tokens, and its cost in rows' time
@@ -173,7 +182,6 @@ class Speculator:
         for rate, i, guess in sorted(offers, key=lambda o: -o[0]):
             guess = guess[: budget - added]
             if not guess:
-                candidates[i].drafter.rest()
                 continue
             # the first guess's cost (a row, and the calls a longer chunk splits off, or nothing in place of a lone
             # row's re-read); each further guess is a row more. Its shape is the step's with chunk i a token longer.
@@ -182,8 +190,8 @@ class Speculator:
             first = self._cost_of(longer, chunks, i, guess[:1]) - cost
             best_k, best_kept = _best_draft(made, cost + first - 1, made / cost, rate, len(guess))
             if not best_k:
-                candidates[i].drafter.rest()
                 continue
+            candidates[i].drafter.shadowed = None  # read: its verification teaches the rate
             chunks[i] = _drafted(chunks[i], guess[:best_k])
             shapes[i] = self._shape(chunks[i])
             made += best_kept
