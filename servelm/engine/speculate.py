@@ -77,7 +77,7 @@ class Drafter:
             self.shadowed = None
             position, token, weak = shadowed
             held = history[position] == token
-            self.rates[weak] += LEARN * (1.0 - self.rates[weak]) if held else -LEARN * self.rates[weak]
+            self.rates[weak] = _learned(self.rates[weak], int(held), not held)
         index = self.index
         for e in range(self.upto + 1, end):  # every n-gram that ends before the last token's position
             for n in NGRAMS:
@@ -98,16 +98,20 @@ class Drafter:
 
     def observe(self, kept: int, rejected: bool) -> None:
         """A verified draft: `kept` guesses held, and then one failed (rejected) or the sequence ended."""
-        rate = self.rates[self.weak]
-        for _ in range(kept):
-            rate += LEARN * (1.0 - rate)
-        if rejected:
-            rate -= LEARN * rate
-        self.rates[self.weak] = rate
+        self.rates[self.weak] = _learned(self.rates[self.weak], kept, rejected)
 
     def shadow(self, history: Seq[int], guess: Seq[int]) -> None:
         """The guess `propose` made for history's next token was not drafted: learn from it once that token is known."""
         self.shadowed = (len(history), guess[0], self.weak) if guess else None
+
+
+def _learned(rate: float, kept: int, rejected: bool) -> float:
+    """The rate after `kept` guesses held and then, if `rejected`, one failed."""
+    for _ in range(kept):
+        rate += LEARN * (1.0 - rate)
+    if rejected:
+        rate -= LEARN * rate
+    return rate
 
 
 def expected_kept(rate: float, k: int) -> float:
