@@ -97,14 +97,8 @@ class Ingress:
 
     def _replica_gc(self) -> list[tuple[str, int, list[float]]]:
         """Each deployment's replicas' garbage-collector figures, added up (as last polled: /metrics refreshes them)."""
-        found = []
-        for s in self._sets:
-            pauses = [0.0, 0.0, 0.0]
-            for stats in s.latest:
-                for generation, seconds in enumerate(stats.gc_pause_seconds[:3]):
-                    pauses[generation] += seconds
-            found.append((s.name, sum(stats.gc_frozen for stats in s.latest), pauses))
-        return found
+        return [(s.name, sum(r.gc_frozen for r in s.latest), [sum(g) for g in zip(*(r.gc_pause_seconds for r in s.latest))])
+                for s in self._sets]
 
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -112,7 +112,6 @@ class ModelReplica:
             built.close()
             raise
         self._built = built
-        _freeze()
 
     @property
     def _deployment(self) -> Deployment:
@@ -125,6 +124,8 @@ class ModelReplica:
         async with self._loading:
             if self._built is None:
                 await asyncio.to_thread(self._build)
+                await asyncio.to_thread(gc.collect)  # then frozen, as Ray Serve froze what the replica's start built
+                gc.freeze()
                 log.info("replica %s loaded %r", self._id, self._spec.name)
 
     async def unload(self) -> None:
@@ -132,9 +133,9 @@ class ModelReplica:
         async with self._loading:
             built, self._built = self._built, None
             if built is not None:
-                gc.unfreeze()  # the model's objects, its cycles too, go with it; what is left is frozen again
+                gc.unfreeze()  # the model's objects, its cycles too, go with free()'s collection
                 await asyncio.to_thread(free, built)
-                await asyncio.to_thread(_freeze)
+                gc.freeze()  # what is left, collected just now
                 log.info("replica %s unloaded %r", self._id, self._spec.name)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[str | list[GenerationOutput], None]:
@@ -252,12 +253,6 @@ class ModelReplica:
         tracing = getattr(self, "_tracing", None)
         if tracing is not None:
             tracing.shutdown()  # its buffered spans go out, or are dropped past the bound
-
-
-def _freeze() -> None:
-    """Everything alive now frozen out of every later collection (after one that drops what is already garbage)."""
-    gc.collect()
-    gc.freeze()
 
 
 _END = object()
