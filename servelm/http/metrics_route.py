@@ -23,7 +23,7 @@ def engine_gauges(deployments: Deployments) -> Iterator[EngineGauges]:
 
 
 async def prometheus_metrics(request: Request) -> Response:
-    return Response(app_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(await app_state(request).metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 ROUTES = (Route("GET", "/metrics", prometheus_metrics),)
