@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from servelm.errors import ApiError, ServerError
 from servelm.http.errors import error_json
-from servelm.metrics import STREAM_CPU_SECONDS
+from servelm.metrics import STREAM_CPU_SAMPLE, STREAM_CPU_SECONDS
 from servelm.protocol.common import NamedEvent
 
 log = logging.getLogger("servelm.http")
@@ -46,20 +46,28 @@ def named_sse(error_event: Callable[[ApiError, int], dict[str, Any]]) -> Framing
 async def frames(chunks: AsyncIterator[BaseModel | bytes], framing: Framing) -> AsyncGenerator[bytes, None]:
     """The chunks (models, or JSON a service wrote itself) framed; an error once the answer has begun travels in the
     stream, in the error envelope (or the framing's own error event)."""
-    sent = 0
+    sent = raw = 0  # chunks, and of them those that came as JSON already (the hot path: one in a sample is timed)
     cpu = STREAM_CPU_SECONDS
     try:
         async for chunk in chunks:
-            start = time.thread_time()
+            if isinstance(chunk, bytes):
+                raw += 1
+                weight = STREAM_CPU_SAMPLE if raw % STREAM_CPU_SAMPLE == 0 else 0
+            else:
+                weight = 1
+            start = time.thread_time() if weight else 0.0
             data = chunk if isinstance(chunk, bytes) else chunk.model_dump_json(exclude_unset=True).encode()
             if framing.named and isinstance(chunk, NamedEvent):
                 data = f"event: {chunk.type}\n".encode() + b"data: " + data + b"\n\n"
             else:
                 data = framing.frame(data)
-            framed = time.thread_time()
-            cpu["serialize"] += framed - start
-            yield data  # resumed once the server's send has written it
-            cpu["write"] += time.thread_time() - framed
+            if weight:
+                framed = time.thread_time()
+                cpu["serialize"] += (framed - start) * weight
+                yield data  # resumed once the server's send has written it
+                cpu["write"] += (time.thread_time() - framed) * weight
+            else:
+                yield data
             sent += 1
     except Exception as exc:  # the response has started: the error can only travel in the stream
         if not isinstance(exc, ApiError):

@@ -14,7 +14,7 @@ from servelm.chat.reasoning import ReasoningMarkers, ReasoningParser, split_reas
 from servelm.chat.tools import ArgsEvent, CallEnd, CallStart, ContentEvent, ToolCallParser, ToolFormat, parse_tool_calls
 from servelm.engine.types import FinishReason, GenerationOutput, GenerationRequest, Thinking, TokenLogprob
 from servelm.errors import InvalidParameter, ServerError
-from servelm.metrics import STREAM_CPU_SECONDS
+from servelm.metrics import STREAM_CPU_SAMPLE, STREAM_CPU_SECONDS
 from servelm.protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -191,18 +191,23 @@ class ChatService:
 
     async def _chunks(self, p: PreparedChat, encoded: bool) -> AsyncGenerator[ChatCompletionChunk | bytes, None]:
         templates: dict[int, tuple[bytes, bytes]] = {}  # choice index → its text chunk's JSON around the text
+        made_count = 0
 
         def text_chunk(index: int, text: str) -> bytes:
-            start = time.thread_time()
+            nonlocal made_count
             template = templates.get(index)
             if template is None:
                 sample = chunk([ChunkChoice(index=index, delta=Delta(content=_MARK), logprobs=None, finish_reason=None)])
                 # the last place it stands: only `usage` (null) follows the choices, and a model's name may hold it
                 before, _, after = sample.model_dump_json(exclude_unset=True).encode().rpartition(_MARK_JSON)
                 template = templates[index] = before, after
+            made_count += 1
+            timed = made_count % STREAM_CPU_SAMPLE == 0  # sampled, as http/streams.py times their frames
+            start = time.thread_time() if timed else 0.0
             # json.dumps escapes a str exactly as pydantic-core does (tests/protocol/test_chunk_templates.py)
             made = template[0] + json.dumps(text, ensure_ascii=False).encode() + template[1]
-            STREAM_CPU_SECONDS["serialize"] += time.thread_time() - start
+            if timed:
+                STREAM_CPU_SECONDS["serialize"] += (time.thread_time() - start) * STREAM_CPU_SAMPLE
             return made
 
         def chunk(choices: list[ChunkChoice], **usage: Any) -> ChatCompletionChunk:
