@@ -13,6 +13,7 @@ unless `--url` names a server already running, sends bounded traffic to 127.0.0.
     .venv/bin/python -m harness.abuse rerank-wait --docs 1024  # a 2-document rerank beside eight big ones
     .venv/bin/python -m harness.abuse starve --seconds 60      # a priority-0 client beside a priority -1000 flood
     .venv/bin/python -m harness.abuse batch-pace --seconds 21  # a key with tpm=200 runs a batch: tokens it used
+    .venv/bin/python -m harness.abuse scrape-flood --n 8       # 4 streams alone, then beside 8 tight /metrics scrapers
 
 Every run prints one JSON object (also written with `--out FILE`).
 """
@@ -295,6 +296,48 @@ async def soak(target: Target, streams: int, seconds: float, sample_s: float = 5
     return {"streams": streams, "seconds": seconds, "requests": done, "tokens_per_s": round(tokens / seconds, 1),
             "errors": dict(errors), "rss_mib_first": warm[0] if warm else None, "rss_mib_last": warm[-1] if warm else None,
             "rss_mib_max": max(warm) if warm else None, "rss_samples": rss, "idle_after_s": wait_idle(target)}
+
+
+# -- scrape-flood --------------------------------------------------------------------------------------------
+async def scrape_flood(target: Target, scrapers: int, seconds: float, streams: int = 4) -> dict[str, Any]:
+    """`streams` clients streaming 64-token chats for `seconds` alone, then as long beside `scrapers` clients that
+    scrape /metrics back to back: the streams' tokens a second both ways, and the scrapes a second."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 64,
+            "stream": True, "temperature": 0, "ignore_eos": True}
+
+    async def level(flood: int) -> tuple[float, float, Counter[str]]:
+        tokens = scrapes = 0
+        errors: Counter[str] = Counter()
+        stop_at = time.monotonic() + seconds
+
+        async def stream(client: httpx.AsyncClient) -> None:
+            nonlocal tokens
+            while time.monotonic() < stop_at:
+                async with client.stream("POST", CHAT, json=body) as resp:
+                    if resp.status_code != 200:
+                        errors[str(resp.status_code)] += 1
+                        await resp.aread()
+                        continue
+                    async for line in resp.aiter_lines():
+                        tokens += line.startswith("data: {") and '"content":"' in line and '"content":""' not in line
+
+        async def scrape(client: httpx.AsyncClient) -> None:
+            nonlocal scrapes
+            while time.monotonic() < stop_at:
+                resp = await client.get("/metrics")
+                if resp.status_code != 200:
+                    errors[f"metrics {resp.status_code}"] += 1
+                scrapes += 1
+
+        async with httpx.AsyncClient(base_url=target.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=streams + flood + 4)) as client:
+            await asyncio.gather(*[stream(client) for _ in range(streams)], *[scrape(client) for _ in range(flood)])
+        return round(tokens / seconds, 1), round(scrapes / seconds, 1), errors
+
+    alone, _, errors = await level(0)
+    flooded, scrapes_per_s, more = await level(scrapers)
+    return {"streams": streams, "scrapers": scrapers, "seconds": seconds, "tokens_per_s_alone": alone,
+            "tokens_per_s_beside_scrapers": flooded, "scrapes_per_s": scrapes_per_s, "errors": dict(errors + more)}
 
 
 # -- burst -------------------------------------------------------------------------------------------------
@@ -719,7 +762,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.abuse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", choices=["fuzz", "disconnects", "soak", "burst", "slowloris", "cheap-bodies", "batch-memory",
-                                   "models-dir", "rerank-wait", "starve", "batch-pace"])
+                                   "models-dir", "rerank-wait", "starve", "batch-pace", "scrape-flood"])
     p.add_argument("--url", default=None, help="a server already running (default: start servelm here; models-dir "
                    "always starts its own). rerank-wait needs keys sk-big and sk-small on it, batch-pace sk-x "
                    "(tpm=200) and sk-free, batch-memory and batch-pace a --state-dir")
@@ -730,10 +773,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--n", type=int, default=None, help="disconnects: streams (100); burst: requests (300); "
                    "slowloris: connections (2000); rerank-wait: big reranks (8); starve: flood threads (6); "
-                   "batch-pace: lines (200); models-dir: rounds of the non-model names, 8 at once (6)")
+                   "batch-pace: lines (200); models-dir: rounds of the non-model names, 8 at once (6); "
+                   "scrape-flood: clients scraping /metrics (8)")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--seconds", type=float, default=None, help="soak (300), slowloris (60), starve: the flood (60), "
-                   "batch-pace: the window (21)")
+                   "batch-pace: the window (21), scrape-flood: each level (20)")
     p.add_argument("--stream", action="store_true", help="burst: streamed requests")
     p.add_argument("--mib", type=int, default=50, help="batch-memory: the batch file's size")
     p.add_argument("--docs", type=int, default=1024, help="rerank-wait: documents in each big rerank")
@@ -806,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
             result = starve(target, args.n or 6, args.seconds or 60, float(aging) if aging is not None else None)
         elif args.run == "batch-pace":
             result = batch_pace(target, args.seconds or 21, args.n or 200)
+        elif args.run == "scrape-flood":
+            result = asyncio.run(scrape_flood(target, args.n or 8, args.seconds or 20))
         else:
             result = slowloris(target, args.n or 2000, args.seconds or 60)
         result = {"run": args.run, "server_flags": flags, **result}
