@@ -272,17 +272,13 @@ async def soak(target: Target, streams: int, seconds: float, sample_s: float = 5
         nonlocal done, tokens
         while time.monotonic() < stop_at:
             try:
-                async with client.stream("POST", CHAT, json=body) as resp:
-                    if resp.status_code != 200:
-                        errors[str(resp.status_code)] += 1
-                        await resp.aread()
-                        continue
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {") and '"content"' in line:
-                            tokens += 1
-                    done += 1
+                got = await _streamed_chunks(client, body, errors)
             except httpx.TransportError as exc:
                 errors[type(exc).__name__] += 1
+                continue
+            if got is not None:
+                tokens += got
+                done += 1
 
     async def sampler() -> None:
         while time.monotonic() < stop_at:
@@ -296,6 +292,17 @@ async def soak(target: Target, streams: int, seconds: float, sample_s: float = 5
     return {"streams": streams, "seconds": seconds, "requests": done, "tokens_per_s": round(tokens / seconds, 1),
             "errors": dict(errors), "rss_mib_first": warm[0] if warm else None, "rss_mib_last": warm[-1] if warm else None,
             "rss_mib_max": max(warm) if warm else None, "rss_samples": rss, "idle_after_s": wait_idle(target)}
+
+
+async def _streamed_chunks(client: httpx.AsyncClient, body: dict[str, Any], errors: Counter[str]) -> int | None:
+    """One streamed chat: its chunks with text (None, the status counted in `errors`, when it is not a 200)."""
+    async with client.stream("POST", CHAT, json=body) as resp:
+        if resp.status_code != 200:
+            errors[str(resp.status_code)] += 1
+            await resp.aread()
+            return None
+        return sum([line.startswith("data: {") and '"content":"' in line and '"content":""' not in line
+                    async for line in resp.aiter_lines()])
 
 
 # -- scrape-flood --------------------------------------------------------------------------------------------
@@ -313,13 +320,7 @@ async def scrape_flood(target: Target, scrapers: int, seconds: float, streams: i
         async def stream(client: httpx.AsyncClient) -> None:
             nonlocal tokens
             while time.monotonic() < stop_at:
-                async with client.stream("POST", CHAT, json=body) as resp:
-                    if resp.status_code != 200:
-                        errors[str(resp.status_code)] += 1
-                        await resp.aread()
-                        continue
-                    async for line in resp.aiter_lines():
-                        tokens += line.startswith("data: {") and '"content":"' in line and '"content":""' not in line
+                tokens += await _streamed_chunks(client, body, errors) or 0
 
         async def scrape(client: httpx.AsyncClient) -> None:
             nonlocal scrapes
