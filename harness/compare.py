@@ -30,6 +30,7 @@ import json
 import platform
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -464,6 +465,29 @@ def ratio_tables(runs: list[ServerRun], workloads: list[Workload], footing: str)
     return out
 
 
+def rounds_table(runs: list[ServerRun], workloads: list[Workload]) -> list[str]:
+    """With --rounds: every round's output tokens/s of each server, its median, and the median rounds' ratio against
+    the equal-footing llama-server's, so that a ratio one outlying round sets (--pick best) shows as one."""
+    rows = []
+    for w in workloads:
+        base = _run_of(runs, BASELINE, w)
+        base_done = base.rounds.get(w.name) if base is not None else None
+        base_median = statistics.median(lv.output_tok_s for lv in base_done) if base_done else None
+        for name in dict.fromkeys(r.name for r in runs):
+            r = _run_of(runs, name, w)
+            done = r.rounds.get(w.name) if r is not None else None
+            if r is None or not done:
+                continue
+            median = statistics.median(lv.output_tok_s for lv in done)
+            each = ", ".join(f"{lv.output_tok_s:.1f}" for lv in done)
+            ratio = "-" if r is base else _ratio(median, base_median)
+            rows.append(f"| {w.name} | {r.label if r.slots else name} | {each} | {median:.1f} | {ratio} |")
+    if not rows:
+        return []
+    return ["", f"Each round's output tokens/s, in order, and the median round's ÷ {BASELINE}'s", "",
+            f"| workload | server | rounds | median | median ÷ {BASELINE} |", "|---|---|---|---:|---:|"] + rows
+
+
 def limit_table(runs: list[ServerRun], workloads: list[Workload], limits: dict[str, limit.Limit]) -> list[str]:
     """Every server's output tokens/s as a fraction of its workload's kernel limit (harness/limit.py)."""
     if not limits:
@@ -531,6 +555,7 @@ def markdown(runs: list[ServerRun], workloads: list[Workload], footing: str = "f
         out += ["", f"**Warning**: other work used {QUIET_CORES} cores or more during {', '.join(noisy)}; "
                 "those figures are not a fair comparison."]
     out += ratio_tables(runs, workloads, footing)
+    out += rounds_table(runs, workloads)
     out += limit_table(runs, workloads, limits or {})
     out += breakdown_tables(runs, workloads)
     overhead = [f"{r.name}/{w} {100 * v:.1f}%" for r in runs for w, v in r.loop_overhead.items()]
