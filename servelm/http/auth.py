@@ -28,6 +28,11 @@ MISSING = ("You didn't provide an API key. You need to provide your API key in a
 WRONG = "Incorrect API key provided."
 
 
+def _unknown(presented: Sequence[str]) -> Unauthorized:
+    """The 401 for a request that matched no key: none presented, or one the server does not know."""
+    return Unauthorized(WRONG, 'Bearer error="invalid_token"') if presented else Unauthorized(MISSING)
+
+
 def presented_keys(scope: Scope) -> list[str]:
     """The keys a request carries: `Authorization: Bearer KEY` (OpenAI), `api-key: KEY` (Azure) and
     `x-api-key: KEY` (Anthropic)."""
@@ -66,9 +71,10 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["path"] in KEYED_OPEN_PATHS:
-            spec = self.match(presented_keys(scope))
+            presented = presented_keys(scope)
+            spec = self.match(presented)
             if scope["path"] == "/metrics" and (spec is None or not spec.monitor):
-                await send_error(send, Unauthorized(MISSING) if spec is None else
+                await send_error(send, _unknown(presented) if spec is None else
                                  Forbidden("/metrics answers a monitoring key only (--monitor-key): its counters "
                                            "add up every key's traffic."), scope)
                 return
@@ -80,12 +86,9 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         presented = presented_keys(scope)
-        if not presented:
-            await send_error(send, Unauthorized(MISSING), scope)
-            return
         spec = self.match(presented)
         if spec is None:
-            await send_error(send, Unauthorized(WRONG, 'Bearer error="invalid_token"'), scope)
+            await send_error(send, _unknown(presented), scope)
             return
         scope[SCOPE_KEY] = spec
         await self.app(scope, receive, send)

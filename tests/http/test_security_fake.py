@@ -82,6 +82,13 @@ def test_without_a_key_health_says_only_whether_the_server_is_up_and_hides_other
 def test_metrics_answer_a_monitoring_key_only(monitored):
     url = monitored.base_url + "/metrics"
     assert httpx.get(url).status_code == 401
+    bare = httpx.get(url).json()["error"]["message"]
+    assert bare.startswith("You didn't provide an API key")
+    wrong = httpx.get(url, headers={"Authorization": "Bearer sk-wrong"})
+    other_route = httpx.get(monitored.base_url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"})
+    assert wrong.status_code == other_route.status_code == 401
+    assert wrong.json() == other_route.json(), "an unknown key is told so, as on every other route"
+    assert wrong.headers["www-authenticate"] == other_route.headers["www-authenticate"]
     assert httpx.get(url, headers={"Authorization": "Bearer sk-a"}).status_code == 403
     r = httpx.get(url, headers={"Authorization": "Bearer sk-mon"})
     assert r.status_code == 200 and "servelm_prefix_cache_hits" in r.text
