@@ -2,11 +2,12 @@
 
     .venv/bin/python -m harness.cpu_per_token                        # SmolLM2, 1 and 16 streams
     .venv/bin/python -m harness.cpu_per_token --model gemma3 --logprobs 5
+    .venv/bin/python -m harness.cpu_per_token --model gemma3 --temperature 0.7 --streams 16
     .venv/bin/python -m harness.cpu_per_token --streams 1,4,16 --requests 8
 
 It starts `servelm serve` on the model (as harness/compare.py does, on its defaults; one llama.cpp thread by default,
 so that a busy machine stalls no barrier of the pass: the figures are the server's CPU outside it), runs streamed
-chats at each level of streams (temperature 0, max_tokens fixed by banning the model's end tokens with logit_bias), and reads
+chats at each level of streams (temperature 0 unless --temperature, max_tokens fixed by banning the model's end tokens with logit_bias), and reads
 /metrics before and after each level. Per generated token it reports, in ms: each phase of the engine thread
 (`servelm_engine_phase_seconds_total`: wall time, which is CPU time on a quiet machine), the engine thread's CPU time
 and the part of it outside the model's pass (less its decode and runner phases), the CPU time of the threads that share
@@ -127,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=None, help="requests a level (default: streams, >= 4)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--logprobs", type=int, default=None, metavar="K", help="ask for logprobs and K top_logprobs")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
     p.add_argument("--servelm-arg", action="append", default=[], help="extra `servelm serve` argument")
@@ -145,7 +147,7 @@ async def _main(args: argparse.Namespace) -> int:
     extra = dict(base.extra_body)
     if args.logprobs is not None:
         extra.update(logprobs=True, top_logprobs=args.logprobs)
-    request = replace(base, max_tokens=args.max_tokens, extra_body=extra)
+    request = replace(base, max_tokens=args.max_tokens, temperature=args.temperature, extra_body=extra)
     proc = servers.ServerProcess(spec, Path("harness/results/logs/cpu_per_token.log"))
     print(f"== {' '.join(spec.argv)}", flush=True)
     print(f"   other work before: {procfs.other_cores_now(1.0):.2f} cores", flush=True)
@@ -157,7 +159,7 @@ async def _main(args: argparse.Namespace) -> int:
     finally:
         proc.stop()
     lp = f", logprobs top {args.logprobs}" if args.logprobs is not None else ""
-    print(f"\n{args.model}, {args.max_tokens} tokens a request, temperature 0{lp}\n")
+    print(f"\n{args.model}, {args.max_tokens} tokens a request, temperature {args.temperature:g}{lp}\n")
     print(table(figures))
     return 0
 
