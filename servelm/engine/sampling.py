@@ -6,8 +6,8 @@ logit_bias, penalties, bans and masks, before temperature and the top-k/top-p/mi
 Order (the same for every row): logit_bias, repetition penalty (prompt and output tokens), frequency
 and presence penalties (output tokens), banned tokens (EOS before min_tokens), the grammar's mask for a
 constrained row (tokens it does not allow become -inf), then greedy argmax when
-temperature is 0, else temperature, top-k, top-p, min-p and a draw from the row's own RNG. Work is
-vectorized over rows where it can be; the per-row parts are O(vocab), never a full vocabulary sort
+temperature is 0 (or below 1e-5: types.GREEDY_BELOW), else temperature, top-k, top-p, min-p and a draw from the
+row's own RNG. Work is vectorized over rows where it can be; the per-row parts are O(vocab), never a full vocabulary sort
 unless top-p needs more than the first candidates.
 
 A step's whole-row passes over many large rows (greedy's argmax, the logprobs' normalizers) are shared with helper

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from servelm.constrain.constraint import Constraint
 
+GREEDY_BELOW = 1e-5  # a temperature below this draws as 0 does
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -41,7 +43,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so near it that a row divided by it would overflow into inf and NaN (as vLLM: below
+        1e-5 the draw is the argmax)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def num_seqs(self) -> int:

@@ -148,3 +148,16 @@ def test_a_step_budget_past_its_bound_is_refused_at_start_up(value: str, capsys)
 
     assert main(["serve", "--max-step-tokens", value, "--no-embedding-model"]) == 2
     assert "16384" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_k": 5}, {"top_p": 0.5}], ids=["plain", "top_k", "top_p"])
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 5e-324])
+def test_a_temperature_within_its_bound_but_near_zero_answers_as_greedy(base_url, temperature, extra):
+    """temperature 5e-324 is within [0, 2]: dividing a row by it overflowed float32 (and float64) into inf and NaN,
+    and every draw took the vocabulary's last token. A temperature below 1e-5 now draws as 0 does, as vLLM's."""
+    path, body = CHAT
+    ask = {**body, "max_tokens": 12, "ignore_eos": True, "seed": 3, **extra}
+    greedy = httpx.post(base_url + path, json={**ask, "temperature": 0}, timeout=20)
+    tiny = httpx.post(base_url + path, json={**ask, "temperature": temperature}, timeout=20)
+    assert greedy.status_code == tiny.status_code == 200, tiny.text[:300]
+    assert tiny.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
