@@ -2,7 +2,7 @@
 
     .venv/bin/python -m harness.cpu_per_token                        # SmolLM2, 1 and 16 streams
     .venv/bin/python -m harness.cpu_per_token --model gemma3 --logprobs 5
-    .venv/bin/python -m harness.cpu_per_token --model gemma3 --temperature 0.7 --streams 16
+    .venv/bin/python -m harness.cpu_per_token --model gemma3 --temperature 0.7 --streams 16 --body '{"top_k": 40}'
     .venv/bin/python -m harness.cpu_per_token --streams 1,4,16 --requests 8
 
 It starts `servelm serve` on the model (as harness/compare.py does, on its defaults; one llama.cpp thread by default,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import signal
 import sys
@@ -129,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--logprobs", type=int, default=None, metavar="K", help="ask for logprobs and K top_logprobs")
     p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (default 0: greedy)")
+    p.add_argument("--body", type=json.loads, default={}, metavar="JSON",
+                   help='more request fields, e.g. \'{"top_k": 40}\'')
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
     p.add_argument("--servelm-arg", action="append", default=[], help="extra `servelm serve` argument")
@@ -147,6 +150,7 @@ async def _main(args: argparse.Namespace) -> int:
     extra = dict(base.extra_body)
     if args.logprobs is not None:
         extra.update(logprobs=True, top_logprobs=args.logprobs)
+    extra.update(args.body)
     request = replace(base, max_tokens=args.max_tokens, temperature=args.temperature, extra_body=extra)
     proc = servers.ServerProcess(spec, Path("harness/results/logs/cpu_per_token.log"))
     print(f"== {' '.join(spec.argv)}", flush=True)
@@ -159,6 +163,7 @@ async def _main(args: argparse.Namespace) -> int:
     finally:
         proc.stop()
     lp = f", logprobs top {args.logprobs}" if args.logprobs is not None else ""
+    lp += "".join(f", {k} {v}" for k, v in args.body.items())
     print(f"\n{args.model}, {args.max_tokens} tokens a request, temperature {args.temperature:g}{lp}\n")
     print(table(figures))
     return 0

@@ -434,14 +434,13 @@ def _search(cdf: np.ndarray, u: np.float64) -> int:
 
 def _sample_one(row: np.ndarray, st: SamplerState) -> int:
     p = st.params
-    scaled = row.astype(np.float64) / p.temperature
-    vocab = scaled.shape[0]
+    vocab = row.shape[0]
     ids: np.ndarray | None = None
     if 0 < p.top_k < vocab:  # top-k first; top-p then works on the renormalized k candidates
-        ids = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
-        ids = ids[np.argsort(-scaled[ids], kind="stable")]
-        probs = _softmax(scaled[ids])
+        ids = _top_k(row, p.temperature, p.top_k)
+        probs = _softmax(row[ids].astype(np.float64) / p.temperature)
     elif p.top_p < 1.0:
+        scaled = row.astype(np.float64) / p.temperature
         ids = np.argpartition(-scaled, _TOP_P_CANDIDATES - 1)[:_TOP_P_CANDIDATES] if vocab > _TOP_P_CANDIDATES else np.arange(vocab)
         ids = ids[np.argsort(-scaled[ids], kind="stable")]
         probs = _softmax_partial(scaled, ids)
@@ -449,7 +448,7 @@ def _sample_one(row: np.ndarray, st: SamplerState) -> int:
             ids = np.argsort(-scaled, kind="stable")
             probs = _softmax(scaled[ids])
     else:
-        probs = _softmax(scaled)
+        probs = _softmax(row.astype(np.float64) / p.temperature)
     if p.top_p < 1.0 and ids is not None:  # ids is sorted by probability here (top_p < 1 always sets it)
         keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
         ids, probs = ids[:keep], probs[:keep]
@@ -461,6 +460,24 @@ def _sample_one(row: np.ndarray, st: SamplerState) -> int:
     u = st.rng.random() * cdf[-1]
     k = min(int(np.searchsorted(cdf, u, side="right")), cdf.shape[0] - 1)
     return int(k if ids is None else ids[k])
+
+
+def _top_k(row: np.ndarray, temperature: float, k: int) -> np.ndarray:
+    """The ids of the k best values of the row in float64 divided by the temperature, best first, as a partition of
+    the whole row and a stable sort of its k would give them. Looked for among the row's best values first (no float64
+    copy of the row, no partition of it: 4.3 ms of a 262k row): where the k best and the next are all distinct after
+    the division, they are the only answer; where equal values make the partition's order the answer, the whole row."""
+    m = row.max()
+    if np.isfinite(m):
+        near = _best(row, m, k + 1)
+        if len(near) == k + 1:
+            scaled = row[near].astype(np.float64) / temperature
+            order = np.argsort(-scaled, kind="stable")
+            if (np.diff(scaled[order]) < 0).all():  # every value beyond `near` is at most its last
+                return np.asarray(near[order[:k]])
+    scaled = row.astype(np.float64) / temperature
+    ids = np.argpartition(-scaled, k - 1)[:k]
+    return np.asarray(ids[np.argsort(-scaled[ids], kind="stable")])
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

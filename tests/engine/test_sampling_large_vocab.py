@@ -1,0 +1,147 @@
+"""Draws over a large vocabulary, by the shortcuts that make them cheap: the same tokens, bit for bit, as the draws
+they replaced, wherever a row sits.
+
+- Temperature-only rows drawn row by row (shared with helper threads, no float64 copy of a row to search it).
+- top_k found among the row's best values, without a float64 copy of the whole row and its partition, where that
+  decides the same ids in the same order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from servelm.engine import sampling
+from servelm.engine.sampling import SamplerState, _softmax, _softmax_partial, pick_rows
+from servelm.engine.types import SamplingParams
+
+V = 262144  # Gemma 3's vocabulary: 16 rows are past SHARE_ELEMENTS, so helper threads take rows
+
+
+def whole_batch_draw(logits: np.ndarray, states: list[SamplerState]) -> list[int]:
+    """The temperature-only draw as it was written first: one softmax and one cumulative sum for the batch."""
+    temps = np.array([st.params.temperature for st in states], dtype=np.float32)[:, None]
+    weights = logits / temps
+    weights -= weights.max(axis=1, keepdims=True)
+    np.exp(weights, out=weights)
+    cdf = np.cumsum(weights, axis=1, out=weights)
+    u = np.array([st.rng.random() for st in states]) * cdf[:, -1]
+    picks = [int(np.searchsorted(cdf[i], u[i], side="right")) for i in range(len(states))]
+    return np.minimum(np.asarray(picks, dtype=np.int64), logits.shape[1] - 1).tolist()
+
+
+def states(seed: int, temps: list[float], **kw) -> list[SamplerState]:
+    return [SamplerState.create(SamplingParams(max_tokens=8, temperature=t, seed=seed, **kw), i, V, ())
+            for i, t in enumerate(temps)]
+
+
+def test_plain_rows_draw_what_the_whole_batch_drew() -> None:
+    rng = np.random.default_rng(3)
+    temps = [1.0, 0.7, 0.3, 1.5, 0.05, 2.0, 1.0, 0.9, 0.7, 0.7, 1.0, 0.2, 1.3, 0.6, 1.0, 0.8]
+    logits = rng.normal(0, 4, size=(len(temps), V)).astype(np.float32)
+    logits[1, :1000] = -np.inf  # banned tokens
+    logits[2, 77] = 60.0  # one token holds nearly all the mass
+    logits[4] = np.round(logits[4])  # ties
+    assert logits.size >= sampling.SHARE_ELEMENTS
+    mine, theirs = states(11, temps), states(11, temps)
+    for _ in range(6):
+        before = logits.copy()
+        got = pick_rows(logits, mine).tolist()
+        assert np.array_equal(logits, before, equal_nan=True), "the processed rows stay as they were (logprobs read them)"
+        assert got == whole_batch_draw(logits, theirs)
+
+
+def test_a_plain_row_draws_alike_beside_greedy_and_filtered_rows() -> None:
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 3, size=(6, V)).astype(np.float32)
+    params = [dict(temperature=0.8), dict(temperature=0.0), dict(temperature=0.8, top_k=40), dict(temperature=0.8),
+              dict(temperature=1.0, top_p=0.9), dict(temperature=0.8)]
+    mixed = [SamplerState.create(SamplingParams(max_tokens=8, seed=5, **p), i, V, ()) for i, p in enumerate(params)]
+    plain = [0, 3, 5]
+    alone = [SamplerState.create(SamplingParams(max_tokens=8, seed=5, **params[i]), i, V, ()) for i in plain]
+    for _ in range(4):
+        got = pick_rows(logits, mixed)
+        assert got[1] == int(np.argmax(logits[1]))
+        assert [int(got[i]) for i in plain] == whole_batch_draw(logits[plain], alone)
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0, 1.5, 3.0000001, 1e-30, 2.0**-149, 1e300, np.inf, -1.0, np.nan])
+def test_a_float32_search_finds_what_the_float64_search_found(u: float) -> None:
+    cdf = np.cumsum(np.array([0.0, 1.0, 0.5, 0.0, 1.5, 1e-8, 2.0, 0.0], dtype=np.float32))
+    value = np.float64(u)
+    assert sampling._search(cdf, value) == int(np.searchsorted(cdf, value, side="right"))
+    for near in (np.nextafter(value, -np.inf), np.nextafter(value, np.inf)):
+        assert sampling._search(cdf, near) == int(np.searchsorted(cdf, near, side="right"))
+
+
+def test_a_float32_search_at_every_boundary_of_a_real_row() -> None:
+    rng = np.random.default_rng(8)
+    cdf = np.cumsum(np.exp(rng.normal(0, 2, size=50_000).astype(np.float32)))
+    points = np.concatenate([cdf[::97].astype(np.float64), rng.random(500) * np.float64(cdf[-1])])
+    for p in points:
+        for value in (p, np.nextafter(p, -np.inf), np.nextafter(p, np.inf)):
+            assert sampling._search(cdf, value) == int(np.searchsorted(cdf, value, side="right"))
+
+
+def one_row_draw(row: np.ndarray, st: SamplerState) -> int:
+    """A filtered row's draw as it was written first: the whole row in float64, partitioned for top_k."""
+    p = st.params
+    scaled = row.astype(np.float64) / p.temperature
+    vocab = scaled.shape[0]
+    ids: np.ndarray | None = None
+    if 0 < p.top_k < vocab:
+        ids = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
+        ids = ids[np.argsort(-scaled[ids], kind="stable")]
+        probs = _softmax(scaled[ids])
+    elif p.top_p < 1.0:
+        ids = np.argpartition(-scaled, 1023)[:1024] if vocab > 1024 else np.arange(vocab)
+        ids = ids[np.argsort(-scaled[ids], kind="stable")]
+        probs = _softmax_partial(scaled, ids)
+        if probs.sum() < p.top_p:
+            ids = np.argsort(-scaled, kind="stable")
+            probs = _softmax(scaled[ids])
+    else:
+        probs = _softmax(scaled)
+    if p.top_p < 1.0 and ids is not None:
+        keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+        ids, probs = ids[:keep], probs[:keep]
+    if p.min_p > 0.0:
+        keep_mask = probs >= p.min_p * probs.max()
+        probs = probs[keep_mask]
+        ids = np.flatnonzero(keep_mask) if ids is None else ids[keep_mask]
+    cdf = np.cumsum(probs)
+    u = st.rng.random() * cdf[-1]
+    k = min(int(np.searchsorted(cdf, u, side="right")), cdf.shape[0] - 1)
+    return int(k if ids is None else ids[k])
+
+
+ROWS = {
+    "spread": lambda rng: rng.normal(0, 3, size=V).astype(np.float32),
+    "peaked": lambda rng: np.where(np.arange(V) < 50, 20.0, 0.0).astype(np.float32) + rng.normal(0, 1, V).astype(np.float32),
+    "ties": lambda rng: np.round(rng.normal(0, 3, size=V)).astype(np.float32),  # ties at the k-th value and above it
+    "few finite": lambda rng: np.where(np.arange(V) % 9000 == 0, 1.0, -np.inf).astype(np.float32),  # 30 tokens allowed
+    "near": lambda rng: (np.float32(10.0) + rng.integers(0, 4, V).astype(np.float32) * np.float32(2.0**-20)),
+}
+
+
+@pytest.mark.parametrize("shape", list(ROWS))
+@pytest.mark.parametrize("params", [dict(top_k=40, temperature=0.8), dict(top_k=1, temperature=1.0),
+                                    dict(top_k=40, top_p=0.9, temperature=1.7), dict(top_k=64, min_p=0.05, temperature=2.0),
+                                    dict(top_k=5, temperature=0.3), dict(top_k=1000, temperature=1.0)],
+                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_top_k_draws_what_the_whole_row_drew(shape: str, params: dict) -> None:
+    rng = np.random.default_rng(len(shape))
+    row = ROWS[shape](rng)
+    mine = SamplerState.create(SamplingParams(max_tokens=8, seed=21, **params), 0, V, ())
+    theirs = SamplerState.create(SamplingParams(max_tokens=8, seed=21, **params), 0, V, ())
+    for _ in range(12):
+        assert int(pick_rows(row[None, :], [mine])[0]) == one_row_draw(row, theirs)
+
+
+def test_top_k_takes_no_partition_of_the_row_where_its_best_values_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shortcut is taken (else the tests above would pass on the whole-row path alone), and not on ties."""
+    calls: list[int] = []
+    partition = np.argpartition
+    monkeypatch.setattr(np, "argpartition", lambda a, *args, **kw: calls.append(len(a)) or partition(a, *args, **kw))
+    rng = np.random.default_rng(1)
+    assert len(sampling._top_k(ROWS["spread"](rng), 0.8, 40)) == 40 and calls == []
+    assert len(sampling._top_k(ROWS["ties"](rng), 0.8, 40)) == 40 and calls == [V]
