@@ -277,11 +277,11 @@ def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.any():
         out[greedy] = argmax_rows(logits[greedy])
-    plain = np.flatnonzero(np.fromiter((_plain(st.params) for st in states), dtype=bool, count=rows) & ~greedy)
+    plain = np.flatnonzero(np.fromiter((_plain(st) for st in states), dtype=bool, count=rows) & ~greedy)
     if plain.size:
         out[plain] = _sample_plain(logits, plain, [states[r] for r in plain])
     for r in np.flatnonzero(~greedy):
-        if not _plain(states[r].params):
+        if not _plain(states[r]):
             out[r] = _sample_one(logits[r], states[r])
     return out
 
@@ -397,9 +397,11 @@ def _apply_masks(logits: np.ndarray, rows: np.ndarray, allowed: np.ndarray, eog_
             row[ok if ok.size else eog_ids] = 0.0
 
 
-def _plain(p: SamplingParams) -> bool:
-    """Temperature alone: no top-k, top-p or min-p filter."""
-    return p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+def _plain(st: SamplerState) -> bool:
+    """Temperature alone: no top-k, top-p or min-p filter (a top-k of the whole vocabulary or more filters nothing,
+    and draws as none does)."""
+    p = st.params
+    return (p.top_k <= 0 or p.top_k >= st.vocab_size) and p.top_p >= 1.0 and p.min_p <= 0.0
 
 
 def _sample_plain(logits: np.ndarray, which: np.ndarray, states: list[SamplerState]) -> np.ndarray:
