@@ -188,10 +188,11 @@ def _max_tokens(ep: EndpointParams, window: int, prompt_len: int) -> int:
 def logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidParameter(f"logit_bias keys must be token ids; got {key!r}.", "logit_bias") from None
+        # a token id in plain ASCII decimal: int() also takes " 5", "+5", "05", "5_0" (50) and other scripts' digits
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and (key == "0" or key[0] != "0")):
+            raise InvalidParameter(f"logit_bias keys must be token ids (decimal, no sign, spaces or leading zeros); "
+                                   f"got {key[:40]!r}.", "logit_bias")
+        token = int(key)
         if not 0 <= token < vocab:
             raise InvalidParameter(f"logit_bias has token id {token}, outside the vocabulary (0..{vocab - 1}).", "logit_bias")
         out.append((token, float(value)))

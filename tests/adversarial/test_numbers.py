@@ -161,3 +161,14 @@ def test_a_temperature_within_its_bound_but_near_zero_answers_as_greedy(base_url
     tiny = httpx.post(base_url + path, json={**ask, "temperature": temperature}, timeout=20)
     assert greedy.status_code == tiny.status_code == 200, tiny.text[:300]
     assert tiny.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("key", [" 5", "+5", "05", "5_0", "٥", "-0", "5 ", "0x5"])
+def test_a_logit_bias_key_is_a_token_id_written_plainly(base_url, key):
+    """Python's int() read each of these as a token id ("5_0" as 50, "٥" as 5); "5" and "05" in one map were the
+    same token biased twice. A key is a token id in plain ASCII decimal, as OpenAI's are."""
+    path, body = CHAT
+    r = httpx.post(base_url + path, json={**body, "logit_bias": {key: 5}}, timeout=20)
+    assert r.status_code == 400, r.text[:300]
+    assert "logit_bias" in r.text
+    assert httpx.post(base_url + path, json={**body, "logit_bias": {"5": 5, "0": -1}}, timeout=20).status_code == 200
