@@ -280,9 +280,12 @@ def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     plain = np.flatnonzero(np.fromiter((_plain(st) for st in states), dtype=bool, count=rows) & ~greedy)
     if plain.size:
         out[plain] = _sample_plain(logits, plain, [states[r] for r in plain])
-    for r in np.flatnonzero(~greedy):
-        if not _plain(states[r]):
-            out[r] = _sample_one(logits[r], states[r])
+    filtered = [int(r) for r in np.flatnonzero(~greedy) if not _plain(states[r])]
+    if filtered:
+        # each row's draw first (one a step, from its own RNG), so that a row is the same whichever thread takes it
+        draws = [states[r].rng.random() for r in filtered]
+        out[filtered] = by_rows(len(filtered), len(filtered) * logits.shape[1] * EXP_PASSES,
+                                lambda i: _sample_one(logits[filtered[i]], states[filtered[i]], draws[i]))
     return out
 
 
@@ -434,7 +437,8 @@ def _search(cdf: np.ndarray, u: np.float64) -> int:
     return int(np.searchsorted(cdf, below, side="right"))
 
 
-def _sample_one(row: np.ndarray, st: SamplerState) -> int:
+def _sample_one(row: np.ndarray, st: SamplerState, draw: float) -> int:
+    """A filtered row's token; `draw`, uniform in [0, 1), is its RNG's for the step."""
     p = st.params
     vocab = row.shape[0]
     ids: np.ndarray | None = None
@@ -459,7 +463,7 @@ def _sample_one(row: np.ndarray, st: SamplerState) -> int:
         probs = probs[keep_mask]
         ids = np.flatnonzero(keep_mask) if ids is None else ids[keep_mask]
     cdf = np.cumsum(probs)
-    u = st.rng.random() * cdf[-1]
+    u = draw * cdf[-1]
     k = min(int(np.searchsorted(cdf, u, side="right")), cdf.shape[0] - 1)
     return int(k if ids is None else ids[k])
 

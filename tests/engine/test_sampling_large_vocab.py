@@ -145,3 +145,15 @@ def test_top_k_takes_no_partition_of_the_row_where_its_best_values_decide(monkey
     rng = np.random.default_rng(1)
     assert len(sampling._top_k(ROWS["spread"](rng), 0.8, 40)) == 40 and calls == []
     assert len(sampling._top_k(ROWS["ties"](rng), 0.8, 40)) == 40 and calls == [V]
+
+
+def test_filtered_rows_shared_with_helpers_draw_what_each_drew_alone() -> None:
+    rng = np.random.default_rng(6)
+    logits = rng.normal(0, 3, size=(16, V)).astype(np.float32)
+    params = [dict(top_k=40, temperature=0.8), dict(top_p=0.9, temperature=1.0), dict(min_p=0.1, temperature=0.6),
+              dict(top_k=8, top_p=0.5, temperature=1.2)] * 4
+    assert len(params) * V * sampling.EXP_PASSES >= sampling.SHARE_ELEMENTS
+    mine = [SamplerState.create(SamplingParams(max_tokens=8, seed=13, **p), i, V, ()) for i, p in enumerate(params)]
+    theirs = [SamplerState.create(SamplingParams(max_tokens=8, seed=13, **p), i, V, ()) for i, p in enumerate(params)]
+    for _ in range(3):
+        assert pick_rows(logits, mine).tolist() == [one_row_draw(logits[i], st) for i, st in enumerate(theirs)]
