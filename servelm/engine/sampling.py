@@ -277,10 +277,11 @@ def pick_rows(logits: np.ndarray, states: list[SamplerState]) -> np.ndarray:
     greedy = np.fromiter((st.params.greedy for st in states), dtype=bool, count=rows)
     if greedy.any():
         out[greedy] = argmax_rows(logits[greedy])
-    plain = np.flatnonzero(np.fromiter((_plain(st) for st in states), dtype=bool, count=rows) & ~greedy)
-    if plain.size:
-        out[plain] = _sample_plain(logits, plain, [states[r] for r in plain])
-    filtered = [int(r) for r in np.flatnonzero(~greedy) if not _plain(states[r])]
+    plain = np.fromiter((_plain(st) for st in states), dtype=bool, count=rows) & ~greedy
+    if plain.any():
+        which = np.flatnonzero(plain)
+        out[which] = _sample_plain(logits, which, [states[r] for r in which])
+    filtered = np.flatnonzero(~greedy & ~plain).tolist()
     if filtered:
         # each row's draw first (one a step, from its own RNG), so that a row is the same whichever thread takes it
         draws = [states[r].rng.random() for r in filtered]
