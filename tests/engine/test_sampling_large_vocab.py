@@ -157,3 +157,87 @@ def test_filtered_rows_shared_with_helpers_draw_what_each_drew_alone() -> None:
     theirs = [SamplerState.create(SamplingParams(max_tokens=8, seed=13, **p), i, V, ()) for i, p in enumerate(params)]
     for _ in range(3):
         assert pick_rows(logits, mine).tolist() == [one_row_draw(logits[i], st) for i, st in enumerate(theirs)]
+
+
+def model_like_row(rng: np.random.Generator, width: int, top_at: int) -> np.ndarray:
+    """A row shaped like a model's: most values far below a few likely tokens, its best one at `top_at`."""
+    row = rng.normal(-8, 3, size=width).astype(np.float32)
+    row[rng.integers(0, width, 40)] = rng.normal(4, 2, 40)
+    row[top_at] = 12.0
+    return row
+
+
+def expanded(row: np.ndarray, temperature: float) -> tuple[bool, np.ndarray]:
+    """The shortcut's running sum written out at every id (a skipped id holds the sum before it), and whether the
+    shortcut was taken."""
+    ids, sums = sampling._running_sum(row, temperature)
+    if ids is None:
+        return False, sums
+    before = np.searchsorted(ids, np.arange(row.shape[0]), side="right")  # kept ids at or before each id
+    return True, np.concatenate([np.zeros(1, np.float32), sums])[before]
+
+
+def whole(row: np.ndarray, temperature: float) -> np.ndarray:
+    t = np.float32(temperature)
+    weights = row / t
+    weights -= weights.max()
+    np.exp(weights, out=weights)
+    return np.cumsum(weights, out=weights)
+
+
+@pytest.mark.parametrize("width", [V, 49152, 50_000, 3000])
+@pytest.mark.parametrize("temperature", [1e-5, 0.05, 0.3, 0.7, 1.0, 1.5])
+def test_the_running_sum_skips_only_weights_that_leave_it_as_it_was(width: int, temperature: float) -> None:
+    """Written out at every id, the shortcut's sum is the whole row's, bit for bit: every value it skipped would
+    have left the sum as it was. Wherever the best value lies: a sum starts small, so skipping starts after it."""
+    rng = np.random.default_rng(width + int(temperature * 100))
+    taken = 0
+    for top_at in (0, width // 3, width - 1):
+        row = model_like_row(rng, width, top_at)
+        shortcut, sums = expanded(row, temperature)
+        taken += shortcut
+        np.testing.assert_array_equal(sums, whole(row, temperature))
+    if width >= 49152 and temperature < 1.0:
+        assert taken == 3, "a model's row at a temperature below 1 skips most of itself"
+
+
+def test_the_running_sum_at_the_edge_of_half_an_ulp() -> None:
+    """Values whose weights lie on either side of half an ulp of the sum, and where exp's result turns to 0: the
+    margins keep every value that could round the sum up."""
+    rng = np.random.default_rng(2)
+    half_ulp_of_1 = np.log(2.0) * -24  # the sum is 1 once the first value is in
+    row = np.concatenate([[0.0], half_ulp_of_1 + rng.uniform(-0.02, 0.02, V // 8),
+                          np.log(2.0) * -25 + rng.uniform(-0.02, 0.02, V // 8),
+                          rng.uniform(-112, -100, V - 1 - V // 4)]).astype(np.float32)
+    rng.shuffle(row[1024:])  # each kind of value in every chunk after the first
+    shortcut, sums = expanded(row, 1.0)
+    assert shortcut
+    np.testing.assert_array_equal(sums, whole(row, 1.0))
+    assert sums[-1] > 1, "weights a little above half an ulp move the sum"
+
+
+@pytest.mark.parametrize("odd", ["nan", "inf", "all banned", "one allowed"])
+def test_the_running_sum_of_a_row_with_no_finite_max_or_one_token_is_the_whole_rows(odd: str) -> None:
+    row = model_like_row(np.random.default_rng(5), V, 7)
+    if odd == "nan":
+        row[100] = np.nan
+    elif odd == "inf":
+        row[100] = np.inf
+    elif odd == "all banned":
+        row[:] = -np.inf
+    else:
+        row[:] = -np.inf
+        row[200_000] = 1.0
+    with np.errstate(invalid="ignore"):
+        shortcut, sums = expanded(row, 0.7)
+        np.testing.assert_array_equal(sums, whole(row, 0.7))
+    assert shortcut == (odd == "one allowed")
+
+
+def test_model_like_rows_draw_what_the_whole_batch_drew() -> None:
+    rng = np.random.default_rng(9)
+    temps = [0.7, 1.0, 0.3, 0.9] * 4
+    logits = np.stack([model_like_row(rng, V, int(rng.integers(0, V))) for _ in temps])
+    mine, theirs = states(17, temps), states(17, temps)
+    for _ in range(8):
+        assert pick_rows(logits, mine).tolist() == whole_batch_draw(logits, theirs)
