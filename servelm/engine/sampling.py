@@ -520,9 +520,8 @@ def _sample_one(row: np.ndarray, st: SamplerState, draw: float) -> int:
         ids = np.argpartition(-scaled, _TOP_P_CANDIDATES - 1)[:_TOP_P_CANDIDATES] if vocab > _TOP_P_CANDIDATES else np.arange(vocab)
         ids = ids[np.argsort(-scaled[ids], kind="stable")]
         probs = _softmax_partial(scaled, ids)
-        if probs.sum() < p.top_p:  # the candidates hold too little mass: sort the whole row
-            ids = np.argsort(-scaled, kind="stable")
-            probs = _softmax(scaled[ids])
+        if probs.sum() < p.top_p:  # the candidates hold too little mass: the whole row, by probability
+            ids, probs = _by_probability(scaled, p.top_p)
     else:
         probs = _softmax(row.astype(np.float64) / p.temperature)
     if p.top_p < 1.0 and ids is not None:  # ids is sorted by probability here (top_p < 1 always sets it)
@@ -536,6 +535,25 @@ def _sample_one(row: np.ndarray, st: SamplerState, draw: float) -> int:
     u = draw * cdf[-1]
     k = min(int(np.searchsorted(cdf, u, side="right")), cdf.shape[0] - 1)
     return int(k if ids is None else ids[k])
+
+
+def _by_probability(scaled: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """ids = np.argsort(-scaled, kind="stable") and probs = _softmax(scaled[ids]), bit for bit, as far as top_p's
+    cut reaches (the rest is never read). The probabilities' normalizer is summed in that order, so the values are
+    sorted; but a sort of the values alone is several times cheaper than the stable sort of the ids (about 7 against
+    44 ms for 262,144), and only the ids before the cut are ordered: those above the last value kept, by value, then
+    the ties of that value, by id. The values' order is the ids' but for equal values, whose weights are equal."""
+    if np.isnan(scaled).any():  # NaN sorts last both ways, but keep the first way's every detail
+        ids = np.argsort(-scaled, kind="stable")
+        return ids, _softmax(scaled[ids])
+    values = -np.sort(-scaled)  # as scaled[ids]: descending, each value its own bits (the negations are exact)
+    probs = _softmax(values)
+    keep = min(int(np.searchsorted(np.cumsum(probs), top_p)) + 1, len(values))
+    last = values[keep - 1]
+    above = np.flatnonzero(scaled > last)
+    above = above[np.argsort(-scaled[above], kind="stable")]
+    ties = np.flatnonzero(scaled == last)[: keep - len(above)]
+    return np.concatenate([above, ties]), probs[:keep]
 
 
 def _top_k(row: np.ndarray, temperature: float, k: int) -> np.ndarray:

@@ -241,3 +241,39 @@ def test_model_like_rows_draw_what_the_whole_batch_drew() -> None:
     mine, theirs = states(17, temps), states(17, temps)
     for _ in range(8):
         assert pick_rows(logits, mine).tolist() == whole_batch_draw(logits, theirs)
+
+
+@pytest.mark.parametrize("shape", [*ROWS, "zeros both ways", "flat"])
+@pytest.mark.parametrize("params", [dict(top_p=0.9, temperature=1.0), dict(top_p=0.99, temperature=2.0),
+                                    dict(top_p=0.5, min_p=0.01, temperature=1.5), dict(top_p=0.999999, temperature=1.0)],
+                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_top_p_past_its_candidates_draws_what_the_whole_rows_sort_drew(shape: str, params: dict,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the first candidates hold too little mass, the whole row by probability, without its stable argsort."""
+    rng = np.random.default_rng(len(shape) + 40)
+    if shape == "zeros both ways":  # +0 and -0 compare equal: their order is the ids'
+        row = np.where(rng.random(V) < 0.5, np.float32(0.0), np.float32(-0.0)).astype(np.float32)
+        row[rng.integers(0, V, 300)] = 0.5
+    elif shape == "flat":
+        row = rng.normal(0, 0.5, size=V).astype(np.float32)
+    else:
+        row = ROWS[shape](rng)
+    calls: list[int] = []
+    whole = sampling._by_probability
+    monkeypatch.setattr(sampling, "_by_probability", lambda *a: calls.append(1) or whole(*a))
+    mine = SamplerState.create(SamplingParams(max_tokens=8, seed=23, **params), 0, V, ())
+    theirs = SamplerState.create(SamplingParams(max_tokens=8, seed=23, **params), 0, V, ())
+    for _ in range(6):
+        assert int(pick_rows(row[None, :], [mine])[0]) == one_row_draw(row, theirs)
+    if shape in ("spread", "ties", "zeros both ways", "flat"):
+        assert calls, "the first candidates held too little mass: the whole row's path was taken"
+
+
+def test_by_probability_is_the_stable_sort_where_the_cut_reaches() -> None:
+    rng = np.random.default_rng(12)
+    for scaled in (np.round(rng.normal(0, 2, V)), rng.normal(0, 1, V), np.where(rng.random(V) < 0.3, -np.inf, 1.0)):
+        for top_p in (0.1, 0.9, 0.999999):
+            ids, probs = sampling._by_probability(scaled, top_p)
+            order = np.argsort(-scaled, kind="stable")
+            assert np.array_equal(ids, order[: len(ids)])
+            assert np.array_equal(probs, _softmax(scaled[order])[: len(ids)])
