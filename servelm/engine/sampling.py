@@ -456,7 +456,7 @@ def _running_sum(row: np.ndarray, temperature: float) -> tuple[np.ndarray | None
         tops[chunks] = row[chunks * _SUM_CHUNK:].max()
     m = tops.max() / t  # the max of row / t: dividing by t > 0 keeps the order
     if chunks < 8 or not np.isfinite(m):  # a small row, or an infinite or NaN max: the whole row
-        return None, _whole_running_sum(row, t, m)
+        return None, _weights_summed(row, t, m)
     tops /= t
     tops -= m  # each chunk's largest value as the whole row's pass makes it
     with np.errstate(divide="ignore", over="ignore", under="ignore"):
@@ -479,20 +479,19 @@ def _running_sum(row: np.ndarray, temperature: float) -> tuple[np.ndarray | None
     kept = int(np.count_nonzero(keep))
     tail = np.flatnonzero(row[chunks * _SUM_CHUNK:] >= cut_f32[chunks]) + chunks * _SUM_CHUNK if rest else None
     if kept + (len(tail) if tail is not None else 0) > _SUM_SHORTCUT_AT_MOST * width:
-        return None, _whole_running_sum(row, t, m)
+        return None, _weights_summed(row, t, m)
     ids = np.flatnonzero(keep)
     if tail is not None:
         ids = np.concatenate([ids, tail])
-    weights = row[ids] / t
-    weights -= m
-    np.exp(weights, out=weights)
-    return ids, np.asarray(np.cumsum(weights, out=weights))
+    return ids, _weights_summed(row[ids], t, m)
 
 
-def _whole_running_sum(row: np.ndarray, t: np.float32, m: np.float32) -> np.ndarray:
-    """The running sum of every weight; m is max(row / t)."""
-    weights = row / t
-    weights -= m
+def _weights_summed(values: np.ndarray, t: np.float32, m: np.float32) -> np.ndarray:
+    """np.cumsum(np.exp(values / t - m)) in float32, in one new buffer (m: the row's max(row / t)). At temperature 1,
+    OpenAI's default, without the division, which leaves every float32 as it is."""
+    weights: np.ndarray = values - m if t == 1 else values / t
+    if t != 1:
+        weights -= m
     np.exp(weights, out=weights)
     return np.asarray(np.cumsum(weights, out=weights))
 
