@@ -469,8 +469,8 @@ def _running_sum(row: np.ndarray, temperature: float) -> tuple[np.ndarray | None
         floor *= (1 - 1.1 * width * 2.0**-24) * (1 - 1e-3)
         half_ulp = np.floor(np.log2(floor)) - 24  # log2 of half an ulp of the floor
     skip_below = half_ulp * np.log(2.0) - 0.005  # a weight exp(d) below half an ulp: d below this
-    skip_below[floor < _SUM_FLOOR] = -np.inf
     np.maximum(skip_below, _ZERO_WEIGHT_BELOW, out=skip_below)  # a weight of 0 adds nothing to any sum
+    skip_below[floor < _SUM_FLOOR] = _ZERO_WEIGHT_BELOW
     # d = (x / t) - m as float32 rounds them, so the cut on x leaves room for both roundings
     cut = (float(m) + skip_below - 1e-6 * (abs(float(m)) + 2 * np.abs(skip_below) + 1)) * np.float64(t)
     cut_f32 = cut.astype(np.float32)
