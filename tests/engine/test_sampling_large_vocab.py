@@ -3,7 +3,9 @@ they replaced, wherever a row sits.
 
 - Temperature-only rows drawn row by row (shared with helper threads, no float64 copy of a row to search it).
 - top_k found among the row's best values, without a float64 copy of the whole row and its partition, where that
-  decides the same ids in the same order."""
+  decides the same ids in the same order.
+- The temperature draw's running sum without the weights too small to move it.
+- top_p past its first candidates: the values sorted, not the ids."""
 
 from __future__ import annotations
 
