@@ -66,9 +66,7 @@ class Drain:
         self.cutoff = asyncio.Event()
         self._timer: asyncio.TimerHandle | None = None
         self.ends_at: float | None = None  # time.monotonic() by which the whole shutdown must be over
-        self.waiting: set[asyncio.Task[Any]] = set()  # tasks awaiting a step now (bounded)
-        self.cut: set[asyncio.Task[Any]] = set()  # of those, the ones the cutoff cancelled
-        self.streams: set[StepWatch] = set()  # the streams in flight (streamed)
+        self.watches: set[StepWatch] = set()  # the requests in flight that wait on steps (streamed, bounded)
 
     def left(self, default: float) -> float:
         """Seconds the app's own stop may still take: what is left of the shutdown's timeout less EXIT_RESERVE_S
@@ -81,12 +79,9 @@ class Drain:
             self._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), self.cut_now)
 
     def cut_now(self) -> None:
-        """The cutoff: every request waiting on a step is cancelled (bounded turns it into the error)."""
+        """The cutoff: every request waiting on a step is cancelled (its StepWatch turns that into the error)."""
         self.cutoff.set()
-        for task in self.waiting - self.cut:
-            self.cut.add(task)
-            task.cancel()
-        for watch in list(self.streams):
+        for watch in list(self.watches):
             watch.fire(self.error)
 
     @staticmethod
@@ -228,11 +223,11 @@ async def streamed(scope: Scope, admission: Admission, chunks: AsyncGenerator[T,
 
 
 class StepWatch:
-    """What `bounded` does for one step, armed once for a whole stream (armed for each chunk, a timer and a watch
-    cost the event loop about 12 µs a chunk here; once, about 1): the request's deadline and the shutdown's cutoff
-    cancel the stream's task only while it awaits a step, and the step then raises their error (RequestTimeout, 504;
-    server_shutting_down, 503). Either one that comes while the chunk before is being written ends the stream at its
-    next step, which is not begun."""
+    """A request's deadline and the shutdown's cutoff over the steps it awaits, armed once (for a stream, once, not
+    a chunk: armed for each chunk, a timer and a registration cost the event loop about 12 µs a chunk here; once,
+    about 1). Either one cancels the request's task only while it awaits a step, and the step then raises its error
+    (RequestTimeout, 504; server_shutting_down, 503). Either one that comes between two steps (a stream's chunk
+    being written) ends the request at its next step, which is not begun."""
 
     __slots__ = ("scope", "deadline", "task", "drain", "timer", "awaiting", "error", "fired", "floor")
 
@@ -250,7 +245,7 @@ class StepWatch:
         loop = asyncio.get_running_loop()
         self.timer = loop.call_later(left, self.fire, self._timed_out) if left is not None else None
         if self.drain is not None:
-            self.drain.streams.add(self)
+            self.drain.watches.add(self)
 
     def fire(self, error: Callable[[], ApiError]) -> None:
         """The deadline or the cutoff came (on the loop): the first one's error is the stream's."""
@@ -293,37 +288,18 @@ class StepWatch:
         if self.timer is not None:
             self.timer.cancel()
         if self.drain is not None:
-            self.drain.streams.discard(self)
+            self.drain.watches.discard(self)
 
 
 async def bounded(scope: Scope, step: Awaitable[T]) -> T:
     """Await one step of a request, within its deadline (RequestTimeout, 504) and the server's shutdown (503
     server_shutting_down); the step is cancelled when either comes first, and has ended when this raises. Awaited
-    in the request's own task (no task or wait of its own). A stream's steps have a StepWatch instead."""
-    limits = limits_of(scope)
-    drain = limits.drain if limits is not None else None
-    task = asyncio.current_task()
-    if drain is not None and drain.cutoff.is_set():
-        _close(step)
-        raise drain.error()
-    watched = drain.waiting if drain is not None and task is not None else set()
-    watched.add(task)  # type: ignore[arg-type]  # None only where nothing watches
-    timeout = asyncio.timeout(limits.remaining() if limits is not None else None)
+    in the request's own task (no task or wait of its own)."""
+    watch = StepWatch(scope)
     try:
-        async with timeout:
-            return await step
-    except TimeoutError:
-        if timeout.expired():
-            raise timed_out(scope) from None
-        raise
-    except asyncio.CancelledError:
-        if drain is not None and task is not None and task in drain.cut:
-            drain.cut.discard(task)
-            if task.uncancel() == 0:  # the cutoff's alone: nothing else cancelled the task
-                raise drain.error() from None
-        raise
+        return await watch.step(step)
     finally:
-        watched.discard(task)
+        watch.close()
 
 
 def _close(step: Awaitable[Any]) -> None:

@@ -137,9 +137,11 @@ def test_the_shutdown_cutoff_ends_a_waiting_stream_with_an_error_event_and_a_who
         events = [next(line for line in lines if line.startswith("data: "))[6:]]
         waiter.start()
         deadline = time.monotonic() + 5
-        while (len(drain.waiting) < 1 or len(drain.streams) < 1) and time.monotonic() < deadline:  # both wait
+        tasks: list = []
+        while len(tasks) < 2 and time.monotonic() < deadline:  # both requests wait on steps
             time.sleep(0.01)
-        task = next(iter(drain.waiting))
+            tasks = [watch.task for watch in list(drain.watches) if watch.task is not None]
+        task = tasks[0]
         task.get_loop().call_soon_threadsafe(drain.cut_now)
         events += [line[6:] for line in lines if line.startswith("data: ")]
     waiter.join(10)
@@ -147,7 +149,7 @@ def test_the_shutdown_cutoff_ends_a_waiting_stream_with_an_error_event_and_a_who
     assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
     assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "server_shutting_down"
     assert wait_idle(server) and server.runner.cells_in_use() == 0
-    assert not drain.waiting and not drain.cut and not drain.streams
+    assert not drain.watches
 
 
 def test_a_batch_counts_as_its_size_and_is_refused_whole(fake_server_factory):

@@ -40,7 +40,7 @@ async def test_chunks_pass_through_and_nothing_is_left_armed():
     drain, closed, admission = Drain(), [], _Admission()
     got = [c async for c in streamed(_scope(5.0, drain), admission, _chunks([0, 0, 0], closed))]
     assert got == [0, 1, 2] and closed == [True] and admission.closed == 1
-    assert not drain.streams and asyncio.current_task().cancelling() == 0
+    assert not drain.watches and asyncio.current_task().cancelling() == 0
 
 
 async def test_a_deadline_while_a_step_is_awaited_is_a_request_timeout():
@@ -89,14 +89,14 @@ async def test_the_shutdown_cutoff_ends_a_waiting_stream_and_a_writing_one():
     assert await anext(waiting) == 0 and await anext(writing) == 0
     step = asyncio.ensure_future(anext(waiting))
     await asyncio.sleep(0.05)
-    assert len(drain.streams) == 2
+    assert len(drain.watches) == 2
     drain.cut_now()
     with pytest.raises(ServiceUnavailable) as raised:
         await step
     assert raised.value.code == "server_shutting_down"
     with pytest.raises(ServiceUnavailable):
         await anext(writing)
-    assert waiting_closed == [True] and writing_closed == [True] and not drain.streams
+    assert waiting_closed == [True] and writing_closed == [True] and not drain.watches
 
 
 async def test_a_stream_that_began_past_its_deadline_reads_nothing():
