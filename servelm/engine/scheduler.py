@@ -263,6 +263,10 @@ class Scheduler:
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
                     budget -= self._read(seq, budget, plan)
+        # in slot order, as a runner lays a call out: a step of one call then makes its logits rows in the plan's
+        # order, and they are sampled where the runner left them (a slot taken over by a later request would
+        # otherwise put its rows out of order, and every step's rows would be copied before the draw)
+        plan.chunks.sort(key=lambda c: c.slot)
         plan.ops = self.cache.take_ops(bool(plan.chunks))
         return plan
 

@@ -60,6 +60,25 @@ def test_decode_tokens_come_first_and_prompts_are_chunked_under_the_budget():
     assert last.wants_logits and not [c for c in plans[0].chunks if s.group(c).request_id == "long"][0].wants_logits
 
 
+def test_a_plans_chunks_are_in_slot_order_when_a_later_request_takes_an_earlier_slot():
+    """The runner lays a call out slot by slot: in slot order, a step of one call makes its logits rows in the plan's
+    order, and the sampler reads them where llama.cpp left them instead of a copy of every row."""
+    s = sched(num_slots=3, max_step_tokens=100)
+    for i in range(3):
+        s.add(group(f"r{i}", 5))
+    run_step(s)
+    first = s.running[0]
+    freed = first.seqs[0].slot
+    s.finish(first.seqs[0])
+    s.add(group("late", 5))
+    run_step(s)  # the late request reads its prompt in the slot r0 left
+    plan = run_step(s)
+    slots = [c.slot for c in plan.chunks]
+    assert len(slots) == 3 and slots == sorted(slots)
+    assert s.group(plan.chunks[slots.index(freed)]).request_id == "late"
+    assert [len(c.tokens) for c in plan.chunks] == [1, 1, 1], "every sequence decodes"
+
+
 def test_a_sequence_reads_at_most_max_rows_a_step():
     s = sched(num_slots=2, max_step_tokens=256, max_rows=63)
     s.add(group("a", 200))
