@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,7 @@ CHUNK = ("data: " + json.dumps({
     "choices": [{"index": 0, "delta": {"content": " word"}, "logprobs": None, "finish_reason": None}],
 }) + "\n\n").encode()
 MAX_CHUNKS = 100_000  # a stream's chunks at most (the query's bound)
+MAX_ROUNDS, MAX_BURN = 100, 64
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -66,23 +69,36 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
+def _orphaned(parent: int) -> bool:
+    return os.getppid() != parent
+
+
+def _exit_with(parent: int) -> None:
+    """Exit once the measuring process is gone (killed without its cleanup), so that nothing is left running."""
+    while not _orphaned(parent):
+        time.sleep(0.5)
+    os._exit(0)
+
+
 def serve(port: int) -> None:
     import uvicorn
 
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop",
                 http="httptools")
 
 
-def _spin() -> None:
-    while True:
-        pass
+def _spin(parent: int) -> None:
+    while not _orphaned(parent):
+        for _ in range(1_000_000):
+            pass
 
 
 def measure(chunks: int, period: float, rounds: int, burn: int) -> list[dict[str, float]]:
     """Each round's chunks received, and the event loop thread's and the whole server's CPU a chunk (ms)."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "harness.asgi_floor", "--serve", str(port)])
-    burners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(burn)]
+    burners = [multiprocessing.Process(target=_spin, args=(os.getpid(),), daemon=True) for _ in range(burn)]
     try:
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=60 + chunks * period * 2) as client:
@@ -115,16 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=int, default=1000, help="chunks a round (at most 100,000)")
     p.add_argument("--period", type=float, default=0.02, help="seconds between chunks (at most 1)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--burn", type=int, default=0, help="processes kept spinning while it streams")
+    p.add_argument("--rounds", type=int, default=3, help="at most 100")
+    p.add_argument("--burn", type=int, default=0, help="processes kept spinning while it streams (at most 64)")
     p.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         serve(args.serve)
         return 0
-    if not 1 <= args.chunks <= MAX_CHUNKS or not 0 <= args.period <= 1 or args.rounds < 1 or args.burn < 0:
-        p.error("--chunks 1..100000, --period 0..1, --rounds >= 1, --burn >= 0")
-    rows = measure(args.chunks, args.period, args.rounds, args.burn)
+    if (not 1 <= args.chunks <= MAX_CHUNKS or not 0 <= args.period <= 1 or not 1 <= args.rounds <= MAX_ROUNDS
+            or not 0 <= args.burn <= MAX_BURN):
+        p.error("--chunks 1..100000, --period 0..1, --rounds 1..100, --burn 0..64")
+    # a plain kill ends it as Ctrl-C does: through measure's cleanup, which stops the server and the spinners
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        rows = measure(args.chunks, args.period, args.rounds, args.burn)
+    except KeyboardInterrupt:
+        return 130
     print(f"bare ASGI stream, {args.chunks} chunks a round, one every {args.period * 1e3:g} ms, {args.burn} spinning")
     print("| round | chunks | event loop thread CPU a chunk (ms) | server process CPU a chunk (ms) |")
     print("|---|---:|---:|---:|")
