@@ -113,7 +113,6 @@ def measure(chunks: int, period: float, rounds: int, burn: int) -> list[dict[str
             rows = []
             for _ in range(rounds):
                 loop0, proc0 = client.get(url + "/cpu").json()["loop_cpu_s"], cpu_s(server.pid)
-                got = 0
                 with client.stream("GET", f"{url}/stream?n={chunks}&period={period}") as r:
                     got = sum(line.startswith("data: {") for line in r.iter_lines())
                 loop1, proc1 = client.get(url + "/cpu").json()["loop_cpu_s"], cpu_s(server.pid)
