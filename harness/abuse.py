@@ -676,7 +676,7 @@ def starve(target: Target, threads: int, seconds: float, aging_s: float | None) 
     """`threads` clients send priority -1000 requests without pause for `seconds`; meanwhile one client sends
     priority-0 requests one after another. Aging used to count every level (1,000 levels: the flood's whole length);
     it now counts priorities within ±AGING_SPAN, so a priority-0 request waits about AGING_SPAN levels of aging."""
-    from servelm.engine.scheduler import AGING_SPAN
+    from servelm.engine.fairness import AGING_SPAN
 
     stop = time.monotonic() + seconds
     flood_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "ignore_eos": True,

@@ -100,7 +100,7 @@ class _Call:
 class LocalEngine:
     def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, grammars: Grammars | None = None,
                  speculative: bool = True, spill: SpillStore | None = None, pacer: StepPacer | None = None,
-                 priority_aging_s: float = 60.0) -> None:
+                 priority_aging_s: float = 60.0, fair_share: bool = True) -> None:
         self.runner = runner
         if hasattr(runner, "settle_readers"):  # it may free the memory a step's logits rows lie in: not while the
             runner.settle_readers = settle  # sampler's helper threads may still read them (sampling.by_rows)
@@ -110,7 +110,7 @@ class LocalEngine:
         self.scheduler = Scheduler(runner.num_slots, runner.context_window, runner.max_step_tokens,
                                    max_rows=runner.max_rows, tile_rows=runner.tile_rows, prefix_cache=prefix_cache,
                                    speculator=speculator,
-                                   spill=spill, pacer=pacer, aging_s=priority_aging_s)
+                                   spill=spill, pacer=pacer, aging_s=priority_aging_s, fair_share=fair_share)
         self.clock = PhaseClock()  # the engine thread's time by phase (engine/clock.py)
         self.output = OutputProcessor(runner, grammars, self.clock)
         self.sampler = StepSampler(runner.vocab_size, runner.eog_ids, self.output.choices, grammars is not None,
@@ -189,7 +189,7 @@ class LocalEngine:
         group = SequenceGroup(request.request_id, request.prompt_token_ids, request.params,
                               scope=adapter_scope(request.cache_scope, request.adapters),
                               pin_seconds=request.pin_seconds, media=request.media, priority=request.priority,
-                              adapters=request.adapters)
+                              adapters=request.adapters, tenant=request.tenant)
         params = request.params
         if request.constraint is not None and self.grammars is None:
             raise EngineError("this engine was built without grammar support")
@@ -234,6 +234,7 @@ class LocalEngine:
             spill_ram_bytes=c.spill_ram_bytes, spill_disk_bytes=c.spill_disk_bytes, spill_entries=c.spill_entries,
             spill_restored=c.spill_restored, spill_restore_failures=c.spill_restore_failures,
             preemptions=s.preemptions, resumed_tokens=c.resumed_tokens,
+            tenants=s.share.stats(s.running, s.waiting),
         )
 
     def _post(self, item: RequestState | str | _Call) -> None:

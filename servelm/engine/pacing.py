@@ -5,7 +5,8 @@ step's fixed cost (the loop, a llama_decode call's own), b a decoding row's (its
 and c a prompt token's. The pacer fits a, b and c to the steps just run (least squares, older steps weighing less and
 less), and gives a step that decodes d rows the prompt tokens that keep it within the target:
 (target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on (and a prompt's whole tiles
-a tile at a time, even past it: engine/scheduler.py). A step that decodes nothing reads its whole budget (nobody's
+a tile at a time, even past it: engine/scheduler.py, which has tiles only where one fits: compose.py). However many
+prompts wait, that is all a decoding step reads. A step that decodes nothing reads its whole budget (nobody's
 tokens wait on it: the first-token lead is kept; so many requests that arrive together are read together, and then
 decode together in one call a step). Until it has seen both kinds of step, or while prompt tokens look free, a
 decoding step reads at most UNFIT tokens of prompt. Chunk sizes change no answer: a prompt's cells are the same
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-FLOOR = 16  # prompt tokens a decoding step may always read (below: a long prompt would wait many steps per chunk)
+FLOOR = 4  # prompt tokens a decoding step may always read, so that prompts move on where decoding alone fills the target
 HALF_LIFE = 64  # steps after which an observation weighs half as much
 MIN_STEPS = 8  # steps seen with a prompt in them, and without, before the fit is used
-UNFIT = 64  # prompt tokens a decoding step may read before the fit is used (a tile; 256 cost 1.2 s at 1,700 cells)
+UNFIT = 16  # prompt tokens a decoding step may read before the fit is used (64 cost 0.9 s at --threads 1 on 2 cores)
 
 
 class StepPacer:

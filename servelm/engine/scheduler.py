@@ -4,11 +4,12 @@ Its surface is four calls: add(group) and abort(request_id) between steps, sched
 update(plan, sampled, result) after it, with what the sampler drew and what the output processor made of it. Only
 these change a sequence's state (status, slot, tokens, cells computed, drafts) and queue KV operations; the rest
 (the counts /health and /metrics show) is read-only. Each step
-carries one token for every decoding sequence, then prompt chunks (first come, first served) under the step's
-token budget, so a long prompt is read a chunk at a time while the others keep decoding; with a pacer
-(engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an inter-token target. A prompt's
-leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in chunks of a tile or more, on the runner's
-tiled kernel, one tile a step even past a smaller budget; the rest of it, and every generated token, at most
+carries one token for every decoding sequence, then prompt chunks (running requests' in admission order, then those
+admitted this step) under the step's token budget, so a long prompt is read a chunk at a time while the others keep
+decoding; with a pacer (engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an
+inter-token target, whatever waits. A prompt's leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are
+read in chunks of a tile or more, on the runner's tiled kernel, one tile a step even past a smaller budget (a runner
+has tiles only where a tile's pass fits the target: compose.py); the rest of it, and every generated token, at most
 `max_rows` a step, on its row kernel (each kernel gives a row the same numerics whatever shares its step, and which
 one reads a position depends on the prompt alone: docs/exactness.md). Sequences are admitted and retired between
 steps.
@@ -20,11 +21,10 @@ sequence starts and applies its answers): a new request starts from the longest 
 of its scope, reused in place or copied, and reads only the rest. `cached_tokens` counts what it did not read.
 Requests for prompt logprobs read everything (each prompt token needs its row).
 
-Waiting requests go in rank order: priority (lower first, vLLM's), less one level for every `aging_s` seconds since
-the engine received it, then arrival. As the age counts from receipt, two requests compare the same at every moment
-and a low priority still runs once it has waited long enough. Aging counts a priority within ±AGING_SPAN (one further
-out breaks ties only), so it makes up at most 2 × AGING_SPAN levels: nothing received more than that many `aging_s`
-after a request ranks above it, however urgent (a flood at -1000 no longer starves priority 0 for 17 hours).
+Waiting requests are admitted in the order engine/fairness.py gives: by rank (priority, less one level for every
+`aging_s` seconds since the engine received it, then arrival), and between tenants (API keys, or client addresses),
+the next slot to the tenant served least among requests of one priority (FairShare, its own room: its accounts, the
+caps on a tenant's slots).
 
 When the best-ranked waiting request finds no slot at rest, running requests of a lower priority that also rank
 below it give theirs up, worst first (preemption): the slot rests with the cells the sequence computed as a prefix-
@@ -47,6 +47,7 @@ import time
 from collections import deque
 
 from servelm.engine.beam import beam_hosts
+from servelm.engine.fairness import FairShare
 from servelm.engine.output import BeamMove, Failed, Finish, StepResult
 from servelm.engine.pacing import StepPacer
 from servelm.engine.plan import LOGITS_ROWS, ScheduledChunk, SeqKey, StepPlan
@@ -58,16 +59,13 @@ from servelm.engine.spill import SpillStore
 from servelm.engine.types import MediaSpan
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
-# A decoding step reads all the prompts waiting past the pacer's limit when they are more than the streams decoding
-# and this short, on average (_catches_up): requests sent together, then decoding together.
-CATCH_UP_TOKENS = 256
-AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further out ages as the nearer end)
 
 
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
                  tile_rows: int = 0, prefix_cache: bool = True, speculator: Speculator | None = None,
-                 spill: SpillStore | None = None, pacer: StepPacer | None = None, aging_s: float = 60.0) -> None:
+                 spill: SpillStore | None = None, pacer: StepPacer | None = None, aging_s: float = 60.0,
+                 fair_share: bool = True) -> None:
         if num_slots < 1 or context_window < 1 or max_step_tokens < num_slots or max_rows < 1:
             raise ValueError("need num_slots, context_window and max_rows >= 1, and max_step_tokens >= num_slots")
         self.num_slots = num_slots
@@ -84,7 +82,7 @@ class Scheduler:
         self.draft_tokens = 0  # guesses read since start, and how many of them held
         self.draft_accepted = 0
         self._seqs: dict[SeqKey, Sequence] = {}  # every sequence of a waiting or running group
-        self.aging_s = aging_s  # waiting this long counts as one priority level (0: no aging)
+        self.share = FairShare(num_slots, aging_s, enabled=fair_share)  # the waiting ones' rank and order
         self.preemptions = 0  # requests that gave their slot up (the cache counts what they found on resuming)
 
     # -- bookkeeping -------------------------------------------------------------------------------
@@ -116,6 +114,7 @@ class Scheduler:
             raise ValueError(f"a request of {len(group.seqs)} choices exceeds the {self.num_slots} sequence slots")
         group.tiled_end = self._tiled_end(group)
         self.waiting.append(group)
+        self.share.joined(group)
         for seq in group.seqs:
             self._seqs[seq.key] = seq
 
@@ -163,30 +162,21 @@ class Scheduler:
                 self.waiting.remove(group)
             for s in group.seqs:
                 self._seqs.pop(s.key, None)
+            self.share.left(group)
 
     # -- the step ----------------------------------------------------------------------------------
-    def rank(self, group: SequenceGroup) -> tuple[float, int, int]:
-        """Where a request stands: lower first. Its priority (within ±AGING_SPAN) less its age in levels
-        (now - received) / aging_s; `now` is the same for all, so the time it was received stands for it, and two
-        requests compare the same at any moment. Then its priority itself, then arrival. The priority is never a
-        float: any integer compares."""
-        if self.aging_s <= 0:
-            return (0.0, group.priority, group.arrival)
-        level = min(max(group.priority, -AGING_SPAN), AGING_SPAN)
-        return (level + group.received_at / self.aging_s, group.priority, group.arrival)
-
     def _preempt(self) -> None:
         """Before a step: while the best-ranked waiting requests find no slot at rest, running ones ranked below
         them give theirs up, worst first, when that makes room."""
         idle = self.cache.free_slots
-        for group in sorted(self.waiting, key=self.rank):
+        for group in sorted(self.waiting, key=self.share.rank):
             need = len(group.live)
             if need <= idle:
                 idle -= need
                 continue
-            rank = self.rank(group)
+            rank = self.share.rank(group)
             victims = sorted((g for g in self.running if g.preemptible and g.priority > group.priority
-                              and self.rank(g) > rank), key=self.rank, reverse=True)
+                              and self.share.rank(g) > rank), key=self.share.rank, reverse=True)
             freed, taken = idle, []
             for victim in victims:
                 if freed >= need:
@@ -198,7 +188,7 @@ class Scheduler:
             for victim in taken:
                 self._suspend(victim)
             idle = freed - need
-        self.waiting = deque(sorted(self.waiting, key=self.rank))
+        self.waiting = deque(sorted(self.waiting, key=self.share.rank))
 
     def _suspend(self, group: SequenceGroup) -> None:
         """A running request gives its slot up and waits again: its cells stay as a cache entry of its scope."""
@@ -219,7 +209,7 @@ class Scheduler:
         budget = self.max_step_tokens
         urgent = self._urgent_reader()
         for group in self.running:
-            if self._holds_back(group, urgent):
+            if self.share.holds_back(group, urgent):
                 continue  # it holds back while a more urgent prompt is read
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
@@ -229,13 +219,13 @@ class Scheduler:
             room = min(budget, LOGITS_ROWS)
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
-        # keep the decoding streams' next token within the target, unless the prompts go in at once (_catches_up)
-        if (plan.decode_tokens and self.pacer is not None and self._prompts_to_read()
-                and not self._catches_up(budget, len(plan.chunks), urgent)):
+        # keep the decoding streams' next token within the target, whatever waits (a step that decodes nothing reads
+        # its whole budget: nobody's next token waits on it)
+        if plan.decode_tokens and self.pacer is not None and self._prompts_to_read():
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
             budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
-            if self._holds_back(group, urgent):
+            if self.share.holds_back(group, urgent):
                 continue
             for seq in group.seqs:
                 if budget <= 0:
@@ -244,10 +234,10 @@ class Scheduler:
                     budget -= self._read(seq, budget, plan)
         readers = self._prompt_readers()
         blocked = False  # a group ahead did not fit, and the ones behind may overtake it
-        for group in list(self.waiting):
+        for group in self.share.order(self.waiting, self.running):
             if budget <= 0:
                 break
-            if self._holds_back(group, urgent):
+            if self.share.holds_back(group, urgent):
                 continue  # as the running ones it would hold back do: the urgent prompt is read alone
             if readers and self.cache.awaits(group, readers):
                 continue  # a running request is reading the prompt this one begins with: reuse it, soon
@@ -274,34 +264,6 @@ class Scheduler:
         """Whether a request waits or a running one reads its prompt (else no step need ask the pacer's fit)."""
         return bool(self.waiting) or any(seq.reads_prompt for group in self.running for seq in group.seqs)
 
-    def _catches_up(self, budget: int, decoding: int, urgent: SequenceGroup | None) -> bool:
-        """Whether a decoding step reads every prompt there is to read, past the pacer's limit: when those reading
-        outnumber the streams decoding, every waiting request fits a slot, and what is left to read of the prompts
-        (past the cells the cache holds: questions after a shared system prompt) is short (CATCH_UP_TOKENS a reader
-        or fewer) and fits what is left of the step's budget. Requests sent together but received a moment apart
-        are then read together and decode together from the next step on, one call a step, where paced they would
-        be read a tile a step beside the first ones' decoding for tens of steps, each of them a call with few rows.
-        The decoding streams wait one slower step; long prompts are paced whatever their number."""
-        if urgent is not None:
-            return False
-        readers = tokens = 0
-        for group in self.running:
-            for seq in group.seqs:
-                if seq.reads_prompt:
-                    readers += 1
-                    tokens += seq.num_pending
-        slots = 0
-        for group in self.waiting:  # a walk of the free slots' worth at most, however long the queue
-            slots += len(group.live)
-            if slots > self.cache.free_slots:
-                return False
-            # what is left to read past the cells the cache holds (a fork copies the first sequence's)
-            tokens += group.prompt_len - self.cache.reusable(group)
-            if tokens > budget:
-                return False
-        readers += slots
-        return readers > decoding and tokens <= min(budget, CATCH_UP_TOKENS * readers)
-
     def _urgent_reader(self) -> SequenceGroup | None:
         """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the
         best-ranked waiting one when enough slots rest for it), when running ones of a lower priority that rank below
@@ -314,11 +276,8 @@ class Scheduler:
             readers.append(self.waiting[0])
         if not readers:
             return None
-        urgent = min(readers, key=self.rank)
-        return urgent if any(self._holds_back(g, urgent) for g in self.running) else None
-
-    def _holds_back(self, group: SequenceGroup, urgent: SequenceGroup | None) -> bool:
-        return urgent is not None and group.priority > urgent.priority and self.rank(group) > self.rank(urgent)
+        urgent = min(readers, key=self.share.rank)
+        return urgent if any(self.share.holds_back(g, urgent) for g in self.running) else None
 
     def _draft_candidates(self, plan: StepPlan) -> dict[int, Candidate]:
         """The decode chunks (by index) that may carry guesses: a plain sequence's, sampled by it alone."""
@@ -391,8 +350,10 @@ class Scheduler:
         slot, reuse = self.cache.place(group, first.token_ids)
         self._occupy(first, slot)
         first.num_computed = reuse
-        if reuse and not group.preempted:
-            group.cached_tokens = reuse
+        if not group.preempted:  # its prompt past what the cache holds is its tenant's (a resume is not charged again)
+            self.share.charge(group, group.prompt_len - reuse)
+            if reuse:
+                group.cached_tokens = reuse
         for seq in others:
             self._occupy(seq, self.cache.spare(group.adapters))
             seq.status = SeqStatus.FORK_PENDING
@@ -444,6 +405,7 @@ class Scheduler:
                 drawn = sampled.drawn.get(key)
                 if drawn is not None:
                     sampler.token_ids += drawn.tokens
+                    self.share.charge(sampler.group, len(drawn.tokens))
             if chunk.drafted and chunk.seq in sampled.drawn:
                 accepted = sampled.drawn[chunk.seq].accepted
                 seq.num_computed += accepted

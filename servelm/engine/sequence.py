@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from servelm.engine.plan import SeqKey
 from servelm.engine.speculate import Drafter
-from servelm.engine.types import MediaSpan, SamplingParams
+from servelm.engine.types import MediaSpan, SamplingParams, Tenant
 
 
 class SeqStatus(enum.Enum):
@@ -79,6 +79,7 @@ class SequenceGroup:
     priority: int = 0  # lower runs first (vLLM's); equal ones first come, first served
     adapters: tuple[tuple[str, float], ...] = ()  # LoRA adapters its rows are computed with (name, scale)
     preempted: int = 0  # times its sequence gave its slot up to a request ranked above it
+    tenant: Tenant = Tenant()  # who it counts against for the slots' fair share (engine/fairness.py)
     # its prompt positions below this are read in whole tiles of the runner's tile_rows (flash attention's tiled
     # kernel), the rest a few rows at a time (its row kernel): set by the scheduler when it is added (0: none)
     tiled_end: int = 0

@@ -120,6 +120,28 @@ class MediaSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class Tenant:
+    """Who a request counts against when slots are shared out (engine/fairness.py): an API key, or a client's
+    address on a server without keys. "" is the server's own work (a guard model's question)."""
+
+    id: str = ""  # "key:<the key's digest>", "addr:<the client's address>"
+    label: str = ""  # how /metrics names it: the key's name (or key-<8 hex digits>), or the address
+    weight: float = 1.0  # its share of the tokens against other tenants' (2: twice a weight-1 tenant's)
+    max_share: float = 1.0  # the fraction of a deployment's slots its sequences may hold at once
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant's part of an engine now: the slots its sequences hold, its requests waiting, and the tokens the
+    engine computed for it since start (prompt tokens read, tokens drawn)."""
+
+    label: str
+    slots: int
+    waiting: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -139,6 +161,7 @@ class GenerationRequest:
     adapters: tuple[tuple[str, float], ...] = ()
     # the request's trace span as a W3C traceparent ("" untraced): a Ray replica's span of it joins the trace
     traceparent: str = ""
+    tenant: Tenant = Tenant()  # who it counts against for the engine's fair share of slots
 
 
 class FinishReason(str, enum.Enum):
@@ -227,6 +250,7 @@ class EngineStats:
     spill_restore_failures: int = 0  # spilled entries the model refused (dropped; their requests read their prompts)
     preemptions: int = 0  # running requests that gave their slot up to one ranked above them, since start
     resumed_tokens: int = 0  # of their tokens, those they found cached again (a slot or the spill) on resuming
+    tenants: tuple[TenantStats, ...] = ()  # each tenant's slots, waiting requests and tokens (engine/fairness.py)
 
 
 def adapter_scope(scope: str, adapters: tuple[tuple[str, float], ...]) -> str:

@@ -27,7 +27,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError, Req
 
 from servelm.config import LoraSpec
 from servelm.engine.embedding import EmbeddingStats
-from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams
+from servelm.engine.types import EngineStats, GenerationOutput, GenerationRequest, SamplingParams, TenantStats
 from servelm.errors import ApiError, QueueFull, ServerError, ServiceUnavailable
 from servelm.ray.replica import EmbeddingInfo, ReplicaStats
 from servelm.ray.served_by import end_call, note_call, note_replica
@@ -132,9 +132,20 @@ def _sum(items: list[Any], kind: type[S]) -> S:
         values = [getattr(i, name) for i in items]
         if values and isinstance(values[0], dict):
             return {key: sum(v.get(key, 0) for v in values) for key in dict.fromkeys(k for v in values for k in v)}
+        if values and isinstance(values[0], tuple):  # the tenants' shares, by name
+            return _tenants([t for v in values for t in v])
         return max(values, default=0) if name.endswith("_bytes") else sum(values)
 
     return kind(**{f.name: add(f.name) for f in dataclasses.fields(kind)})  # type: ignore[arg-type]  # kind is a dataclass type
+
+
+def _tenants(shares: list[TenantStats]) -> tuple[TenantStats, ...]:
+    """Every replica's share of each tenant, added up by its label."""
+    out: dict[str, TenantStats] = {}
+    for t in shares:
+        o = out.get(t.label)
+        out[t.label] = t if o is None else TenantStats(t.label, o.slots + t.slots, o.waiting + t.waiting, o.tokens + t.tokens)
+    return tuple(out[label] for label in sorted(out))
 
 
 class RemoteEngine:

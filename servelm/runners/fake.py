@@ -88,6 +88,7 @@ class FakeRunner:
         max_rows: int = 63,
         tile_rows: int = 64,
         step_delay: float = 0.0,
+        row_delay: float = 0.0,
         fim_tokens: tuple[int, int, int] | None = None,
         projector: FakeProjector | None = None,
         model: FakeModel | None = None,
@@ -103,12 +104,14 @@ class FakeRunner:
         self.adapters: dict[str, int] = {}  # fake LoRA adapters: name → the shift of every logits row
         self.max_rows = max_rows
         self.tile_rows = tile_rows
+        self.tile_seconds = 0.0  # not timed (its step computes nothing)
         self.call_cost_rows = 1.5
         self.lone_row_from: int | None = None  # it reads a lone row alone
         self.kv_cell_bytes = 64
         self.forward_calls = 0
         self.decode_seconds = 0.0  # none: the fake computes nothing (its step counts as the runner's own work)
         self.step_delay = step_delay
+        self.row_delay = row_delay  # and this much more a token of the step: a step's cost is linear, as a model's
         self.state_fingerprint = "fake-model"
         self.exactness = Exactness(False, checked=False)  # check_exactness(runner) checks it, as load_exact does
         self.cells: dict[int, list[int]] = {}  # slot → tokens at positions 0..len-1
@@ -238,8 +241,8 @@ class FakeRunner:
         if plan.chunks:  # the forward pass: llama.cpp has made every copy by now
             self.copied_to.clear()
             self.copied_from.clear()
-        if self.step_delay:
-            time.sleep(self.step_delay)
+        if self.step_delay or self.row_delay:
+            time.sleep(self.step_delay + self.row_delay * plan.num_tokens)
         if not rows:
             return np.empty((0, self.vocab_size), dtype=np.float32)
         return np.stack(rows)

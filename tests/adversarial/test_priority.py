@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from servelm.compose import DeploymentOptions, build_deployment
-from servelm.engine.scheduler import AGING_SPAN
+from servelm.engine.fairness import AGING_SPAN
 from servelm.http.app import create_app
 from servelm.http.limits import SecurityConfig
 from servelm.keys import key_from_table, key_spec, parse_key_file

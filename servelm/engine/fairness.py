@@ -1,0 +1,194 @@
+"""Who goes next: a waiting request's rank (its priority and its age), and each tenant's fair share of the slots.
+
+Rank. A waiting request stands at its priority (lower first, vLLM's) less one level for every `aging_s` seconds since
+the engine received it, then its priority, then arrival. As the age counts from receipt, two requests compare the
+same at every moment, and a low priority still runs once it has waited long enough. Aging counts a priority within
+±AGING_SPAN (one further out breaks ties only), so it makes up at most 2 × AGING_SPAN levels: nothing received more
+than that many `aging_s` after a request ranks above it, however urgent.
+
+Fair share. A tenant (engine.types.Tenant: an API key, or a client's address on a server without keys) with work
+waiting or running has an account of the service it got: the tokens the engine computed for it, divided by its
+weight (virtual token counters, as in Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024). A
+request's prompt is charged when it takes a slot (what the prefix cache held is not charged; a preempted request
+resuming is not charged again), and each token its sequences draw as it is drawn. When slots are free, the next one
+goes to the best-ranked request of the tenant served least, among the requests of the best-ranked request's own
+priority that were received up to one level (`aging_s`) after it; a tie goes to the tenant holding fewer slots, then
+to rank. So:
+- a burst from one tenant takes turns with the others' requests, and a lone request from another tenant gets the
+  next slot that frees;
+- priorities order work across tenants as within one: fairness reorders only requests of one priority, and never
+  puts a request ahead of one received more than `aging_s` before it (without aging, `aging_s` 0, it reorders
+  within a priority freely);
+- a tenant with nothing waiting or running is forgotten, and comes back level with the least served tenant that has
+  work: no credit for its idle time, no debt for what it got earlier (and the accounts' memory follows the work in
+  flight);
+- a tenant's sequences hold at most ceil(max_share × slots) slots (at least one) at once; its requests past that
+  wait, even while a slot is free (a request of more choices than that goes while the tenant holds none).
+The order changes no answer: a row's logits do not depend on its step (docs/exactness.md). Preemption goes by
+priority alone (engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from servelm.engine.sequence import SequenceGroup
+from servelm.engine.types import Tenant, TenantStats
+
+AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further out ages as the nearer end)
+MAX_LABELS = 64  # tenants /metrics names one by one; any more are counted together as OTHER
+OTHER = "other"
+SERVER = "server"  # the label of the server's own work (Tenant.id "")
+
+Rank = tuple[float, int, int]
+
+
+@dataclass(eq=False)
+class _Account:
+    tenant: Tenant
+    served: float  # tokens computed for it, divided by its weight, since it last came (level with the least then)
+    groups: int = 0  # its requests waiting or running
+
+
+class FairShare:
+    """The waiting requests' rank and admission order, and the tenants' accounts (the scheduler tells it of each
+    request that comes and goes, and of the tokens computed for it)."""
+
+    def __init__(self, num_slots: int, aging_s: float = 60.0, *, enabled: bool = True) -> None:
+        self.num_slots = num_slots
+        self.aging_s = aging_s  # waiting this long counts as one priority level (0: no aging)
+        self.enabled = enabled  # False: admission in rank order alone (each tenant's cap still holds)
+        self._accounts: dict[str, _Account] = {}  # by Tenant.id: the tenants with work
+        self._tokens: dict[str, int] = {}  # by label: tokens computed since start (MAX_LABELS labels at most)
+
+    def rank(self, group: SequenceGroup) -> Rank:
+        """Where a request stands: lower first. Its priority (within ±AGING_SPAN) less its age in levels
+        (now - received) / aging_s; `now` is the same for all, so the time it was received stands for it. Then its
+        priority itself, then arrival. The priority is never a float: any integer compares."""
+        if self.aging_s <= 0:
+            return (0.0, group.priority, group.arrival)
+        level = min(max(group.priority, -AGING_SPAN), AGING_SPAN)
+        return (level + group.received_at / self.aging_s, group.priority, group.arrival)
+
+    def holds_back(self, group: SequenceGroup, urgent: SequenceGroup | None) -> bool:
+        """Whether `group` gives its rows up this step to the urgent prompt (engine/scheduler.py: _urgent_reader)."""
+        return urgent is not None and group.priority > urgent.priority and self.rank(group) > self.rank(urgent)
+
+    def cap(self, tenant: Tenant) -> int:
+        """The slots a tenant's sequences may hold at once."""
+        return max(1, math.ceil(tenant.max_share * self.num_slots - 1e-9))
+
+    # -- accounts ----------------------------------------------------------------------------------
+    def joined(self, group: SequenceGroup) -> None:
+        """A request came: its tenant's account, opened level with the least served one when it had no work."""
+        account = self._accounts.get(group.tenant.id)
+        if account is None:
+            least = min((a.served for a in self._accounts.values()), default=0.0)
+            account = self._accounts[group.tenant.id] = _Account(group.tenant, least)
+        account.groups += 1
+
+    def left(self, group: SequenceGroup) -> None:
+        """A request ended (finished, failed or aborted, waiting or running): a tenant with no more work is forgotten."""
+        account = self._accounts.get(group.tenant.id)
+        if account is not None:
+            account.groups -= 1
+            if account.groups <= 0:
+                del self._accounts[group.tenant.id]
+
+    def charge(self, group: SequenceGroup, tokens: int) -> None:
+        """Tokens the engine computed for the request's tenant."""
+        if tokens <= 0:
+            return
+        account = self._accounts.get(group.tenant.id)
+        if account is not None:
+            account.served += tokens / account.tenant.weight
+        label = self._label(group.tenant)
+        self._tokens[label] = self._tokens.get(label, 0) + tokens
+
+    def _label(self, tenant: Tenant) -> str:
+        label = tenant.label or tenant.id or SERVER
+        return label if label in self._tokens or len(self._tokens) < MAX_LABELS else OTHER
+
+    # -- the order ---------------------------------------------------------------------------------
+    def order(self, waiting: Sequence[SequenceGroup], running: Iterable[SequenceGroup]) -> Iterator[SequenceGroup]:
+        """The waiting requests (in rank order) in the order they take the free slots, each tenant within its cap.
+        Lazy: the accounts are read at each pick, so a prompt charged as its request takes a slot counts for the
+        next pick of the same step. What it yields and the caller does not admit only makes the caps stricter for
+        the rest of the step."""
+        held: dict[str, int] = {}
+        for group in running:
+            held[group.tenant.id] = held.get(group.tenant.id, 0) + sum(1 for s in group.seqs if s.holds_slot)
+        capped = any(g.tenant.max_share < 1 for g in waiting)
+        if not capped and (not self.enabled or len(self._accounts) < 2):
+            yield from list(waiting)  # (a copy: the caller removes what it admits)
+            return
+        ranks = {id(g): self.rank(g) for g in waiting}
+        queues: dict[str, deque[SequenceGroup]] = {}
+        for group in waiting:
+            queues.setdefault(group.tenant.id, deque()).append(group)
+        while queues:
+            for tid in [t for t, q in queues.items() if not self._room(q[0].tenant, held.get(t, 0), 1)]:
+                del queues[tid]  # at its cap: nothing more of it this step
+            if not queues:
+                return
+            pick = self._pick(queues, ranks, held)
+            if pick is None:
+                return
+            tid = pick.tenant.id
+            queues[tid].remove(pick)
+            if not queues[tid]:
+                del queues[tid]
+            held[tid] = held.get(tid, 0) + len(pick.live)
+            yield pick
+
+    def _room(self, tenant: Tenant, held: int, need: int) -> bool:
+        return held == 0 or held + need <= self.cap(tenant)
+
+    def _pick(self, queues: dict[str, deque[SequenceGroup]], ranks: dict[int, Rank],
+              held: dict[str, int]) -> SequenceGroup | None:
+        """The next request: the best-ranked one, or (fair) the best-ranked request of its priority within a level
+        of it of the tenant served least (then holding fewer slots), each within its tenant's cap."""
+        heads = [g for g in (self._first(q, held) for q in queues.values()) if g is not None]
+        if not heads:
+            return None
+        best = min(heads, key=lambda g: ranks[id(g)])
+        if not self.enabled:
+            return best
+        priority, within = best.priority, ranks[id(best)][0] + 1
+        pick, key = best, (self._served(best), held.get(best.tenant.id, 0), ranks[id(best)])
+        for queue in queues.values():
+            for group in queue:
+                if ranks[id(group)][0] >= within:
+                    break
+                if group.priority == priority and self._room(group.tenant, held.get(group.tenant.id, 0), len(group.live)):
+                    mine = (self._served(group), held.get(group.tenant.id, 0), ranks[id(group)])
+                    if mine < key:
+                        pick, key = group, mine
+                    break  # its tenant's best-ranked candidate
+        return pick
+
+    def _first(self, queue: deque[SequenceGroup], held: dict[str, int]) -> SequenceGroup | None:
+        """A tenant's best-ranked request that its cap lets in now."""
+        return next((g for g in queue if self._room(g.tenant, held.get(g.tenant.id, 0), len(g.live))), None)
+
+    def _served(self, group: SequenceGroup) -> float:
+        account = self._accounts.get(group.tenant.id)
+        return account.served if account is not None else 0.0
+
+    # -- the report ----------------------------------------------------------------------------------
+    def stats(self, running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup]) -> tuple[TenantStats, ...]:
+        """Each tenant's slots, waiting requests and tokens (read from another thread: from copies)."""
+        tokens = dict(self._tokens)
+        slots: dict[str, int] = {}
+        waits: dict[str, int] = {}
+        for group in list(running):
+            label = self._label(group.tenant)
+            slots[label] = slots.get(label, 0) + sum(1 for s in group.seqs if s.holds_slot)
+        for group in list(waiting):
+            label = self._label(group.tenant)
+            waits[label] = waits.get(label, 0) + 1
+        return tuple(TenantStats(label, slots.get(label, 0), waits.get(label, 0), tokens.get(label, 0))
+                     for label in sorted({*slots, *waits, *tokens}))

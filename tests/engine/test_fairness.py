@@ -1,0 +1,174 @@
+"""Fair share between tenants (engine/fairness.py), driven through the scheduler by hand: who takes a free slot."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelm.engine.fairness import MAX_LABELS, OTHER, FairShare
+from servelm.engine.sequence import SequenceGroup
+from servelm.engine.types import SamplingParams, Tenant
+from tests.engine.steps import Recording
+
+A, B, C = Tenant("key:a", "alice"), Tenant("key:b", "bob"), Tenant("key:c", "carol")
+
+
+def group(rid: str, tenant: Tenant, prompt_len: int = 8, max_tokens: int = 4, priority: int = 0,
+          received: float | None = None, n: int = 1) -> SequenceGroup:
+    g = SequenceGroup(rid, tuple(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, n=n), tenant=tenant,
+                      priority=priority)
+    if received is not None:
+        g.received_at = received
+    return g
+
+
+def sched(slots: int = 4, **kw) -> Recording:
+    kw.setdefault("context_window", 256)
+    kw.setdefault("prefix_cache", False)
+    kw.setdefault("max_step_tokens", 256)
+    return Recording(slots, **kw)
+
+
+def step(s: Recording) -> set[str]:
+    """One step, every sampler drawing a token, then every sequence that has drawn its max_tokens finished: the ids
+    of the requests read or decoded."""
+    plan = s.schedule()
+    s.record(plan, {seq: 7 for c in plan.chunks for seq in c.samplers})
+    for g in list(s.running):
+        for seq in g.live:
+            if seq.num_generated >= g.params.max_tokens:
+                s.finish(seq)
+    return {s.group(c).request_id for c in plan.chunks}
+
+
+def admitted_order(s: Recording, steps: int = 400) -> list[str]:
+    """Request ids in the order they first took a slot, until nothing is left."""
+    seen: list[str] = []
+    for _ in range(steps):
+        for g in s.running:
+            if g.request_id not in seen:
+                seen.append(g.request_id)
+        if not s.has_unfinished():
+            break
+        step(s)
+        for g in s.running:
+            if g.request_id not in seen:
+                seen.append(g.request_id)
+    return seen
+
+
+def test_a_lone_request_of_another_tenant_takes_the_next_free_slot_beside_a_flood():
+    """Tenant A's 32 requests arrive at once and fill the 4 slots; tenant B's one request arrives a step later.
+    First come, first served it would wait for all 32; here it takes the first slot that frees."""
+    s = sched(slots=4)
+    for i in range(32):
+        s.add(group(f"a{i}", A, received=0.0))
+    step(s)
+    s.add(group("b", B, received=1.0))
+    order = admitted_order(s)
+    assert order.index("b") == 4, order[:8]
+    assert sorted(order) == sorted([f"a{i}" for i in range(32)] + ["b"]), "everyone is served"
+
+
+def test_without_fair_share_the_same_flood_is_served_first_come_first_served():
+    s = sched(slots=4, fair_share=False)
+    for i in range(32):
+        s.add(group(f"a{i}", A, received=0.0))
+    step(s)
+    s.add(group("b", B, received=1.0))
+    assert admitted_order(s)[-1] == "b"
+
+
+def test_two_floods_take_turns_and_a_weight_of_two_gets_about_twice_the_tokens():
+    """Both tenants flood; while both have work waiting, B (weight 2) is computed about twice A's tokens."""
+    heavy = Tenant("key:b", "bob", weight=2.0)
+    s = sched(slots=4)
+    for i in range(60):
+        s.add(group(f"a{i}", A, max_tokens=6, received=0.0))
+        s.add(group(f"b{i}", heavy, max_tokens=6, received=0.0))
+    for _ in range(60):  # both keep work waiting throughout
+        step(s)
+    assert sum(g.tenant is A for g in s.waiting) and sum(g.tenant is heavy for g in s.waiting)
+    tokens = {t.label: t.tokens for t in s.share.stats(s.running, s.waiting)}
+    assert 1.6 <= tokens["bob"] / tokens["alice"] <= 2.4, tokens
+
+
+def test_a_cap_on_a_tenants_share_keeps_its_slots_below_it_even_with_slots_free():
+    capped = Tenant("key:a", "alice", max_share=0.5)
+    s = sched(slots=4)
+    for i in range(8):
+        s.add(group(f"a{i}", capped))
+    for _ in range(30):
+        step(s)
+        held = sum(1 for g in s.running for q in g.seqs if q.holds_slot)
+        assert held <= 2
+    assert s.has_unfinished() is False or s.waiting, "it still runs, two at a time"
+
+
+def test_a_request_of_more_choices_than_its_cap_runs_while_its_tenant_holds_no_slot():
+    capped = Tenant("key:a", "alice", max_share=0.25)  # one slot of 4
+    s = sched(slots=4)
+    s.add(group("wide", capped, n=3))
+    assert "wide" in step(s)
+
+
+def test_priorities_still_order_work_across_tenants():
+    """B is served least, but its request's priority is 1: A's priority-0 requests go first."""
+    s = sched(slots=1)
+    s.add(group("a0", A, received=0.0))
+    step(s)  # a0 takes the slot
+    for i in range(1, 4):
+        s.add(group(f"a{i}", A, received=0.0))
+    s.add(group("b", B, priority=1, received=0.0))
+    assert admitted_order(s).index("b") == 4
+
+
+def test_fairness_never_puts_a_request_ahead_of_one_received_a_level_of_aging_before_it():
+    """Aging's one level (aging_s) is as far as fairness reorders: A's request received more than that before B's
+    goes first, however little B got."""
+    s = sched(slots=1, aging_s=10.0)
+    s.add(group("a0", A, received=0.0))
+    step(s)
+    s.add(group("a-old", A, received=0.0))
+    s.add(group("b-late", B, received=11.0))  # received past one level after a-old
+    s.add(group("b-soon", B, received=5.0))  # within it
+    order = admitted_order(s)
+    assert order.index("b-soon") < order.index("a-old") < order.index("b-late"), order
+
+
+def test_a_tenant_that_comes_back_starts_level_with_the_least_served_not_with_its_old_account():
+    share = FairShare(4)
+    g = group("a0", A)
+    share.joined(g)
+    share.charge(g, 10_000)
+    share.left(g)
+    assert not share._accounts, "a tenant with no work is forgotten"
+    b = group("b0", B)
+    share.joined(b)
+    share.charge(b, 50)
+    again = group("a1", A)
+    share.joined(again)
+    assert share._accounts["key:a"].served == pytest.approx(50), "level with B, neither its 10,000 nor nothing"
+
+
+def test_the_report_names_at_most_max_labels_tenants_and_counts_the_rest_together():
+    share = FairShare(4)
+    for i in range(MAX_LABELS + 10):
+        g = group(f"r{i}", Tenant(f"addr:10.0.0.{i}", f"addr:10.0.0.{i}"))
+        share.joined(g)
+        share.charge(g, 3)
+        share.left(g)
+    stats = share.stats([], [])
+    assert len(stats) == MAX_LABELS + 1
+    assert {t.label: t.tokens for t in stats}[OTHER] == 30
+
+
+def test_a_tenants_waiting_requests_and_slots_are_reported():
+    s = sched(slots=2)
+    for i in range(3):
+        s.add(group(f"a{i}", A))
+    s.add(group("b", B))
+    step(s)
+    stats = {t.label: t for t in s.share.stats(s.running, s.waiting)}
+    assert stats["alice"].slots + stats["bob"].slots == 2
+    assert stats["alice"].waiting + stats["bob"].waiting == 2
+    assert stats["alice"].tokens > 0
