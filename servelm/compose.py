@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +66,8 @@ class DeploymentOptions:
     prefix_cache: bool = True
     speculative: bool = True  # draft-free speculative decoding (n-grams)
     itl_target_s: float = 0.0  # the inter-token target while prompts arrive (0: none)
+    prompt_tiles: str = "auto"  # a prompt's whole tiles on the tiled kernel: auto (where one fits the target), on, off
+    fair_share: bool = True  # the next free slot to the tenant served least (engine/fairness.py)
     priority_aging_s: float = 60.0
     grammar_limits: GrammarLimits = GrammarLimits()
     max_loras: int = 8  # LoRA adapters loaded at once
@@ -83,7 +86,7 @@ class DeploymentOptions:
         """A spec's options (its chat template file read, its content policy's lists read)."""
         e = spec.engine
         return cls(prefix_cache=e.prefix_cache, speculative=e.speculative == "ngram", itl_target_s=e.itl_target_ms / 1000,
-                   priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e), max_loras=e.max_loras,
+                   prompt_tiles=e.prompt_tiles, fair_share=e.fair_share, priority_aging_s=e.priority_aging_s, grammar_limits=grammar_limits(e), max_loras=e.max_loras,
                    loras=tuple(spec.loras),
                    chat_template=spec.chat_template.read_text(encoding="utf-8") if spec.chat_template else None,
                    special_tokens_in_content=spec.special_tokens_in_content, reasoning_markers=spec.reasoning_markers,
@@ -109,19 +112,55 @@ class Serving:
     memory: Mapping[str, int] = field(default_factory=dict)
 
 
+def cuda_note(name: str, placement: str, env: Mapping[str, str]) -> str | None:
+    """What the log says when SERVELM_CUDA=1 asks for a GPU and the model runs on the CPU (None otherwise)."""
+    if env.get("SERVELM_CUDA", "").strip() != "1" or placement != "CPU":
+        return None
+    return (f"SERVELM_CUDA=1 is set, but {name} runs on the CPU: llama.cpp finds no GPU here (its build has no CUDA "
+            "backend, or no GPU is present), so the CPU build is served. SERVELM_CUDA chooses the build at install "
+            "time (make install); --n-gpu-layers places the layers")
+
+
+def settle_tiles(name: str, runner: ServedRunner, options: DeploymentOptions) -> str:
+    """Whether the runner reads a prompt's whole tiles on its tiled kernel, decided once, before anything is read or
+    cached (its state fingerprint says which): --prompt-tiles, and for auto whether the self-check's timed tile pass
+    takes at most half the inter-token target, since a decoding step that reads a tile takes that pass whole. Returns
+    what /v1/models and /health say of it ("" for a runner without tiles: a GPU, or an inexact tiled kernel)."""
+    if not runner.tile_rows:
+        return ""
+    target = options.itl_target_s * 1000
+    took = f"a tile's pass takes {runner.tile_seconds * 1000:.0f} ms" if runner.tile_seconds else "a tile's pass was not timed"
+    fits = not target or not runner.tile_seconds or runner.tile_seconds * 1000 <= target / 2
+    if options.prompt_tiles == "off":
+        keep, words = False, "off (--prompt-tiles off)"
+    elif options.prompt_tiles == "on":
+        keep, words = True, f"on (--prompt-tiles on; {took}" + (
+            "" if fits else f", so a decoding stream may wait that long, past --itl-target-ms {target:.0f}") + ")"
+    elif fits:
+        keep, words = True, f"on ({took}" + (f", within half of --itl-target-ms {target:.0f})" if target else ")")
+    else:
+        keep, words = False, f"off ({took}, more than half of --itl-target-ms {target:.0f}; --prompt-tiles on reads them)"
+    if not keep:
+        runner.tile_rows = 0
+    log.info("%s: a prompt's whole tiles on the tiled kernel: %s", name, words)
+    return words
+
+
 def build_deployment(name: str, runner: ServedRunner, options: DeploymentOptions = DeploymentOptions(), *,
                      spill: SpillStore | None = None, grammars: Grammars | None = None,
-                     embedder: Embedder | None = None) -> tuple[TextDeployment, LocalEngine]:
+                     embedder: Embedder | None = None, tiles: str = "") -> tuple[TextDeployment, LocalEngine]:
     """A runner's LocalEngine (not started) and the deployment it serves, built whole: its LoRA adapters (the
     options' loaded at start), images when the runner has a projector, `embedder` answering its embeddings, `spill`
-    its prefix cache's lower tiers. `grammars` given: its model's vocabulary's, built before (GrammarPool's)."""
+    its prefix cache's lower tiers. `grammars` given: its model's vocabulary's, built before (GrammarPool's). `tiles`:
+    what settle_tiles said."""
     from servelm.engine.local import LocalEngine
 
     model = runner.model
     grammars = grammars or grammars_of(model, options.grammar_limits)
     pacer = StepPacer(options.itl_target_s) if options.itl_target_s > 0 else None
     engine = LocalEngine(runner, prefix_cache=options.prefix_cache, grammars=grammars, speculative=options.speculative,
-                         spill=spill, pacer=pacer, priority_aging_s=options.priority_aging_s)
+                         spill=spill, pacer=pacer, priority_aging_s=options.priority_aging_s,
+                         fair_share=options.fair_share)
     adapters = Adapters(engine, options.max_loras)
     for lora in options.loras:
         adapters.add_at_start(lora.name, str(lora.path), lora.scale)
@@ -138,7 +177,8 @@ def build_deployment(name: str, runner: ServedRunner, options: DeploymentOptions
         AdaptedEngine(engine, adapters), _fingerprint(options.fingerprint_source or model.description),
         runner.context_window, runner.num_slots,
         facts=ModelFacts(quantization=model.quantization, trained_context=model.trained_context,
-                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe()),
+                         exact=exactness.exact if exactness.checked else None, exactness=exactness.describe(),
+                         prompt_tiles=tiles),
         placement=getattr(runner, "placement", ""), adapters=adapters, embedder=embedder, memory=memory,
         images=ImageInput(projector, options.image_sources) if projector is not None else None,
     )
@@ -515,6 +555,8 @@ class Builder:
             verbose=self.verbose_llama, mmproj=spec.mmproj, kv_cache_type=e.kv_cache_type, gpu_layers=e.n_gpu_layers,
             main_gpu=e.main_gpu,
         )
+        if (note := cuda_note(spec.name, runner.placement, os.environ)) is not None:
+            log.warning("%s", note)
         options = DeploymentOptions.of(spec, self.images, f"{path.name}:{path.stat().st_size}")
         grammars, give_back = GRAMMARS.take(runner.model, options.grammar_limits)
         parts.runners.extend((give_back, runner))  # closed in this order: the grammars detached before the runner goes
@@ -524,8 +566,9 @@ class Builder:
             ctx = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=e.threads)
             parts.embedders.append(ctx)
             embedder = EmbeddingEngine(ctx)
+        tiles = settle_tiles(spec.name, runner, options)  # before the fingerprint: the cells depend on it
         deployment, engine = build_deployment(spec.name, runner, options, spill=spill_store(e, runner.state_fingerprint),
-                                              grammars=grammars, embedder=embedder)
+                                              grammars=grammars, embedder=embedder, tiles=tiles)
         parts.workers.extend((engine, embedder) if embedder is not None else (engine,))
         parts.deployments.append(deployment)
 

@@ -79,11 +79,20 @@ class EngineSettings(BaseSettings):
                                  "--itl-target-ms allows)")
     itl_target_ms: float = Field(
         200.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
-        "much prompt as the engine's measured step costs keep within this (at least 16 tokens, so prompts move "
-        "on), unless the prompts waiting outnumber the streams decoding and what is left of them to read past the "
-        "prefix cache is short (256 tokens each on average, all within the step's budget): then all are read in "
-        "that step, so they decode together; a step with nothing to decode reads its whole budget. 0: no target "
-        "(--max-step-tokens alone)")
+        "much prompt as the engine's measured step costs keep within this, whatever waits (at least 4 tokens, so "
+        "prompts move on); a step with nothing to decode reads its whole budget. 0: no target (--max-step-tokens "
+        "alone)")
+    prompt_tiles: Literal["auto", "on", "off"] = Field(
+        "auto", description="read a prompt's whole tiles of 64 positions on flash attention's tiled kernel (CPU): "
+        "faster long prompts, but a tile is read in one pass, so a step that reads one takes at least that pass. "
+        "auto: where the start-up self-check times a tile's pass at most half of --itl-target-ms (or there is no "
+        "target); on: always, so a decoding stream may wait a tile's pass past the target; off: never. Answers "
+        "are exact either way (they differ between the two); /v1/models and /health say which")
+    fair_share: bool = Field(
+        True, description="when more requests wait than the slots take, the next slot goes to the tenant (an API "
+        "key, or a client's address on a server without keys) served least, in tokens divided by its weight, "
+        "among requests of one priority (docs/usage.md). --no-fair-share: in rank order alone (a key's max_share "
+        "still holds)")
     priority_aging_s: float = Field(
         60.0, ge=0, description="seconds of waiting that count as one priority level, so that a low priority (a "
         "batch's lines) still runs while higher ones keep coming: the request received first wins once the gap in "
@@ -320,7 +329,8 @@ class ServerSettings(BaseSettings):
                 parts = urlsplit("")
             if parts.scheme.lower() not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
                     or parts.query or parts.fragment or parts.username is not None:
-                raise ValueError(f"{text!r} is not an origin such as http://127.0.0.1:8931")
+                several = " (the flag takes one origin: give it once for each)" if "," in text else ""
+                raise ValueError(f"{text[:200]!r} is not an origin such as http://127.0.0.1:8931{several}")
         return value
     header_timeout: float = Field(10.0, ge=0, description="seconds a request's headers may take to arrive (a "
                                   "client sending them a byte at a time is cut off); 0: no limit")

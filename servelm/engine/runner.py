@@ -100,6 +100,8 @@ class ModelRunner(Protocol):
     # a chunk of this many rows of a stream or more takes another kernel, whose rows do not depend on the chunk's
     # size either: a prompt's leading whole tiles are read in multiples of it (0: no such kernel)
     tile_rows: int
+    # one tile's forward pass, as the start-up self-check timed it (0.0: not timed): a step reading a tile takes that
+    tile_seconds: float
     call_cost_rows: float  # a forward call's own cost in rows' time (engine/speculate.py weighs drafts by it)
     lone_row_from: int | None  # from here on a lone single row is read with its previous position (two rows' cost)
     kv_cell_bytes: int  # one KV cell's size

@@ -150,6 +150,9 @@ class ModelCard(ResponseModel):
     reasoning_markers: list[str] | None = None  # the thought's opening and closing markers, when it has them
     exact: bool | None = None  # answers bitwise the same under any load: the start-up self-check's finding
     exactness: str | None = None  # its words: the fences it took, or why it is not exact
+    # whether a prompt's whole tiles are read on flash attention's tiled kernel (CPU), and why: a decoding step that
+    # reads one takes that tile's pass (--prompt-tiles)
+    prompt_tiles: str | None = None
     placement: str | None = None  # where its layers run: "CPU", or the GPU and how many of its layers
     # llama-server's router field: {"value": "loaded" | "loading" | "unloaded" | "failed", "reason"?: why it failed}
     status: dict[str, Any] | None = None

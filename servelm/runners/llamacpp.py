@@ -580,6 +580,7 @@ class LlamaCppRunner:
         self.max_step_tokens = max(max_step_tokens, num_slots)
         self.max_rows = MAX_ROWS
         self.tile_rows = self._tile_rows()
+        self.tile_seconds = 0.0  # one tile's pass, timed by the self-check (runners/selfcheck.py)
         self.call_cost_rows = CALL_COST_ROWS
         self.lone_row_from: int | None = 0 if pair_rows else LONE_ROW_FROM
         # a call's tokens (a prompt's tiled chunk, under two tiles, may go past a small step's budget), a shape
@@ -639,7 +640,8 @@ class LlamaCppRunner:
         """What a saved sequence state depends on: the model's fingerprint and the fences its cells were computed
         under (they round the cells otherwise)."""
         rows = f"|{self.fence.min_rows}x{self.fence.multiple}" if self.fence.shape else ""
-        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}{rows}".encode()).hexdigest()
+        tiles = f"|tiles {self.tile_rows}" if self.tile_rows else ""  # a prompt's first cells are the tiled kernel's
+        return hashlib.sha256(f"{self._model_fingerprint}|{self.repack}|{self.pair_rows}{rows}{tiles}".encode()).hexdigest()
 
     @property
     def pair_rows(self) -> bool:

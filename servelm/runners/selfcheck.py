@@ -13,12 +13,14 @@ A runner with tiles (ModelRunner.tile_rows: a prompt's whole tiles read on flash
 passes has them checked too, on a probe of two tiles: read a tile a call alone, two tiles in one chunk, the rest of
 them from inside the first tile on (a cached prefix's end), and a tile beside another sequence's tile; the row after
 each chunk is compared (every cell of the chunk is in its view).
-Should one differ, the runner reads no tiles (tile_rows 0), and says so in the log.
+Should one differ, the runner reads no tiles (tile_rows 0), and says so in the log. The second tile's pass is timed
+(ModelRunner.tile_seconds): a tile is read whole, so a decoding step that reads one takes at least that long.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -122,7 +124,10 @@ def _check_tiles(runner: ModelRunner, step: Callable[[list[ScheduledChunk], tupl
         return _chunk(slot, start, probe[start : start + n], prev=probe[start - 1] if start else None, tiled=True)
 
     first = step([chunk(0, 0, tile, toks)], (0,))[0]
-    cmp = _Compare(np.stack([first, step([chunk(0, tile, tile, toks)], ())[0]]))
+    began = time.perf_counter()
+    second = step([chunk(0, tile, tile, toks)], ())[0]
+    runner.tile_seconds = time.perf_counter() - began  # a tile's pass, its shape read once already (compose.py)
+    cmp = _Compare(np.stack([first, second]))
     cmp.row("as one chunk of two tiles", 1, step([chunk(1, 0, 2 * tile, toks)], (1,))[0])
     cut = tile // 2 + 2  # the rest from here: more than a tile, starting inside the first
     rest = runner.step(StepPlan([chunk(1, cut, 2 * tile - cut, toks)], [Keep(1, cut)]))

@@ -122,6 +122,9 @@ def test_a_saved_state_is_another_build_s_under_other_fences():
         plain = r.state_fingerprint
         r.set_pair_rows(True)
         assert r.state_fingerprint != plain
+        paired = r.state_fingerprint
+        tiles, r.tile_rows = r.tile_rows, 0  # a prompt's first cells read in rows, not tiles (--prompt-tiles)
+        assert tiles and r.state_fingerprint != paired, "a file written with tiles is not read without them"
     finally:
         r.close()
 

@@ -59,6 +59,7 @@ class ModelFacts:
     trained_context: int | None = None
     exact: bool | None = None  # None: not checked (an engine other than ours: vLLM)
     exactness: str = ""  # the self-check's words: "exact (fences: …)", or why not
+    prompt_tiles: str = ""  # whether a prompt's whole tiles go on the tiled kernel, and why (compose.settle_tiles)
 
 
 @dataclass(eq=False, kw_only=True, frozen=True)
