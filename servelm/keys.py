@@ -4,7 +4,7 @@ Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated li
 (one a line), and from the config file's [[keys]] tables. A line of the file, or a table, may limit the key:
 
     sk-alpha                                   # any deployment, the server's rate limits
-    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000 max_waiting=16 min_priority=-10
+    sk-beta deployments=smollm2,minilm rpm=60 tpm=20000 max_waiting=16 min_priority=-10 weight=2 max_share=0.5
     sha256:6b86b273ff34fce19d6b804eff5a3f57...  deployments=smollm2   # the key's digest, not the key
 
     [[keys]]                                   # in the config file
@@ -14,17 +14,21 @@ Keys come from --api-key (repeatable; SERVELM_API_KEY takes a comma-separated li
     tpm = 20000
     max_waiting = 16                           # places in a deployment's waiting queue (--max-waiting-per-key)
     min_priority = -10                         # the most urgent priority it may ask for (default 0; admin: any)
+    weight = 2                                 # its share of the tokens when slots are contended (default 1)
+    max_share = 0.5                            # the fraction of a deployment's slots it may hold at once (default 1)
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # the priorities a request may carry (protocol/common.py's)
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0  # a key's weight in the slots' fair share
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class KeySpec:
     monitor: bool = False  # it reads /metrics and /health's every counter (an operator's; --monitor-key)
     admin: bool = False  # it loads, unloads and rescans models (--admin-key)
     min_priority: int | None = None  # the most urgent priority its requests may ask for; None: 0 (an admin key: any)
+    weight: float = 1.0  # its share of the tokens against other keys' while slots are contended (engine/fairness.py)
+    max_share: float = 1.0  # the fraction of a deployment's slots its sequences may hold at once
 
     @property
     def label(self) -> str:
@@ -59,7 +65,7 @@ def hash_key(key: str) -> bytes:
 def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: Iterable[str] | None = None,
              rpm: int | None = None, tpm: int | None = None, name: str = "",
              max_waiting: int | None = None, monitor: bool = False, admin: bool = False,
-             min_priority: int | None = None) -> KeySpec:
+             min_priority: int | None = None, weight: float = 1.0, max_share: float = 1.0) -> KeySpec:
     """A KeySpec from a key or its digest (hex); a ValueError says what is wrong."""
     if (key is None) == (sha256 is None):
         raise ValueError("a key needs exactly one of `key` and `key_sha256`")
@@ -82,15 +88,20 @@ def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: 
     if min_priority is not None and (not isinstance(min_priority, int) or isinstance(min_priority, bool)
                                      or not MIN_PRIORITY <= min_priority <= MAX_PRIORITY):
         raise ValueError(f"min_priority must be a whole number from {MIN_PRIORITY} to {MAX_PRIORITY}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ValueError(f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}")
+    if isinstance(max_share, bool) or not isinstance(max_share, (int, float)) or not 0 < max_share <= 1:
+        raise ValueError("max_share must be a fraction of the slots above 0 and at most 1")
     names = None if deployments is None else frozenset(deployments)
-    return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor, admin, min_priority)
+    return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor, admin, min_priority, float(weight),
+                   float(max_share))
 
 
 def key_from_table(table: Mapping[str, Any]) -> KeySpec:
     """A config file's [[keys]] table: key or key_sha256, and optionally deployments, rpm, tpm, max_waiting,
-    min_priority, name, monitor, admin."""
+    min_priority, weight, max_share, name, monitor, admin."""
     unknown = set(table) - {"key", "key_sha256", "deployments", "rpm", "tpm", "max_waiting", "min_priority", "name",
-                            "monitor", "admin"}
+                            "monitor", "admin", "weight", "max_share"}
     if unknown:
         raise ValueError(f"unknown field(s) in a [[keys]] table: {', '.join(sorted(unknown))}")
     deployments = table.get("deployments")
@@ -99,7 +110,8 @@ def key_from_table(table: Mapping[str, Any]) -> KeySpec:
     return key_spec(table.get("key"), sha256=table.get("key_sha256"), deployments=deployments,
                     rpm=table.get("rpm"), tpm=table.get("tpm"), name=str(table.get("name", "")),
                     max_waiting=table.get("max_waiting"), monitor=table.get("monitor", False),
-                    admin=table.get("admin", False), min_priority=table.get("min_priority"))
+                    admin=table.get("admin", False), min_priority=table.get("min_priority"),
+                    weight=table.get("weight", 1.0), max_share=table.get("max_share", 1.0))
 
 
 def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
@@ -116,19 +128,32 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
                 if option in ("monitor", "admin"):
                     fields[option] = True
                     continue
-                if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "min_priority", "name"):
-                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N min_priority=N name=TEXT, "
-                                     f"monitor or admin, not {option!r}")
+                if not sep or name not in ("deployments", "rpm", "tpm", "max_waiting", "min_priority", "name",
+                                           "weight", "max_share"):
+                    raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N min_priority=N weight=X "
+                                     f"max_share=X name=TEXT, monitor or admin, not {option!r}")
                 if name == "deployments":
                     fields[name] = [d for d in value.split(",") if d]
                 elif name == "name":
                     fields[name] = value
+                elif name in ("weight", "max_share"):
+                    fields[name] = _number(name, value)
                 else:
                     fields[name] = _whole(name, value)
             specs.append(key_from_table(fields))
         except ValueError as exc:
             raise ValueError(f"{source}, line {number}: {exc}") from None
     return specs
+
+
+def _number(name: str, value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, not {value!r}")
+    return number
 
 
 def _whole(name: str, value: str) -> int:

@@ -71,6 +71,8 @@ class EngineGauges:
     spill_restore_failures: int = 0  # counter: spilled entries the model refused (dropped)
     preemptions: int = 0  # counter: running requests that gave their slot up to a higher priority
     resumed_tokens: int = 0  # counter: of their tokens, those found cached again when they resumed
+    # each tenant's (an API key's label, or a client's address) slots and waiting requests now, and tokens since start
+    tenants: tuple[tuple[str, int, int, int], ...] = ()
 
 
 class _EngineCollector(Collector):
@@ -124,13 +126,24 @@ class _EngineCollector(Collector):
         phases = CounterMetricFamily("servelm_engine_phase_seconds", "the engine thread's wall time by phase of its "
                                      "steps: decode (llama_decode), runner, sample, grammar, detokenize, loop, idle "
                                      "(waiting with requests unfinished)", labels=["model", "phase"])
+        slots = GaugeMetricFamily("servelm_tenant_slots", "sequence slots a tenant's requests hold (a tenant: an API "
+                                  "key's name, or a client's address on a server without keys)", labels=["model", "tenant"])
+        waits = GaugeMetricFamily("servelm_tenant_waiting", "a tenant's requests waiting for a slot",
+                                  labels=["model", "tenant"])
+        tokens = CounterMetricFamily("servelm_tenant_tokens", "tokens the engine computed for a tenant (prompt tokens "
+                                     "read, tokens drawn): its fair share's measure", labels=["model", "tenant"])
         for g in self._source():
             for key, family in families.items():
                 family.add_metric([g.model], g.kv_cells_total * g.kv_cell_bytes if key == "kv_bytes" else getattr(g, key))
             for phase, seconds in g.phase_seconds.items():
                 phases.add_metric([g.model, phase], seconds)
+            for tenant, held, waiting, made in g.tenants:
+                slots.add_metric([g.model, tenant], held)
+                waits.add_metric([g.model, tenant], waiting)
+                tokens.add_metric([g.model, tenant], made)
         yield from families.values()
         yield phases
+        yield from (slots, waits, tokens)
 
     def describe(self) -> list[Metric]:
         return []  # collected only on demand: registering must not call the source

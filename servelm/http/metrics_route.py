@@ -19,7 +19,8 @@ def engine_gauges(deployments: Deployments) -> Iterator[EngineGauges]:
         yield EngineGauges(d.name, s.waiting, s.running, s.kv_cells_used, s.kv_cells_cached, s.kv_cells_total,
                            s.kv_cell_bytes, s.cache_hits, s.cached_tokens, s.step_seconds, s.forward_seconds, s.steps, s.forward_calls,
                            s.phase_seconds, s.draft_tokens, s.draft_accepted, s.spill_ram_bytes, s.spill_disk_bytes,
-                           s.spill_restored, s.spill_restore_failures, s.preemptions, s.resumed_tokens)
+                           s.spill_restored, s.spill_restore_failures, s.preemptions, s.resumed_tokens,
+                           tuple((t.label, t.slots, t.waiting, t.tokens) for t in s.tenants))
 
 
 async def prometheus_metrics(request: Request) -> Response:

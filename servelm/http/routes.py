@@ -16,11 +16,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from servelm import tracing
+from servelm.engine.types import Tenant
 from servelm.errors import InvalidParameter, ModelNotFound
 from servelm.http.asgi import Scope
 from servelm.http.auth import can_use, check_access, current_key, sees_counters
 from servelm.http.errors import validation_error
-from servelm.http.limits import admit, bounded, limits_of, streamed
+from servelm.http.limits import OFF_LOOP_BYTES, admit, bounded, check_json_containers, limits_of, streamed
 from servelm.http.middleware import FILTERED_NOTE
 from servelm.http.openapi import doc
 from servelm.http.ratelimit import caller_of, charge_tokens
@@ -96,7 +97,16 @@ def check_listing(request: Request, order: str | None = None, limit: int | None 
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
+    """The body as the typed request (a 400 in the envelope otherwise); a long one counted and validated on a worker
+    thread, so that the event loop goes on serving the others meanwhile."""
     body = await request.body()
+    if len(body) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, body, model)
+    return _parse(body, model)
+
+
+def _parse(body: bytes, model: type[M]) -> M:
+    check_json_containers(body)  # before pydantic builds a model of each
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -173,7 +183,18 @@ def request_context(scope: Scope, state: AppState | None = None) -> RequestConte
                           max_batch_prompts=limits.max_batch_prompts if limits is not None else 128,
                           timings=state is not None and state.timings,
                           on_filtered=_filtered(scope, state.metrics if state is not None else None),
-                          min_priority=key.priority_floor if key is not None else None)
+                          min_priority=key.priority_floor if key is not None else None,
+                          tenant=tenant_of(scope))
+
+
+def tenant_of(scope: Scope) -> Tenant:
+    """Who a request counts against in the engine's fair share: its API key (its weight and share of the slots), or
+    its client's address on a server without keys, as the waiting queue counts it (caller_of)."""
+    key = current_key(scope)
+    caller = caller_of(scope)
+    if key is None:
+        return Tenant(caller, caller)
+    return Tenant(caller, key.label, key.weight, key.max_share)
 
 
 def _filtered(scope: Scope, metrics: Metrics | None) -> FilterEvents:
@@ -211,7 +232,7 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
         quantization=f.quantization, trained_context_length=f.trained_context, chat_template=d.template.origin,
         tool_call_format=style.format.name + ("" if style.native else " (prompted)"),
         reasoning_markers=[d.reasoning.open, d.reasoning.close] if d.reasoning is not None else None,
-        exact=f.exact, exactness=f.exactness or None, placement=d.placement or None,
+        exact=f.exact, exactness=f.exactness or None, prompt_tiles=f.prompt_tiles or None, placement=d.placement or None,
     )
 
 
@@ -323,14 +344,15 @@ async def embed(request: Request, req: EmbeddingRequest, embeddings: EmbeddingSe
 
 
 RUNTIME_BYTES = 256 << 20  # the interpreter, its libraries, the vocabularies' tables and the HTTP server's buffers
-# what the prefix cache did, added up over every key: told to a monitoring key only when keys are on
+# what the prefix cache did, added up over every key, and every tenant's share by name: told to a monitoring key only
+# when keys are on
 _CACHE_COUNTERS = ("kv_cells_cached", "cache_hits", "cached_tokens", "spill_ram_bytes", "spill_disk_bytes",
-                   "spill_entries", "spill_restored", "spill_restore_failures")
+                   "spill_entries", "spill_restored", "spill_restore_failures", "tenants")
 
 
 def _deployment_stats(d: Deployment, cache: bool = True) -> dict[str, Any]:
     """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model. Without
-    `cache`, none of the prefix cache's counters."""
+    `cache`, none of the prefix cache's counters, nor the tenants' shares."""
     embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
     if not isinstance(d, TextDeployment):
         return {**(embedder or {}), "placement": d.placement or None}
@@ -339,6 +361,7 @@ def _deployment_stats(d: Deployment, cache: bool = True) -> dict[str, Any]:
         for name in _CACHE_COUNTERS:
             stats.pop(name, None)
     stats["exact"], stats["exactness"] = d.facts.exact, d.facts.exactness or None
+    stats["prompt_tiles"] = d.facts.prompt_tiles or None
     stats["placement"] = d.placement or None
     if embedder is not None:
         stats["embeddings"] = embedder

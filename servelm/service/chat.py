@@ -111,7 +111,8 @@ class ChatService:
         thinking = _thinking(req, dep, markers, prompt)
         generation = GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", tuple(prompt), params, output.constraint,
                                        scope, cache_hint(scope, req.prompt_cache_key), thinking=thinking, media=media,
-                                       priority=request_priority(req, dep, ctx), adapters=request_adapters(req, dep))
+                                       priority=request_priority(req, dep, ctx), adapters=request_adapters(req, dep),
+                                       tenant=ctx.tenant)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [prompt_texts(req, rendered)] if dep.content_filter is not None else []
         screening = Screening.of(dep, self.deployments, texts, scope, ctx.on_filtered)

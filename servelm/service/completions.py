@@ -108,7 +108,7 @@ class CompletionService:
             jobs.append(PromptJob(GenerationRequest(f"{request_id}-{i}", tuple(ids), params, cache_scope=scope,
                                                     cache_hint=cache_hint(scope, req.prompt_cache_key),
                                                     priority=request_priority(req, dep, ctx),
-                                                    adapters=request_adapters(req, dep)), echo,
+                                                    adapters=request_adapters(req, dep), tenant=ctx.tenant), echo,
                                  len(parts.head)))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         texts = [_prompt_texts(prompt, i if len(prompts) > 1 else None, req.suffix, dep) for i, prompt in enumerate(prompts)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from servelm.engine.types import BeamParams, SamplingParams
+from servelm.engine.types import BeamParams, SamplingParams, Tenant
 from servelm.errors import ContextLengthExceeded, InvalidParameter
 from servelm.protocol.common import GenerationFields, SamplingExtras
 from servelm.service.registry.deployments import Deployment, TextDeployment
@@ -25,6 +25,7 @@ class RequestContext:
     timings: bool = False  # every answer carries llama-server's timings (the server's --timings)
     on_filtered: FilterEvents | None = None  # a content filter blocked it: for /metrics and the access log
     min_priority: int | None = None  # the most urgent priority its key may ask for (KeySpec.priority_floor); None: any
+    tenant: Tenant = Tenant()  # who its generations count against for the engine's fair share of slots
 
 
 def cache_scope(owner: str, salt: str | None) -> str:
