@@ -10,7 +10,9 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, get_args
+
+from pydantic import ValidationError
 
 from servelm import __version__
 from servelm.config import EngineSettings, ServerSettings, load_config_file
@@ -38,7 +40,7 @@ def _help(field: FieldInfo) -> str:
     return f"{text} (default: {shown})"
 
 
-def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API", description="Serve the OpenAI-compatible API. "
                        "Every option can also be set with an environment variable SERVELM_<OPTION> (e.g. SERVELM_PORT).")
     _settings_arguments(p)
@@ -50,7 +52,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    "else a local Ray instance started for this server)")
 
 
-def _batch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _batch_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p = sub.add_parser("batch", help="run a batch file offline (OpenAI's batch lines, as vllm run-batch reads them)",
                        description="Run a JSONL batch file (OpenAI's Batch API lines: custom_id, method, url, body) on "
                        "this machine's engines with no HTTP server, or on a Ray cluster with --ray. Answers are "
@@ -100,6 +102,30 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         eng = {**server.pop("engine", {}), **flat, **eng}
         top = {**server, **top}
     return ServerSettings(**top, engine=EngineSettings(**eng))
+
+
+def invalid_setting(exc: Exception) -> str:
+    """A bad setting in one line, naming its flag (the same name as a SERVELM_* variable or a [server] key): pydantic's
+    errors without their types and links, and a value shown only when it is a number (a bad key or header value is
+    never echoed)."""
+    if not isinstance(exc, ValidationError):
+        return " ".join(str(exc).split())
+    said = []
+    for error in exc.errors():
+        name = next((str(part) for part in error["loc"] if isinstance(part, str)), "")
+        flag = f"--{name.replace('_', '-')}" if name else "a setting"
+        value = error.get("input")
+        shown = f" {value}" if isinstance(value, (int, float)) or (isinstance(value, str) and _number(value)) else ""
+        said.append(f"{flag}{shown}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(" ".join(line.split()) for line in said)
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return len(text) <= 32
 
 
 def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = False,
@@ -185,8 +211,15 @@ def _serve_on_ray(plan: Plan, address: str | None) -> None:
     serve_on_ray(build_application(plan), host=settings.host, port=int(settings.port), address=address)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors in one line naming the flag (and where the usage is), not the usage first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="servelm", description="An OpenAI-compatible LLM server over llama.cpp.")
+    parser = _Parser(prog="servelm", description="An OpenAI-compatible LLM server over llama.cpp.")
     parser.add_argument("--version", action="version", version=f"servelm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -212,8 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         del args.verbose_llama, args.ray, args.ray_address
         try:
             settings = settings_from_args(args)
-        except Exception as exc:  # pydantic's message names the setting
-            print(f"servelm: invalid setting: {exc}", file=sys.stderr)
+        except Exception as exc:
+            print(f"servelm: invalid setting: {invalid_setting(exc)}", file=sys.stderr)
             return 2
         serve(settings, verbose, ray, ray_address)
     if args.command == "batch":
@@ -232,8 +265,8 @@ def _batch(args: argparse.Namespace) -> int:
         delattr(args, name)
     try:
         settings = settings_from_args(args)
-    except Exception as exc:  # pydantic's message names the setting
-        print(f"servelm: invalid setting: {exc}", file=sys.stderr)
+    except Exception as exc:
+        print(f"servelm: invalid setting: {invalid_setting(exc)}", file=sys.stderr)
         return 2
     configure_logs(settings.log_level, settings.log_format)
     if not source.is_file():

@@ -78,6 +78,7 @@ _TABLES = {"files": ("id", "owner", "filename", "purpose", "bytes", "created_at"
            "conversation_items": ("conversation_id", "seq", "id", "bytes", "body")}
 _PART_WRITTEN = re.compile(r"\.file-[0-9a-f]{24}\.tmp")  # _write's temporary name: a write cut short by a stop
 _DAMAGE = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})  # (an I/O error or a full disk is not damage)
+_UNWRITABLE = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_PERM, sqlite3.SQLITE_CANTOPEN})
 _FIX = ("Nothing was changed. Restore it from a backup, or stop the server and move it aside ({db} with its -wal "
         "and -shm files) to start with an empty store: the stored files are then kept under orphans/ "
         "(`sqlite3 FILE .recover` may save its rows).")
@@ -98,6 +99,24 @@ class StoreDamaged(ServiceUnavailable):
 
 def _is_damage(exc: BaseException | None) -> bool:
     return isinstance(exc, sqlite3.DatabaseError) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _DAMAGE
+
+
+def _unwritable(exc: BaseException | None) -> bool:
+    """A write refused: the file read-only (chattr +i, a read-only mount) or not to be opened for writing."""
+    return isinstance(exc, sqlite3.DatabaseError) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _UNWRITABLE
+
+
+def _writable(db: sqlite3.Connection, path: Path) -> None:
+    """A write tried and rolled back at start (StoreDamaged when refused): SQLite opens a file it may not write
+    read-only without a word, and the first stored response would fail."""
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("CREATE TABLE servelm_write_probe (x)")
+    except sqlite3.Error as exc:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise StoreDamaged(path, f"it cannot be written ({exc}): make the file and its directory writable") from None
+    db.execute("ROLLBACK")
 
 
 def _folder(path: Path) -> Path:
@@ -142,6 +161,8 @@ class _Guard:
         self.raw.release()
         if _is_damage(exc):
             raise self._store.damaged(str(exc)) from exc
+        if _unwritable(exc):  # made read-only while serving: nothing more is stored until the operator mends it
+            raise self._store.damaged(f"it cannot be written any more ({exc})") from exc
 
 
 class StoreFull(Exception):
@@ -194,18 +215,27 @@ def new_id(prefix: str) -> str:
 class BatchStore:
     def __init__(self, directory: Path, max_disk_bytes: int = 0) -> None:
         self.directory = Path(directory)
-        self.files_dir = _folder(self.directory / "files")
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(f"the state directory {self.directory} (--state-dir) is not a directory: "
+                                     "something else is there; give a directory (it is made when missing)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.files_dir = self.directory / "files"
         self.max_disk_bytes = max_disk_bytes  # 0: no bound
         self.db_path = self.directory / "servelm.db"
         self._lock = _Guard(self)
         self.damage: str | None = None  # what was found, once damage was met while serving (then nothing is done)
         self._orphans: dict[str, int | str] | None = None  # what start-up moved aside
-        self._held = _hold(self.directory / ".lock")
+        lock = self.directory / ".lock"
+        made = not lock.exists()
+        self._held = _hold(lock)
         try:
-            self._db = self._open()
+            self._db = self._open()  # the database checked before anything in the directory is made or moved
+            _folder(self.files_dir)
             self._move_orphans()
         except BaseException:
             self._held.close()
+            if made:
+                lock.unlink(missing_ok=True)  # refused: the directory as it was (but for an empty database made)
             raise
 
     def _open(self) -> sqlite3.Connection:
@@ -215,8 +245,7 @@ class BatchStore:
             if self.db_path.exists() and not self.db_path.is_file():
                 raise StoreDamaged(self.db_path, "it is not a regular file")
             db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
+            # read-only checks first: a database refused is left byte for byte as it was
             problems = [str(row[0]) for row in db.execute("PRAGMA quick_check(3)")]
             if problems != ["ok"]:  # its lines (the first three problems), in one of ours
                 found = "; ".join(line.strip() for p in problems for line in p.splitlines() if line.strip())
@@ -228,6 +257,9 @@ class BatchStore:
             if foreign:
                 raise StoreDamaged(self.db_path, f"it is not servelm's (its table(s) {', '.join(foreign)} are not "
                                    "servelm's)")
+            _writable(db, self.db_path)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
             db.executescript(_SCHEMA)
         except BaseException as exc:
             if db is not None:

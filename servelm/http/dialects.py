@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from servelm.errors import ApiError, InvalidParameter
 from servelm.http.errors import error_response, invalid_json, validation_error
+from servelm.http.limits import check_json_containers
 from servelm.http.openapi import doc
 from servelm.http.routes import Route, app_state, embed, generate
 from servelm.http.streams import JSONLINES, SSE
@@ -152,6 +153,7 @@ ROUTES = (
 
 def load_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (a dialect rewrites it before validation); else the usual 400s."""
+    check_json_containers(raw)
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):

@@ -9,6 +9,7 @@ request is prepared (http/routes.py: generate), so any route that generates gets
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -16,13 +17,19 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from servelm.engine.wrappers.admission import Admission, WaitingQueue
-from servelm.errors import ApiError, PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
+from servelm.errors import ApiError, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceUnavailable, UnsupportedMediaType
 from servelm.http.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_error
 from servelm.http.auth import BATCH_OWNER, AuthMiddleware, current_key
 from servelm.http.ratelimit import RateLimiter, RateLimitMiddleware, caller_of, charge_tokens
 from servelm.keys import KeySpec
 
 SCOPE_LIMITS = "servelm.limits"
+# objects and arrays one JSON body may hold: each becomes a model of a few hundred bytes when it is validated, so a
+# body within --max-body-bytes of tiny ones (200,000 empty messages in 6.8 MB) would take 160 MiB before any bound on
+# a list refused it
+MAX_JSON_CONTAINERS = 32_768
+OFF_LOOP_BYTES = 64 << 10  # a body longer than this is counted and validated on a worker thread, not the event loop
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]')  # a string (skipped whole), or a container's start
 UPLOAD_PATHS = frozenset({"/v1/files", "/files"})  # multipart uploads, bounded by max_file_bytes
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's boundaries and fields beside the file
 T = TypeVar("T")
@@ -188,6 +195,18 @@ def _bodiless(scope: Scope) -> bool:
     length = header(scope, b"content-length")
     return header(scope, b"content-type") is None and header(scope, b"transfer-encoding") is None \
         and (length or "0").strip() == "0"
+
+
+def check_json_containers(body: bytes) -> None:
+    """A 400 for a body of more than MAX_JSON_CONTAINERS objects and arrays, before any is built: counted as brackets
+    (an upper bound, since strings may hold some), then, past the bound, again outside its strings (a match at a time:
+    no copy of the body, and the GIL let go between matches)."""
+    if body.count(b"{") + body.count(b"[") <= MAX_JSON_CONTAINERS:
+        return
+    found = sum(1 for m in _JSON_TOKEN.finditer(body) if body[m.start()] != 0x22)  # (0x22: a string's quote)
+    if found > MAX_JSON_CONTAINERS:
+        raise InvalidParameter(f"The request body holds {found} JSON objects and arrays; at most {MAX_JSON_CONTAINERS} "
+                               "are read (a message, a content part, a tool, a schema's object each count).", None)
 
 
 def limits_of(scope: Scope) -> RequestLimits | None:
