@@ -24,6 +24,12 @@ to rank. So:
   flight);
 - a tenant's sequences hold at most ceil(max_share × slots) slots (at least one) at once; its requests past that
   wait, even while a slot is free (a request of more choices than that goes while the tenant holds none).
+Work that yields. A request of a priority above 0 (less urgent than the default: a batch's lines, at
+--batch-priority) never makes a step longer than the inter-token target, so that a request of the default priority
+arriving beside it waits about one target for the step in flight, and decodes beside it within the target: its
+prompt is read within the target even in a step that decodes nothing, and its decoding rows fill a step only up to
+the rows the target holds beside the others' (at least one of them a step, so that it always moves on; those that
+waited longest since their last row first).
 The order changes no answer: a row's logits do not depend on its step (docs/exactness.md). Preemption goes by
 priority alone (engine/scheduler.py).
 """
@@ -32,10 +38,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
-from servelm.engine.sequence import SequenceGroup
+from servelm.engine.sequence import Sequence, SequenceGroup
 from servelm.engine.types import Tenant, TenantStats
 
 AGING_SPAN = 10  # the priorities aging tells apart: -10..10 (a priority further out ages as the nearer end)
@@ -77,6 +83,24 @@ class FairShare:
         """Whether `group` gives its rows up this step to the urgent prompt (engine/scheduler.py: _urgent_reader)."""
         return urgent is not None and group.priority > urgent.priority and self.rank(group) > self.rank(urgent)
 
+    @staticmethod
+    def yields(group: SequenceGroup) -> bool:
+        """Whether its work keeps every step within the target: a priority less urgent than the default (0)."""
+        return group.priority > 0
+
+    def rows(self, decoding: list[Sequence], most: int | None) -> list[Sequence]:
+        """Of the sequences with a token to decode, those that get their row this step: all, but that the ones that
+        yield fill only what is left of `most` rows (at least one of them), longest waiting first."""
+        if most is None or len(decoding) <= most:
+            return decoding
+        keep = [s for s in decoding if not self.yields(s.group)]
+        rest = [s for s in decoding if self.yields(s.group)]
+        room = max(1, most - len(keep))
+        if room >= len(rest):
+            return decoding
+        rest.sort(key=lambda s: (s.last_row, s.group.arrival))
+        return keep + rest[:room]
+
     def cap(self, tenant: Tenant) -> int:
         """The slots a tenant's sequences may hold at once."""
         return max(1, math.ceil(tenant.max_share * self.num_slots - 1e-9))
@@ -113,7 +137,7 @@ class FairShare:
         return label if label in self._tokens or len(self._tokens) < MAX_LABELS else OTHER
 
     # -- the order ---------------------------------------------------------------------------------
-    def order(self, waiting: Sequence[SequenceGroup], running: Iterable[SequenceGroup]) -> Iterator[SequenceGroup]:
+    def order(self, waiting: Collection[SequenceGroup], running: Iterable[SequenceGroup]) -> Iterator[SequenceGroup]:
         """The waiting requests (in rank order) in the order they take the free slots, each tenant within its cap.
         Lazy: the accounts are read at each pick, so a prompt charged as its request takes a slot counts for the
         next pick of the same step. What it yields and the caller does not admit only makes the caps stricter for

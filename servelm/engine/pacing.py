@@ -8,7 +8,9 @@ less), and gives a step that decodes d rows the prompt tokens that keep it withi
 a tile at a time, even past it: engine/scheduler.py, which has tiles only where one fits: compose.py). However many
 prompts wait, that is all a decoding step reads. A step that decodes nothing reads its whole budget (nobody's
 tokens wait on it: the first-token lead is kept; so many requests that arrive together are read together, and then
-decode together in one call a step). Until it has seen both kinds of step, or while prompt tokens look free, a
+decode together in one call a step), unless all it has to read yields (work of a priority above 0, such as a
+batch's lines: engine/fairness.py), which keeps within the target too, as such work's decoding rows do
+(rows_within). Until it has seen both kinds of step, or while prompt tokens look free, a
 decoding step reads at most UNFIT tokens of prompt. Chunk sizes change no answer: a prompt's cells are the same
 however it is cut (docs/exactness.md).
 """
@@ -59,9 +61,10 @@ class StepPacer:
         a, b, c = (float(v) for v in self._fit)
         return a, b, c
 
-    def prompt_budget(self, decode_rows: int) -> int | None:
-        """The prompt tokens a step decoding `decode_rows` rows may read (None: no limit)."""
-        if decode_rows == 0:
+    def prompt_budget(self, decode_rows: int, *, bounded: bool = False) -> int | None:
+        """The prompt tokens a step decoding `decode_rows` rows may read (None: no limit). A step that decodes
+        nothing has none, unless `bounded` (work that yields: it keeps within the target too)."""
+        if decode_rows == 0 and not bounded:
             return None
         costs = self.costs
         if costs is None or costs[2] <= 0:  # not fitted yet, or on too little variety (prompt tokens look free)
@@ -69,3 +72,11 @@ class StepPacer:
         a, b, c = costs
         room = self.target_s - max(a, 0.0) - max(b, 0.0) * decode_rows
         return max(self.floor, int(room / c))
+
+    def rows_within(self) -> int | None:
+        """The decoding rows a step may carry within the target (None: no fit yet, or rows that look free)."""
+        costs = self.costs
+        if costs is None or costs[1] <= 0:
+            return None
+        a, b, _ = costs
+        return max(1, int((self.target_s - max(a, 0.0)) / b))

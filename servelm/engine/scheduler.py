@@ -61,6 +61,15 @@ from servelm.engine.types import MediaSpan
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
 
 
+def _room(budget: int, bounded: int | None, group: SequenceGroup) -> int:
+    """What a prompt chunk of `group` may take of the step: the budget, within the target's share when it yields."""
+    return min(budget, bounded) if bounded is not None and FairShare.yields(group) else budget
+
+
+def _spent(bounded: int | None, taken: int, group: SequenceGroup) -> int | None:
+    return bounded - taken if bounded is not None and FairShare.yields(group) else bounded
+
+
 class Scheduler:
     def __init__(self, num_slots: int, context_window: int, max_step_tokens: int, *, max_rows: int = 63,
                  tile_rows: int = 0, prefix_cache: bool = True, speculator: Speculator | None = None,
@@ -84,6 +93,7 @@ class Scheduler:
         self._seqs: dict[SeqKey, Sequence] = {}  # every sequence of a waiting or running group
         self.share = FairShare(num_slots, aging_s, enabled=fair_share)  # the waiting ones' rank and order
         self.preemptions = 0  # requests that gave their slot up (the cache counts what they found on resuming)
+        self.steps = 0  # plans made (a sequence's last_row is one of them)
 
     # -- bookkeeping -------------------------------------------------------------------------------
     @property
@@ -208,22 +218,25 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_step_tokens
         urgent = self._urgent_reader()
-        for group in self.running:
-            if self.share.holds_back(group, urgent):
-                continue  # it holds back while a more urgent prompt is read
-            for seq in group.seqs:
-                if seq.status is SeqStatus.RUNNING and seq.num_pending == 1:
-                    plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
-                    budget -= 1
+        self.steps += 1
+        decoding = [seq for group in self.running if not self.share.holds_back(group, urgent)  # (it holds back while
+                    for seq in group.seqs if seq.status is SeqStatus.RUNNING and seq.num_pending == 1]  # a more urgent
+        most = self.pacer.rows_within() if self.pacer is not None else None  # prompt is read)
+        for seq in self.share.rows(decoding, most):  # the rows that yield within the target
+            plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
+            seq.last_row = self.steps
+            budget -= 1
         if self.speculator is not None and plan.chunks and budget > 0:  # each guess is a logits row
             room = min(budget, LOGITS_ROWS)
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
-        # keep the decoding streams' next token within the target, whatever waits (a step that decodes nothing reads
-        # its whole budget: nobody's next token waits on it)
-        if plan.decode_tokens and self.pacer is not None and self._prompts_to_read():
-            allowed = self.pacer.prompt_budget(plan.decode_tokens)
-            budget = budget if allowed is None else min(budget, allowed)
+        # keep the decoding streams' next token within the target, whatever waits; a step that decodes nothing reads
+        # its whole budget (nobody's next token waits on it), but for work that yields: always within the target
+        bounded = None
+        if self.pacer is not None and self._prompts_to_read():
+            bounded = self.pacer.prompt_budget(plan.decode_tokens, bounded=True)
+            if plan.decode_tokens and bounded is not None:
+                budget = min(budget, bounded)
         for group in self.running:
             if self.share.holds_back(group, urgent):
                 continue
@@ -231,7 +244,8 @@ class Scheduler:
                 if budget <= 0:
                     break
                 if seq.reads_prompt:
-                    budget -= self._read(seq, budget, plan)
+                    taken = self._read(seq, _room(budget, bounded, group), plan)
+                    budget, bounded = budget - taken, _spent(bounded, taken, group)
         readers = self._prompt_readers()
         blocked = False  # a group ahead did not fit, and the ones behind may overtake it
         for group in self.share.order(self.waiting, self.running):
@@ -252,7 +266,8 @@ class Scheduler:
                 readers.append(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
-                    budget -= self._read(seq, budget, plan)
+                    taken = self._read(seq, _room(budget, bounded, group), plan)
+                    budget, bounded = budget - taken, _spent(bounded, taken, group)
         # in slot order, as a runner lays a call out: a step of one call then makes its logits rows in the plan's
         # order, and they are sampled where the runner left them (a slot taken over by a later request would
         # otherwise put its rows out of order, and every step's rows would be copied before the draw)

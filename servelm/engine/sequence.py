@@ -40,6 +40,7 @@ class Sequence:
     slot: int | None = None  # the llama.cpp sequence id (its own KV stream) while it holds one
     key: SeqKey = field(default_factory=lambda: SeqKey(next(_seq_keys)))
     drafter: Drafter | None = None  # its prompt-lookup index and rate of kept guesses, once it decodes
+    last_row: int = 0  # the scheduler's step in which it last had a decoding row (rows that yield go in turn)
 
     @property
     def prompt_len(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from servelm.engine.fairness import MAX_LABELS, OTHER, FairShare
+from servelm.engine.pacing import MIN_STEPS, StepPacer
 from servelm.engine.sequence import SequenceGroup
 from servelm.engine.types import SamplingParams, Tenant
 from tests.engine.steps import Recording
@@ -172,3 +173,57 @@ def test_a_tenants_waiting_requests_and_slots_are_reported():
     assert stats["alice"].slots + stats["bob"].slots == 2
     assert stats["alice"].waiting + stats["bob"].waiting == 2
     assert stats["alice"].tokens > 0
+
+
+# -- work that yields: a priority above 0 keeps every step within the target -------------------------------------
+def paced(target_s: float = 0.1, step_s: float = 0.005, row_s: float = 0.02, token_s: float = 0.002) -> StepPacer:
+    """A pacer fitted to steps of `step_s`, plus `row_s` a decoding row and `token_s` a prompt token."""
+    pacer = StepPacer(target_s)
+    for i in range(3 * MIN_STEPS):
+        d, p = 1 + i % 8, (i * 37) % 200
+        pacer.observe(d, 0, step_s + row_s * d)
+        pacer.observe(d, p, step_s + row_s * d + token_s * p)
+    return pacer
+
+
+def test_batch_rows_fill_a_step_only_up_to_the_target_beside_interactive_ones_and_take_turns():
+    """Two interactive streams and six batch lines decode; the target holds four rows: each step carries both
+    interactive rows and two batch rows, and every batch line gets its row within three steps."""
+    s = sched(slots=8, pacer=paced(), max_step_tokens=256)
+    assert s.pacer.rows_within() == 4
+    for i in range(2):
+        s.add(group(f"i{i}", A, max_tokens=40))
+    for i in range(6):
+        s.add(group(f"b{i}", B, max_tokens=40, priority=10))
+    while any(q.reads_prompt or q.status.name == "WAITING" for g in (*s.running, *s.waiting) for q in g.seqs):
+        step(s)
+    seen: dict[str, int] = {}
+    for n in range(6):
+        ids = step(s)
+        assert {"i0", "i1"} <= ids and len(ids) == 4, ids
+        for rid in ids:
+            seen.setdefault(rid, n)
+    assert all(f"b{i}" in seen and seen[f"b{i}"] < 3 for i in range(6)), seen
+
+
+def test_a_batch_line_still_decodes_when_interactive_rows_alone_fill_the_target():
+    s = sched(slots=8, pacer=paced(), max_step_tokens=256)
+    for i in range(6):
+        s.add(group(f"i{i}", A, max_tokens=40))
+    s.add(group("b", B, max_tokens=40, priority=10))
+    for _ in range(10):
+        step(s)
+    rows = [step(s) for _ in range(4)]
+    assert all("b" in ids for ids in rows), "one row a step for the work that yields"
+
+
+def test_a_batch_prompt_is_read_within_the_target_even_in_a_step_that_decodes_nothing():
+    s = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
+    for i in range(4):
+        s.add(group(f"b{i}", B, prompt_len=300, max_tokens=4, priority=10))
+    plan = s.schedule()
+    assert plan.decode_tokens == 0 and plan.num_tokens <= s.pacer.prompt_budget(0, bounded=True)
+    s2 = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
+    for i in range(4):
+        s2.add(group(f"i{i}", A, prompt_len=300, max_tokens=4))
+    assert s2.schedule().num_tokens == 4 * 63, "default-priority prompts take the whole budget (63 rows each)"
