@@ -78,10 +78,11 @@ class EngineSettings(BaseSettings):
                                  "tile, and its other rows at most 63 a step; a step that also decodes reads what "
                                  "--itl-target-ms allows)")
     itl_target_ms: float = Field(
-        200.0, ge=0, description="inter-token target while prompts arrive: a step that also decodes reads only as "
-        "much prompt as the engine's measured step costs keep within this, whatever waits (at least 4 tokens, so "
-        "prompts move on); a step with nothing to decode reads its whole budget. 0: no target (--max-step-tokens "
-        "alone)")
+        200.0, ge=0, description="the step-time target while prompts arrive: a step reads only as much prompt as the "
+        "engine's measured step costs keep within this, whatever waits (at least 4 tokens, so prompts move on), "
+        "so that decoding streams' next tokens and a burst's first tokens wait at most about this; requests of a "
+        "priority above 0 (batch lines) decode only as many rows as it holds beside the others'. 0: no target "
+        "(--max-step-tokens alone)")
     prompt_tiles: Literal["auto", "on", "off"] = Field(
         "auto", description="read a prompt's whole tiles of 64 positions on flash attention's tiled kernel (CPU): "
         "faster long prompts, but a tile is read in one pass, so a step that reads one takes at least that pass. "

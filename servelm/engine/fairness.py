@@ -24,12 +24,11 @@ to rank. So:
   flight);
 - a tenant's sequences hold at most ceil(max_share × slots) slots (at least one) at once; its requests past that
   wait, even while a slot is free (a request of more choices than that goes while the tenant holds none).
-Work that yields. A request of a priority above 0 (less urgent than the default: a batch's lines, at
---batch-priority) never makes a step longer than the inter-token target, so that a request of the default priority
-arriving beside it waits about one target for the step in flight, and decodes beside it within the target: its
-prompt is read within the target even in a step that decodes nothing, and its decoding rows fill a step only up to
-the rows the target holds beside the others' (at least one of them a step, so that it always moves on; those that
-waited longest since their last row first).
+Work that yields. The decoding rows of requests of a priority above 0 (less urgent than the default: a batch's lines,
+at --batch-priority) fill a step only up to the rows the inter-token target holds beside the others' (at least one
+of them a step, so that it always moves on; those that waited longest since their last row first), so that a request
+of the default priority decodes beside them within the target, and one arriving waits about one target for the step
+in flight.
 The order changes no answer: a row's logits do not depend on its step (docs/exactness.md). Preemption goes by
 priority alone (engine/scheduler.py).
 """

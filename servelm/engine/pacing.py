@@ -6,12 +6,11 @@ and c a prompt token's. The pacer fits a, b and c to the steps just run (least s
 less), and gives a step that decodes d rows the prompt tokens that keep it within the target:
 (target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on (and a prompt's whole tiles
 a tile at a time, even past it: engine/scheduler.py, which has tiles only where one fits: compose.py). However many
-prompts wait, that is all a decoding step reads. A step that decodes nothing reads its whole budget (nobody's
-tokens wait on it: the first-token lead is kept; so many requests that arrive together are read together, and then
-decode together in one call a step), unless all it has to read yields (work of a priority above 0, such as a
-batch's lines: engine/fairness.py), which keeps within the target too, as such work's decoding rows do
-(rows_within). Until it has seen both kinds of step, or while prompt tokens look free, a
-decoding step reads at most UNFIT tokens of prompt. Chunk sizes change no answer: a prompt's cells are the same
+prompts wait, that is all a step reads, one that decodes nothing too (d = 0): read together, a burst's prompts
+would each have its first token wait for all of them, and a request arriving meanwhile for the whole step. Work that
+yields (a priority above 0, such as a batch's lines: engine/fairness.py) fills the decoding rows only up to what the
+target holds (rows_within). Until it has seen both kinds of step, or while prompt tokens look free, a step reads at
+most UNFIT tokens of prompt. Chunk sizes change no answer: a prompt's cells are the same
 however it is cut (docs/exactness.md).
 """
 
@@ -61,11 +60,8 @@ class StepPacer:
         a, b, c = (float(v) for v in self._fit)
         return a, b, c
 
-    def prompt_budget(self, decode_rows: int, *, bounded: bool = False) -> int | None:
-        """The prompt tokens a step decoding `decode_rows` rows may read (None: no limit). A step that decodes
-        nothing has none, unless `bounded` (work that yields: it keeps within the target too)."""
-        if decode_rows == 0 and not bounded:
-            return None
+    def prompt_budget(self, decode_rows: int) -> int | None:
+        """The prompt tokens a step decoding `decode_rows` rows (0 too) may read within the target."""
         costs = self.costs
         if costs is None or costs[2] <= 0:  # not fitted yet, or on too little variety (prompt tokens look free)
             return UNFIT

@@ -3,13 +3,14 @@
 Its surface is four calls: add(group) and abort(request_id) between steps, schedule() → StepPlan before one, and
 update(plan, sampled, result) after it, with what the sampler drew and what the output processor made of it. Only
 these change a sequence's state (status, slot, tokens, cells computed, drafts) and queue KV operations; the rest
-(the counts /health and /metrics show) is read-only. Each step
-carries one token for every decoding sequence, then prompt chunks (running requests' in admission order, then those
-admitted this step) under the step's token budget, so a long prompt is read a chunk at a time while the others keep
-decoding; with a pacer (engine/pacing.py), a step that decodes reads only as much prompt as keeps it within an
-inter-token target, whatever waits. A prompt's leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are
-read in chunks of a tile or more, on the runner's tiled kernel, one tile a step even past a smaller budget (a runner
-has tiles only where a tile's pass fits the target: compose.py); the rest of it, and every generated token, at most
+(the counts /health and /metrics show) is read-only. Each step carries one token for every decoding sequence (the
+rows of work that yields only as far as the target holds: engine/fairness.py), then prompt chunks (running requests'
+in admission order, then those admitted this step) under the step's token budget, so a long prompt is read a chunk
+at a time while the others keep decoding; with a pacer (engine/pacing.py), a step reads only as much prompt as keeps
+it within an inter-token target, whatever waits (so a burst's prompts do not all wait for each other's, nor the
+decoding streams for them). A prompt's leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in
+chunks of a tile or more, on the runner's tiled kernel, one tile a step even past a smaller budget (a runner has
+tiles only where a tile's pass fits the target: compose.py); the rest of it, and every generated token, at most
 `max_rows` a step, on its row kernel (each kernel gives a row the same numerics whatever shares its step, and which
 one reads a position depends on the prompt alone: docs/exactness.md). Sequences are admitted and retired between
 steps.
@@ -59,15 +60,6 @@ from servelm.engine.spill import SpillStore
 from servelm.engine.types import MediaSpan
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt tokens per step when every one needs its logits row (32 x 49k floats)
-
-
-def _room(budget: int, bounded: int | None, group: SequenceGroup) -> int:
-    """What a prompt chunk of `group` may take of the step: the budget, within the target's share when it yields."""
-    return min(budget, bounded) if bounded is not None and FairShare.yields(group) else budget
-
-
-def _spent(bounded: int | None, taken: int, group: SequenceGroup) -> int | None:
-    return bounded - taken if bounded is not None and FairShare.yields(group) else bounded
 
 
 class Scheduler:
@@ -230,13 +222,11 @@ class Scheduler:
             room = min(budget, LOGITS_ROWS)
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
-        # keep the decoding streams' next token within the target, whatever waits; a step that decodes nothing reads
-        # its whole budget (nobody's next token waits on it), but for work that yields: always within the target
-        bounded = None
+        # every step within the target, whatever waits: the decoding streams' next token, and the first token of a
+        # prompt read in it (read all at once, the prompts of a burst would make each one wait for all of them)
         if self.pacer is not None and self._prompts_to_read():
-            bounded = self.pacer.prompt_budget(plan.decode_tokens, bounded=True)
-            if plan.decode_tokens and bounded is not None:
-                budget = min(budget, bounded)
+            allowed = self.pacer.prompt_budget(plan.decode_tokens)
+            budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
             if self.share.holds_back(group, urgent):
                 continue
@@ -244,8 +234,7 @@ class Scheduler:
                 if budget <= 0:
                     break
                 if seq.reads_prompt:
-                    taken = self._read(seq, _room(budget, bounded, group), plan)
-                    budget, bounded = budget - taken, _spent(bounded, taken, group)
+                    budget -= self._read(seq, budget, plan)
         readers = self._prompt_readers()
         blocked = False  # a group ahead did not fit, and the ones behind may overtake it
         for group in self.share.order(self.waiting, self.running):
@@ -266,8 +255,7 @@ class Scheduler:
                 readers.append(group)
             for seq in group.seqs:
                 if seq.status is SeqStatus.RUNNING and budget > 0:
-                    taken = self._read(seq, _room(budget, bounded, group), plan)
-                    budget, bounded = budget - taken, _spent(bounded, taken, group)
+                    budget -= self._read(seq, budget, plan)
         # in slot order, as a runner lays a call out: a step of one call then makes its logits rows in the plan's
         # order, and they are sampled where the runner left them (a slot taken over by a later request would
         # otherwise put its rows out of order, and every step's rows would be copied before the draw)

@@ -29,7 +29,8 @@ SCOPE_LIMITS = "servelm.limits"
 # a list refused it
 MAX_JSON_CONTAINERS = 32_768
 OFF_LOOP_BYTES = 64 << 10  # a body longer than this is counted and validated on a worker thread, not the event loop
-_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{]')  # a string (skipped whole), or a container's start
+# a string (skipped whole; a key when a colon follows), or a bracket
+_JSON_TOKEN = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*")(\s*:)?|[\[{\]}]')
 UPLOAD_PATHS = frozenset({"/v1/files", "/files"})  # multipart uploads, bounded by max_file_bytes
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's boundaries and fields beside the file
 T = TypeVar("T")
@@ -203,10 +204,27 @@ def check_json_containers(body: bytes) -> None:
     no copy of the body, and the GIL let go between matches)."""
     if body.count(b"{") + body.count(b"[") <= MAX_JSON_CONTAINERS:
         return
-    found = sum(1 for m in _JSON_TOKEN.finditer(body) if body[m.start()] != 0x22)  # (0x22: a string's quote)
+    found, depth, key = 0, 0, b""
+    under: dict[bytes, int] = {}  # containers under each top-level field
+    for m in _JSON_TOKEN.finditer(body):
+        first = body[m.start()]
+        if first == 0x22:  # a string's quote
+            if depth == 1 and m.group(2):
+                key = m.group(1)[1:-1]
+        elif first in (0x5B, 0x7B):  # [ {
+            found += 1
+            if depth >= 1:
+                under[key] = under.get(key, 0) + 1
+            depth += 1
+        else:
+            depth -= 1
     if found > MAX_JSON_CONTAINERS:
-        raise InvalidParameter(f"The request body holds {found} JSON objects and arrays; at most {MAX_JSON_CONTAINERS} "
-                               "are read (a message, a content part, a tool, a schema's object each count).", None)
+        most = max(under, key=under.__getitem__) if under else b""
+        field = most.decode(errors="replace")[:64] or None
+        where = f" ({under[most]} of them in {field!r})" if field else ""
+        raise InvalidParameter(f"The request body holds {found} JSON objects and arrays{where}; at most "
+                               f"{MAX_JSON_CONTAINERS} are read (a message, a content part, a tool, a schema's object "
+                               "each count).", field)
 
 
 def limits_of(scope: Scope) -> RequestLimits | None:

@@ -217,13 +217,13 @@ def test_a_batch_line_still_decodes_when_interactive_rows_alone_fill_the_target(
     assert all("b" in ids for ids in rows), "one row a step for the work that yields"
 
 
-def test_a_batch_prompt_is_read_within_the_target_even_in_a_step_that_decodes_nothing():
+def test_a_burst_of_prompts_is_read_within_the_target_even_in_a_step_that_decodes_nothing():
+    """Read all at once, four prompts would each have their first token wait for the four (and a request arriving
+    meanwhile for the whole step): the first is read first, within the target, and decodes while the rest go on."""
     s = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
     for i in range(4):
-        s.add(group(f"b{i}", B, prompt_len=300, max_tokens=4, priority=10))
+        s.add(group(f"p{i}", A, prompt_len=60, max_tokens=40))
+    budget = s.pacer.prompt_budget(0)
     plan = s.schedule()
-    assert plan.decode_tokens == 0 and plan.num_tokens <= s.pacer.prompt_budget(0, bounded=True)
-    s2 = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
-    for i in range(4):
-        s2.add(group(f"i{i}", A, prompt_len=300, max_tokens=4))
-    assert s2.schedule().num_tokens == 4 * 63, "default-priority prompts take the whole budget (63 rows each)"
+    assert plan.decode_tokens == 0 and plan.num_tokens <= budget
+    assert {s.group(c).request_id for c in plan.chunks} == {"p0"}, "the first prompt takes the step's budget first"

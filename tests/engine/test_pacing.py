@@ -1,4 +1,4 @@
-"""The pacer: a decoding step reads only as much prompt as keeps it within the inter-token target."""
+"""The pacer: a step reads only as much prompt as keeps it within the inter-token target."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ def test_it_learns_a_steps_costs_and_keeps_a_decoding_step_within_the_target() -
     assert pacer.prompt_budget(1) > budget, "fewer decoding rows leave more room for prompts"
 
 
-def test_a_step_that_decodes_nothing_is_not_limited_and_an_untrained_pacer_keeps_a_decoding_step_small() -> None:
-    assert trained(0.150).prompt_budget(0) is None
+def test_a_step_that_decodes_nothing_keeps_within_the_target_too_and_an_untrained_pacer_keeps_a_step_small() -> None:
+    """Read together, a burst's prompts would each have its first token wait for all of them."""
+    budget = trained(0.150).prompt_budget(0)
+    assert budget == pytest.approx((0.150 - 0.005) / 0.002, abs=1) and cost(0, budget) <= 0.150 + 0.002
     fresh = StepPacer(0.150)
     for _ in range(MIN_STEPS):
         fresh.observe(4, 100, cost(4, 100))  # never a step without a prompt: no fit yet
