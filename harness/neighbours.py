@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ async def stream(client: httpx.AsyncClient, key: str, body: dict[str, Any], path
 
 
 async def probe(client: httpx.AsyncClient, tokens: int, seed: int) -> dict[str, Any]:
-    return await stream(client, "k2", {"messages": [{"role": "user", "content": text(12, seed)}], "max_tokens": tokens,
+    return await stream(client, "k2", {"messages": [{"role": "user", "content": text(3, seed)}], "max_tokens": tokens,
                                        "ignore_eos": True, "temperature": 0})
 
 
@@ -151,11 +152,11 @@ async def mcp(client: httpx.AsyncClient, args: argparse.Namespace, origin: str) 
     return await beside(client, args, respond)
 
 
-def batch_lines(count: int, salt: str, max_tokens: Any) -> bytes:
+def batch_lines(count: int, salt: str, max_tokens: Any, words: int = 60) -> bytes:
     lines = []
     for i in range(count):
         tokens = max_tokens(i) if callable(max_tokens) else max_tokens
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"[{salt}-{i}] " + text(60, hash((salt, i)))}],
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"[{salt}-{i}] " + text(words, zlib.crc32(f"{salt}-{i}".encode()))}],
                 "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
         lines.append(json.dumps({"custom_id": f"{salt}-{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": body}))
@@ -182,8 +183,8 @@ async def batch(client: httpx.AsyncClient, args: argparse.Namespace) -> dict[str
     while (await client.get(f"/v1/batches/{big}", headers=headers("k1"))).json()["status"] not in (
             "cancelled", "completed", "failed"):
         await asyncio.sleep(0.5)
-    # on the idle server: a 48-line batch whose lines 0, 12, 24 and 36 want 4 tokens, the others 64
-    short = await start_batch(client, batch_lines(48, "mix", lambda i: 4 if i % 12 == 0 else 64), "mix.jsonl")
+    # on the idle server: a 48-line batch of short questions whose lines 0, 12, 24 and 36 want 4 tokens, the others 16
+    short = await start_batch(client, batch_lines(48, "mix", lambda i: 4 if i % 12 == 0 else 16, words=8), "mix.jsonl")
     await asyncio.sleep(5.0)
     mixed = (await client.get(f"/v1/batches/{short}", headers=headers("k1"))).json()
     await client.post(f"/v1/batches/{short}/cancel", headers=headers("k1"))

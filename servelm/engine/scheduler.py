@@ -218,8 +218,8 @@ class Scheduler:
             plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
             seq.last_row = self.steps
             budget -= 1
-        if self.speculator is not None and plan.chunks and budget > 0:  # each guess is a logits row
-            room = min(budget, LOGITS_ROWS)
+        if self.speculator is not None and plan.chunks and budget > 0:  # each guess is a logits row, within the target
+            room = min(budget, LOGITS_ROWS, budget if most is None else max(0, most - len(plan.chunks)))
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
         # every step within the target, whatever waits: the decoding streams' next token, and the first token of a

@@ -227,3 +227,21 @@ def test_a_burst_of_prompts_is_read_within_the_target_even_in_a_step_that_decode
     plan = s.schedule()
     assert plan.decode_tokens == 0 and plan.num_tokens <= budget
     assert {s.group(c).request_id for c in plan.chunks} == {"p0"}, "the first prompt takes the step's budget first"
+
+
+def test_speculative_guesses_keep_to_the_rows_the_target_holds():
+    """A stream whose guesses hold drafts several a step: never past the rows the target holds (a step of 37
+    decoding rows took 436 ms against a 200 ms target)."""
+    from servelm.engine.speculate import Drafter, Speculator
+
+    history = tuple(range(1, 40)) + tuple(range(1, 6))  # its prompt-lookup proposes 6, 7, 8, ...
+    s = sched(slots=4, pacer=paced(row_s=0.03), speculator=Speculator(1.5))
+    most = s.pacer.rows_within()
+    assert most == 3
+    g = SequenceGroup("spec", history, SamplingParams(max_tokens=40, temperature=0.0), tenant=A)
+    s.add(g)
+    while g.seqs[0].reads_prompt or g.seqs[0].status.name == "WAITING":
+        step(s)
+    g.seqs[0].drafter = Drafter(rates=[0.99, 0.99])
+    plan = s.schedule()
+    assert 1 < plan.decode_tokens <= most, plan.decode_tokens
