@@ -79,10 +79,10 @@ class EngineSettings(BaseSettings):
                                  "--itl-target-ms allows)")
     itl_target_ms: float = Field(
         200.0, ge=0, description="the step-time target while prompts arrive: a step reads only as much prompt as the "
-        "engine's measured step costs keep within this, whatever waits (at least 4 tokens, so prompts move on), "
-        "so that decoding streams' next tokens and a burst's first tokens wait at most about this; requests of a "
-        "priority above 0 (batch lines) decode only as many rows as it holds beside the others'. 0: no target "
-        "(--max-step-tokens alone)")
+        "engine's measured step costs keep within this, whatever waits (at least 4 tokens, so prompts move on), so "
+        "that decoding streams' next tokens, and other keys' first tokens, wait at most about this (one key's burst "
+        "alone, with nothing decoding, is read at once); requests of a priority above 0 (batch lines) decode only "
+        "as many rows as it holds beside the others'. 0: no target (--max-step-tokens alone)")
     prompt_tiles: Literal["auto", "on", "off"] = Field(
         "auto", description="read a prompt's whole tiles of 64 positions on flash attention's tiled kernel (CPU): "
         "faster long prompts, but a tile is read in one pass, so a step that reads one takes at least that pass. "

@@ -6,10 +6,10 @@ and c a prompt token's. The pacer fits a, b and c to the steps just run (least s
 less), and gives a step that decodes d rows the prompt tokens that keep it within the target:
 (target − a − b·d) ÷ c, at least `floor` so that a waiting prompt always moves on (and a prompt's whole tiles
 a tile at a time, even past it: engine/scheduler.py, which has tiles only where one fits: compose.py). However many
-prompts wait, that is all a step reads, one that decodes nothing too (d = 0): read together, a burst's prompts
-would each have its first token wait for all of them, and a request arriving meanwhile for the whole step. Work that
-yields (a priority above 0, such as a batch's lines: engine/fairness.py) fills the decoding rows only up to what the
-target holds (rows_within). Until it has seen both kinds of step, or while prompt tokens look free, a step reads at
+prompts wait, that is all a step reads; one that decodes nothing too (d = 0), unless one tenant alone has prompts
+to read (engine/fairness.py: FairShare.paces), whose burst is then read at once and decodes together (the first-token
+lead is kept). Work that yields (a priority above 0, such as a batch's lines) fills the decoding rows only up to what
+the target holds (rows_within). Until it has seen both kinds of step, or while prompt tokens look free, a step reads at
 most UNFIT tokens of prompt. Chunk sizes change no answer: a prompt's cells are the same
 however it is cut (docs/exactness.md).
 """

@@ -7,9 +7,10 @@ these change a sequence's state (status, slot, tokens, cells computed, drafts) a
 rows of work that yields only as far as the target holds: engine/fairness.py), then prompt chunks (running requests'
 in admission order, then those admitted this step) under the step's token budget, so a long prompt is read a chunk
 at a time while the others keep decoding; with a pacer (engine/pacing.py), a step reads only as much prompt as keeps
-it within an inter-token target, whatever waits (so a burst's prompts do not all wait for each other's, nor the
-decoding streams for them). A prompt's leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in
-chunks of a tile or more, on the runner's tiled kernel, one tile a step even past a smaller budget (a runner has
+it within an inter-token target, whatever waits, so that neither the decoding streams nor another tenant's first
+token waits for a burst's prompts (one tenant's burst alone, with nothing to decode, is read at once:
+FairShare.paces). A prompt's leading whole tiles (`tile_rows` each, SequenceGroup.tiled_end) are read in chunks of
+a tile or more, on the runner's tiled kernel, one tile a step even past a smaller budget (a runner has
 tiles only where a tile's pass fits the target: compose.py); the rest of it, and every generated token, at most
 `max_rows` a step, on its row kernel (each kernel gives a row the same numerics whatever shares its step, and which
 one reads a position depends on the prompt alone: docs/exactness.md). Sequences are admitted and retired between
@@ -222,9 +223,9 @@ class Scheduler:
             room = min(budget, LOGITS_ROWS, budget if most is None else max(0, most - len(plan.chunks)))
             budget -= self.speculator.draft(plan, room, self.max_rows, self._draft_candidates(plan))
         plan.decode_tokens = self.max_step_tokens - budget
-        # every step within the target, whatever waits: the decoding streams' next token, and the first token of a
-        # prompt read in it (read all at once, the prompts of a burst would make each one wait for all of them)
-        if self.pacer is not None and self._prompts_to_read():
+        # within the target whatever waits (FairShare.paces): the decoding streams' next token, and with nothing to
+        # decode the first token of a prompt read beside another tenant's (or one that yields)
+        if self.pacer is not None and self.share.paces(self.running, self.waiting, bool(plan.decode_tokens)):
             allowed = self.pacer.prompt_budget(plan.decode_tokens)
             budget = budget if allowed is None else min(budget, allowed)
         for group in self.running:
@@ -262,10 +263,6 @@ class Scheduler:
         plan.chunks.sort(key=lambda c: c.slot)
         plan.ops = self.cache.take_ops(bool(plan.chunks))
         return plan
-
-    def _prompts_to_read(self) -> bool:
-        """Whether a request waits or a running one reads its prompt (else no step need ask the pacer's fit)."""
-        return bool(self.waiting) or any(seq.reads_prompt for group in self.running for seq in group.seqs)
 
     def _urgent_reader(self) -> SequenceGroup | None:
         """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the

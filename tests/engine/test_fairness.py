@@ -217,16 +217,28 @@ def test_a_batch_line_still_decodes_when_interactive_rows_alone_fill_the_target(
     assert all("b" in ids for ids in rows), "one row a step for the work that yields"
 
 
-def test_a_burst_of_prompts_is_read_within_the_target_even_in_a_step_that_decodes_nothing():
-    """Read all at once, four prompts would each have their first token wait for the four (and a request arriving
-    meanwhile for the whole step): the first is read first, within the target, and decodes while the rest go on."""
+def test_with_nothing_to_decode_one_tenants_burst_is_read_at_once_and_decodes_together():
+    """The throughput rule: nobody's next token waits on the step, and nobody else's first token."""
     s = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
     for i in range(4):
         s.add(group(f"p{i}", A, prompt_len=60, max_tokens=40))
-    budget = s.pacer.prompt_budget(0)
     plan = s.schedule()
-    assert plan.decode_tokens == 0 and plan.num_tokens <= budget
-    assert {s.group(c).request_id for c in plan.chunks} == {"p0"}, "the first prompt takes the step's budget first"
+    assert plan.decode_tokens == 0 and plan.num_tokens == 4 * 60
+
+
+@pytest.mark.parametrize("why, second", [("another tenant's prompt waits", dict(tenant=B)),
+                                         ("work that yields (a batch line)", dict(tenant=A, priority=10))])
+def test_with_nothing_to_decode_a_burst_beside_another_tenants_prompt_keeps_within_the_target(why, second):
+    """Read at once, three prompts would make the fourth's first token wait for all of them (key B's request beside
+    key A's burst waited 15 s): the first in the fair order is read first, within the target, then decodes while
+    the rest go on."""
+    s = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
+    for i in range(3):
+        s.add(group(f"p{i}", A, prompt_len=60, max_tokens=40, priority=second.get("priority", 0)))
+    s.add(group("other", prompt_len=60, max_tokens=40, **second))
+    plan = s.schedule()
+    assert plan.decode_tokens == 0 and plan.num_tokens <= s.pacer.prompt_budget(0), why
+    assert len({s.group(c).request_id for c in plan.chunks}) == 1, "one prompt at a time: its first token comes first"
 
 
 def test_speculative_guesses_keep_to_the_rows_the_target_holds():
