@@ -87,19 +87,15 @@ class FairShare:
         """Whether its work keeps every step within the target: a priority less urgent than the default (0)."""
         return group.priority > 0
 
-    def paces(self, running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup], decoding: bool) -> bool:
-        """Whether a step's prompts keep within the target: whenever it decodes, and when it decodes nothing, unless
-        one tenant alone has prompts to read and none of them yields. Read at once, one tenant's burst decodes
-        together (fewer, fuller steps: the throughput rule), and costs nobody else's next token; beside another
-        tenant's prompt it would make that one's first token wait for all of it. False too with nothing to read."""
-        readers = [g for g in running if any(s.reads_prompt for s in g.seqs)]
-        readers += waiting
-        if not readers:
-            return False
-        if decoding:
-            return True
-        first = readers[0].tenant.id
-        return any(g.tenant.id != first or self.yields(g) for g in readers)
+    def alone(self, running: Iterable[SequenceGroup], waiting: Iterable[SequenceGroup]) -> bool:
+        """Whether one tenant alone has work (running or waiting), none of it yielding: its burst may then be read
+        together (engine/scheduler.py), costing nobody else's next token or first token."""
+        first: str | None = None
+        for group in (*running, *waiting):
+            if self.yields(group) or (first is not None and group.tenant.id != first):
+                return False
+            first = group.tenant.id
+        return True
 
     def rows(self, decoding: list[Sequence], most: int | None) -> list[Sequence]:
         """Of the sequences with a token to decode, those that get their row this step: all, but that the ones that

@@ -39,7 +39,10 @@ STEP_S, ROW_S = 0.004, 0.002
 MOST_BESIDE_DECODING = int((TARGET_S - STEP_S) / ROW_S) + 4
 
 
-def served(keys=(), fair_share: bool = True, **runner_kw):
+NEIGHBOURS = (key_spec("k1"), key_spec("k2"))  # k1 sends the traffic, k2 is the neighbour
+
+
+def served(keys=NEIGHBOURS, fair_share: bool = True, **runner_kw):
     kw = dict(num_slots=8, context_window=2048, max_step_tokens=512, step_delay=STEP_S, row_delay=ROW_S, tile_rows=0)
     runner = FakeRunner(**{**kw, **runner_kw})
     dep, engine = build_deployment("fake-model", runner, DeploymentOptions(itl_target_s=TARGET_S, prefix_cache=True,
@@ -88,7 +91,7 @@ def check_bound(runner: FakeRunner, since: int) -> list[int]:
     return read
 
 
-async def beside_a_stream(app, runner, send, *, key=None, warm: int = 40, before=None) -> list[int]:
+async def beside_a_stream(app, runner, send, *, key="k2", warm: int = 40, before=None) -> list[int]:
     """A neighbour streams; once the pacer has seen enough steps, `send(client)` runs; the prompt tokens each of the
     neighbour's decoding steps read after that. `before(client)` runs first."""
     with serving(app) as url:
@@ -106,12 +109,12 @@ async def beside_a_stream(app, runner, send, *, key=None, warm: int = 40, before
 
 
 async def test_a_burst_of_short_prompts_from_another_key_is_read_within_the_target_beside_a_stream():
-    app, runner = served(keys=[key_spec("k1"), key_spec("k2")])
+    app, runner = served()
 
     async def burst(client):
         await asyncio.gather(*(stream(client, "k1", words(170, f"burst{i}"), 24) for i in range(2)))
 
-    read = await beside_a_stream(app, runner, burst, key="k2")
+    read = await beside_a_stream(app, runner, burst)
     assert sum(read) >= 2 * 170, "both prompts were read while the stream decoded, a few tokens a step"
 
 
@@ -120,10 +123,10 @@ async def test_a_long_prompt_whose_prefix_is_cached_reads_its_tail_within_the_ta
     head = words(729, "cached")
 
     async def long_prompt(client):
-        await stream(client, None, head + words(20, "tail"), 8)
+        await stream(client, "k1", head + words(20, "tail"), 8)
 
     async def cache_it(client):
-        await stream(client, None, head, 2)
+        await stream(client, "k1", head, 2)
 
     await beside_a_stream(app, runner, long_prompt, before=cache_it)
     tail = [c for p in runner.steps for c in p.chunks if c.start >= 729 and len(c.tokens) > 1]
@@ -136,7 +139,7 @@ async def test_a_grammar_bound_request_is_read_within_the_target():
     app, runner = served()
 
     async def constrained(client):
-        await stream(client, None, words(300, "ask"), 16, structured_outputs={"regex": "[a-z]{16}"})
+        await stream(client, "k1", words(300, "ask"), 16, structured_outputs={"regex": "[a-z]{16}"})
 
     await beside_a_stream(app, runner, constrained)
 
@@ -145,8 +148,8 @@ async def test_a_responses_request_is_read_within_the_target():
     app, runner = served()
 
     async def respond(client):
-        r = await client.post("/v1/responses", json={"model": "fake-model", "input": words(300, "resp"),
-                                                     "max_output_tokens": 8})
+        r = await client.post("/v1/responses", headers={"authorization": "Bearer k1"}, json={
+            "model": "fake-model", "input": words(300, "resp"), "max_output_tokens": 8})
         assert r.status_code == 200, r.text
 
     await beside_a_stream(app, runner, respond)
