@@ -1,4 +1,5 @@
-"""Who goes next: a waiting request's rank (its priority and its age), and each tenant's fair share of the slots.
+"""Who goes next: a waiting request's rank (its priority and its age), who gives a slot up to it or holds back for it,
+and each tenant's fair share of the slots.
 
 Rank. A waiting request stands at its priority (lower first, vLLM's) less one level for every `aging_s` seconds since
 the engine received it, then its priority, then arrival. As the age counts from receipt, two requests compare the
@@ -109,6 +110,58 @@ class FairShare:
             return decoding
         rest.sort(key=lambda s: (s.last_row, s.group.arrival))
         return keep + rest[:room]
+
+    def victims(self, waiting: Collection[SequenceGroup], running: list[SequenceGroup], free: int) -> list[SequenceGroup]:
+        """The running requests that give their slots up before a step, worst first: while the best-ranked waiting
+        requests find no slot at rest (`free` of them), running ones of a lower priority ranked below them, when
+        that makes room (engine/scheduler.py suspends them)."""
+        taken: list[SequenceGroup] = []
+        idle = free
+        for group in sorted(waiting, key=self.rank):
+            need = len(group.live)
+            if need <= idle:
+                idle -= need
+                continue
+            rank = self.rank(group)
+            below = sorted((g for g in running if g not in taken and g.preemptible and g.priority > group.priority
+                            and self.rank(g) > rank), key=self.rank, reverse=True)
+            freed, mine = idle, []
+            for victim in below:
+                if freed >= need:
+                    break
+                mine.append(victim)
+                freed += 1
+            if freed < need:
+                break  # nothing ranked below it holds enough; the ones behind rank lower still
+            taken += mine
+            idle = freed - need
+        return taken
+
+    def urgent(self, running: list[SequenceGroup], waiting: deque[SequenceGroup], free: int) -> SequenceGroup | None:
+        """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the
+        best-ranked waiting one when enough slots rest for it), when running ones of a lower priority that rank below
+        it run beside it: those hold back (no row this step), and waiting ones below it are not admitted, until it
+        is read, so a request's first token comes as soon as it would on an idle engine. None: no one holds back.
+        Holding back changes no answer (a row's logits do not depend on its step). A request that has waited long
+        enough to outrank it does not hold back."""
+        readers = [g for g in running if any(s.reads_prompt for s in g.seqs)]
+        if waiting and len(waiting[0].live) <= free:  # (one that cannot fit holds no one)
+            readers.append(waiting[0])
+        if not readers:
+            return None
+        first = min(readers, key=self.rank)
+        return first if any(self.holds_back(g, first) for g in running) else None
+
+    @staticmethod
+    def may_overtake(head: SequenceGroup, running: Iterable[SequenceGroup], free: int) -> bool:
+        """Whether groups behind a head that does not fit may go first: only while it could not fit even if every
+        group admitted after it gave its slots back (they take nothing it could use; once it could fit without
+        them, nothing overtakes it any more)."""
+        slots = free
+        for g in running:
+            if g.arrival > head.arrival:
+                slots += sum(1 for s in g.seqs if s.holds_slot)
+        return len(head.live) > slots
 
     def cap(self, tenant: Tenant) -> int:
         """The slots a tenant's sequences may hold at once."""

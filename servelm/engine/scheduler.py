@@ -29,7 +29,7 @@ the next slot to the tenant served least among requests of one priority (FairSha
 caps on a tenant's slots).
 
 When the best-ranked waiting request finds no slot at rest, running requests of a lower priority that also rank
-below it give theirs up, worst first (preemption): the slot rests with the cells the sequence computed as a prefix-
+below it give theirs up, worst first (preemption: FairShare.victims): the slot rests with the cells the sequence computed as a prefix-
 cache entry of its scope, saved to the spill store when another request takes the slot, and the sequence waits again
 with every token it drew. On resuming it reads back what a slot or the spill still holds and computes the rest as
 prompt: its answer is the same bitwise (docs/exactness.md), its sampler state untouched. Only a request of one
@@ -171,31 +171,6 @@ class Scheduler:
             self.share.left(group)
 
     # -- the step ----------------------------------------------------------------------------------
-    def _preempt(self) -> None:
-        """Before a step: while the best-ranked waiting requests find no slot at rest, running ones ranked below
-        them give theirs up, worst first, when that makes room."""
-        idle = self.cache.free_slots
-        for group in sorted(self.waiting, key=self.share.rank):
-            need = len(group.live)
-            if need <= idle:
-                idle -= need
-                continue
-            rank = self.share.rank(group)
-            victims = sorted((g for g in self.running if g.preemptible and g.priority > group.priority
-                              and self.share.rank(g) > rank), key=self.share.rank, reverse=True)
-            freed, taken = idle, []
-            for victim in victims:
-                if freed >= need:
-                    break
-                taken.append(victim)
-                freed += 1
-            if freed < need:
-                break  # nothing ranked below it holds enough; the ones behind rank lower still
-            for victim in taken:
-                self._suspend(victim)
-            idle = freed - need
-        self.waiting = deque(sorted(self.waiting, key=self.share.rank))
-
     def _suspend(self, group: SequenceGroup) -> None:
         """A running request gives its slot up and waits again: its cells stay as a cache entry of its scope."""
         seq = group.seqs[0]
@@ -209,11 +184,13 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self.cache.settle()
-        if self.waiting:
-            self._preempt()
+        if self.waiting:  # the slots the best-ranked waiting requests take from running ones ranked below them
+            for victim in self.share.victims(self.waiting, self.running, self.cache.free_slots):
+                self._suspend(victim)
+            self.waiting = deque(sorted(self.waiting, key=self.share.rank))
         plan = StepPlan()
         budget = self.max_step_tokens
-        urgent = self._urgent_reader()
+        urgent = self.share.urgent(self.running, self.waiting, self.cache.free_slots)
         self.steps += 1
         # every decoding sequence's row, but while a more urgent prompt is read (they hold back), and those of work that
         # yields only as far as the target holds
@@ -253,7 +230,7 @@ class Scheduler:
             if readers and self.cache.awaits(group, readers):
                 continue  # a running request is reading the prompt this one begins with: reuse it, soon
             if len(group.live) > self.cache.free_slots:
-                if blocked or self._may_overtake(group):
+                if blocked or self.share.may_overtake(group, self.running, self.cache.free_slots):
                     blocked = True
                     continue
                 break
@@ -301,21 +278,6 @@ class Scheduler:
         readers += slots
         return readers > decoding and tokens <= min(budget, CATCH_UP_TOKENS * readers)
 
-
-    def _urgent_reader(self) -> SequenceGroup | None:
-        """The best-ranked of the requests that read a prompt now (running ones not through theirs, and the
-        best-ranked waiting one when enough slots rest for it), when running ones of a lower priority that rank below
-        it run beside it: those hold back (no row this step), and waiting ones below it are not admitted, until it
-        is read, so a request's first token comes as soon as it would on an idle engine. None: no one holds back.
-        Holding back changes no answer (a row's logits do not depend on its step). A request that has waited long
-        enough to outrank it does not hold back."""
-        readers = [g for g in self.running if any(s.reads_prompt for s in g.seqs)]
-        if self.waiting and len(self.waiting[0].live) <= self.cache.free_slots:  # (one that cannot fit holds no one)
-            readers.append(self.waiting[0])
-        if not readers:
-            return None
-        urgent = min(readers, key=self.share.rank)
-        return urgent if any(self.share.holds_back(g, urgent) for g in self.running) else None
 
     def _draft_candidates(self, plan: StepPlan) -> dict[int, Candidate]:
         """The decode chunks (by index) that may carry guesses: a plain sequence's, sampled by it alone."""
@@ -369,16 +331,6 @@ class Scheduler:
                 return 0
         span = seq.group.next_span(seq.num_computed)
         return min(n, span.start - seq.num_computed) if span is not None else n
-
-    def _may_overtake(self, head: SequenceGroup) -> bool:
-        """Whether groups behind a head that does not fit may go first: only while it could not fit even if every
-        group admitted after it gave its slots back (they take nothing it could use; once it could fit without
-        them, nothing overtakes it any more)."""
-        slots = self.cache.free_slots
-        for g in self.running:
-            if g.arrival > head.arrival:
-                slots += sum(1 for s in g.seqs if s.holds_slot)
-        return len(head.live) > slots
 
     def _admit(self, group: SequenceGroup) -> None:
         """The group's sequences take slots at rest: the first where the cache places it (its cached cells counted
