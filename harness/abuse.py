@@ -448,7 +448,7 @@ def cheap_bodies(target: Target) -> dict[str, Any]:
         start = time.monotonic()
         r = httpx.post(target.url + path, content=data, headers={"content-type": "application/json"}, timeout=300)
         out[name] = {"mb": round(len(data) / 1e6, 1), "status": r.status_code, "seconds": round(time.monotonic() - start, 3),
-                     "rss_mib_after": _mib(target.rss_mib())}
+                     "rss_mib_after": _mib(target.rss_mib()), "peak_rss_mib": _mib(target.peak_rss_mib())}
     return out
 
 

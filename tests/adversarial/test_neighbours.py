@@ -232,3 +232,42 @@ async def test_one_keys_flood_does_not_crowd_out_another_keys_single_request():
 async def test_without_fair_share_the_flood_goes_first():
     place, _, _ = await _flood_then_one(False)
     assert place >= 24, f"first come, first served: B came {place + 1}th of 33"
+
+
+# -- a running batch yields ----------------------------------------------------------------------------------
+async def test_a_running_batch_decodes_only_the_rows_the_target_holds_beside_an_interactive_stream(tmp_path):
+    """Eight slots of batch lines beside one interactive stream, on an engine whose rows cost 10 ms: the target
+    (60 ms) holds five rows a step, so the batch's lines take what is left beside the stream (they took all eight,
+    and a neighbour's gaps grew with them), and still move on."""
+    from servelm.http.batches import BatchConfig
+
+    runner = FakeRunner(num_slots=8, context_window=512, max_step_tokens=256, step_delay=0.004, row_delay=0.01,
+                        tile_rows=0)
+    dep, engine = build_deployment("fake-model", runner, DeploymentOptions(itl_target_s=0.06))
+    app = create_app(Deployments([dep]), AppOptions(security=SecurityConfig(keys=list(NEIGHBOURS)),
+                                                    batches=BatchConfig(str(tmp_path / "state"))),
+                     on_start=engine.start, on_stop=engine.stop)
+    lines = b"".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": "fake-model", "messages": [{"role": "user", "content": f"line {i}"}], "max_tokens": 60,
+        "ignore_eos": True}}).encode() + b"\n" for i in range(40))
+    auth = {"authorization": "Bearer k1"}
+    with serving(app) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            f = await client.post("/v1/files", headers=auth, files={"file": ("in.jsonl", lines)}, data={"purpose": "batch"})
+            batch = await client.post("/v1/batches", headers=auth, json={
+                "input_file_id": f.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+            while (await client.get("/health", headers=auth)).json()["deployments"]["fake-model"]["running"] < 8:
+                await asyncio.sleep(0.02)
+            while engine.pacer.rows_within() is None:  # the pacer has seen steps of every kind
+                await stream(client, "k2", "hello", 5)
+            since = len(runner.steps)
+            neighbour = await stream(client, "k2", "hello", 40)
+            until = len(runner.steps)
+            state = (await client.get(f"/v1/batches/{batch.json()['id']}", headers=auth)).json()
+    most = engine.pacer.rows_within()
+    assert most is not None and 3 <= most <= 6, most
+    rows = [p.decode_tokens for p in runner.steps[since:until] if p.decode_tokens]
+    assert rows and max(rows) <= most, (most, rows)
+    assert neighbour["gap"] < 1.0
+    assert min(rows) >= 2, "the batch's lines still move on: a row of theirs beside the stream's every step"
+    assert state["status"] == "in_progress"
