@@ -25,13 +25,18 @@ to rank. So:
   flight);
 - a tenant's sequences hold at most ceil(max_share × slots) slots (at least one) at once; its requests past that
   wait, even while a slot is free (a request of more choices than that goes while the tenant holds none).
+
 Work that yields. The decoding rows of requests of a priority above 0 (less urgent than the default: a batch's lines,
 at --batch-priority) fill a step only up to the rows the inter-token target holds beside the others' (at least one
 of them a step, so that it always moves on; those that waited longest since their last row first), so that a request
 of the default priority decodes beside them within the target, and one arriving waits about one target for the step
-in flight.
-The order changes no answer: a row's logits do not depend on its step (docs/exactness.md). Preemption goes by
-priority alone (engine/scheduler.py).
+in flight. And when one tenant alone has work, none of it yielding (`alone`), the scheduler may read its burst of
+short prompts at once: nobody else's token waits on it.
+
+Priorities also decide who gives a slot up (`victims`: running requests of a lower priority ranked below a waiting
+one that finds no slot) and who holds back a step while a more urgent prompt is read (`urgent`); preemption goes by
+priority alone, not by service. No order changes an answer: a row's logits do not depend on its step
+(docs/exactness.md).
 """
 
 from __future__ import annotations
