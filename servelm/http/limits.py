@@ -29,8 +29,9 @@ SCOPE_LIMITS = "servelm.limits"
 # a list refused it
 MAX_JSON_CONTAINERS = 32_768
 OFF_LOOP_BYTES = 64 << 10  # a body longer than this is counted and validated on a worker thread, not the event loop
-# a string (skipped whole; a key when a colon follows), or a bracket
-_JSON_TOKEN = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*")(\s*:)?|[\[{\]}]')
+# a string (skipped whole; a key when a colon follows; one never closed runs to the end, so that no quote inside it
+# starts a scan of its own: that was quadratic), or a bracket
+_JSON_TOKEN = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z))(\s*:)?|[\[{\]}]', re.DOTALL)
 UPLOAD_PATHS = frozenset({"/v1/files", "/files"})  # multipart uploads, bounded by max_file_bytes
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's boundaries and fields beside the file
 T = TypeVar("T")
