@@ -24,7 +24,6 @@ import httpx
 import pytest
 
 from servelm.compose import DeploymentOptions, build_deployment, settle_tiles
-from servelm.engine.pacing import FLOOR
 from servelm.engine.plan import StepPlan
 from servelm.http.app import AppOptions, create_app
 from servelm.http.limits import SecurityConfig
