@@ -510,6 +510,7 @@ class Builder:
     verbose_llama: bool = False
     images: ImageSources = ImageSources()
     blocklist: Path | None = None
+    check_memo: Path | None = None  # where the self-checks' findings are kept (None: every load checks)
 
     def build(self, specs: Sequence[DeploymentSpec], endpoints: Sequence[EndpointSpec] = ()) -> Built:
         """Load every deployment's model (several models run in one server, each with its own engine)."""
@@ -553,7 +554,7 @@ class Builder:
             path, num_slots=e.max_num_seqs, max_step_tokens=max(e.max_step_tokens, e.max_num_seqs),
             context_window=e.context_window, kv_budget_mib=e.kv_budget_mib, threads=e.threads,
             verbose=self.verbose_llama, mmproj=spec.mmproj, kv_cache_type=e.kv_cache_type, gpu_layers=e.n_gpu_layers,
-            main_gpu=e.main_gpu,
+            main_gpu=e.main_gpu, memo_dir=self.check_memo,
         )
         if (note := cuda_note(spec.name, runner.placement, os.environ)) is not None:
             log.warning("%s", note)
@@ -667,7 +668,8 @@ class Plan:
                    mcp_servers=tuple(config.mcp_servers if config and serving else ()), verbose_llama=verbose_llama)
 
     def builder(self) -> Builder:
-        return Builder(self.verbose_llama, image_sources(self.settings), self.settings.content_blocklist)
+        return Builder(self.verbose_llama, image_sources(self.settings), self.settings.content_blocklist,
+                       self.settings.self_check_dir())
 
     def trace_settings(self) -> TraceSettings | None:
         """--otlp-traces-endpoint and its companions as TraceSettings (None: tracing off)."""

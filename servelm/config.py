@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 import tomllib
@@ -167,6 +168,11 @@ class ServerSettings(BaseSettings):
     lora: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="a LoRA adapter of the model, NAME=PATH[:SCALE], loaded at start and "
         "served as the model NAME (repeatable; SERVELM_LORA takes several separated by commas)")
+    self_check_cache: bool = Field(
+        True, description="remember each model's start-up exactness check in ~/.cache/servelm/selfcheck "
+        "($XDG_CACHE_HOME), keyed by the model file, its settings, llama.cpp's build, this CPU and the check's code, "
+        "so that a restart with all of them the same does not read the probe again; --no-self-check-cache checks at "
+        "every start")
     mmproj: Path | None = Field(
         None, description="a vision projector GGUF (mmproj) for the chat model: image_url parts in chat messages are "
         "read through llama.cpp's libmtmd (without one, an image is a 400, Azure ML's 404 on its path)",
@@ -368,6 +374,13 @@ class ServerSettings(BaseSettings):
         if not path.is_file():
             raise FileNotFoundError(f"the embedding model file does not exist: {path}")
         return path
+
+    def self_check_dir(self) -> Path | None:
+        """Where the self-checks' findings are kept (None: --no-self-check-cache)."""
+        if not self.self_check_cache:
+            return None
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return Path(base) / "servelm" / "selfcheck"
 
     def read_chat_template(self) -> str | None:
         return self.chat_template.read_text(encoding="utf-8") if self.chat_template else None

@@ -69,7 +69,7 @@ from servelm.engine.plan import Clear, Copy, Keep, KVOp, MediaChunk, Save, Sched
 from servelm.engine.runner import Exactness, KVCacheFull, RestoreFailed
 from servelm.gguf_header import open_regular
 from servelm.runners.media import Projector
-from servelm.runners.selfcheck import check_exactness
+from servelm.runners.selfcheck import CheckMemo, check_exactness
 
 if os.environ["GGML_CPU_TILED_MM"] not in ("0", "1"):
     raise ValueError(f"GGML_CPU_TILED_MM={os.environ['GGML_CPU_TILED_MM']!r}: 0 (servelm's default: ggml's tiled K-quant "
@@ -1015,15 +1015,23 @@ def on_a_passing_thread(fn: Callable[[LlamaCppRunner], str], runner: LlamaCppRun
     return result[0]
 
 
-def load_exact(model_path: str | Path, fences: tuple[Fence, ...] | None = None, **kwargs: Any) -> LlamaCppRunner:
+def load_exact(model_path: str | Path, fences: tuple[Fence, ...] | None = None, memo_dir: Path | None = None,
+               **kwargs: Any) -> LlamaCppRunner:
     """A LlamaCppRunner with the cheapest fence its self-check passes (runners/selfcheck.py), of `fences` (FENCES:
     none; every call at least two rows; without repacked weights, reloaded; without both; then by shape, where a
     model reads images never). A model that passes none is served as loaded, its `exactness` saying why it is not
-    exact."""
+    exact. With `memo_dir`, a finding kept there for this model, these settings, this build and this machine is
+    taken without checking again (selfcheck.CheckMemo), and a new finding is kept there."""
     runner = LlamaCppRunner(model_path, **kwargs)
-    log.info("%s runs on %s", Path(model_path).name, runner.placement)
+    name = Path(model_path).name
+    log.info("%s runs on %s", name, runner.placement)
+    tried = fences or FENCES
+    memo = _memo(runner, tried, memo_dir, kwargs) if memo_dir is not None else None
+    found = memo.recall() if memo is not None else None
+    if found is not None and (found["fence"] is None or 0 <= found["fence"] < len(tried)):
+        return _recalled(runner, model_path, tried, found, kwargs)
     first = ""
-    for fence in fences or FENCES:
+    for i, fence in enumerate(tried):
         if fence.shape and runner.projector is not None:
             continue  # an image's rows are its own (no pads among them): no shape fences
         if fence.repack != runner.repack:
@@ -1035,17 +1043,63 @@ def load_exact(model_path: str | Path, fences: tuple[Fence, ...] | None = None, 
             runner.exactness = Exactness(True, fences=fence.words())
             if first:
                 log.info("%s: a row's logits depended on what shared its call (%s); exact with: %s",
-                         Path(model_path).name, first, ", ".join(fence.words()))
+                         name, first, ", ".join(fence.words()))
             else:
-                log.info("%s: exact under load (the self-check's rows all equal), with no fence of its own",
-                         Path(model_path).name)
+                log.info("%s: exact under load (the self-check's rows all equal), with no fence of its own", name)
+            if memo is not None:
+                memo.keep(i, first, runner.tile_rows, runner.tile_seconds)
             return runner
         first = first or reason
     runner.close()
+    runner = _not_exact(model_path, first, kwargs)
+    if memo is not None:
+        memo.keep(None, first, 0, 0.0)
+    return runner
+
+
+def _not_exact(model_path: str | Path, reason: str, kwargs: dict[str, Any]) -> LlamaCppRunner:
     runner = LlamaCppRunner(model_path, **kwargs)
-    runner.exactness = Exactness(False, reason=first)
+    runner.exactness = Exactness(False, reason=reason)
     log.warning("%s is NOT exact under load on this machine: %s. Its answers may depend on what else the server "
-                "runs; /v1/models and /health say so", Path(model_path).name, first)
+                "runs; /v1/models and /health say so", Path(model_path).name, reason)
+    return runner
+
+
+def _memo(runner: LlamaCppRunner, tried: tuple[Fence, ...], directory: Path, kwargs: dict[str, Any]) -> CheckMemo:
+    """The memo of this check: the model file and the context's layout (the runner's fingerprint, which names
+    llama.cpp's version), where the model runs, the settings it was loaded with (a projector's file by its size and
+    time as well), the fences tried, and llama.cpp's libraries."""
+    settings = {k: v for k, v in sorted(kwargs.items()) if k != "verbose"}
+    if (mmproj := settings.get("mmproj")) is not None:
+        st = Path(mmproj).stat()
+        settings["mmproj"] = f"{mmproj}:{st.st_size}:{st.st_mtime_ns}"
+    library = Path(C.llama_cpp._lib._name).parent
+    return CheckMemo(directory, {"model": runner._model_fingerprint, "placement": runner.placement,
+                                 "settings": repr(settings), "fences": repr(tried)},
+                     [p for p in library.iterdir() if p.suffix in (".so", ".dylib", ".dll") or ".so." in p.name])
+
+
+def _recalled(runner: LlamaCppRunner, model_path: str | Path, tried: tuple[Fence, ...], found: dict[str, Any],
+              kwargs: dict[str, Any]) -> LlamaCppRunner:
+    """The runner as the remembered check left it: its fence (reloaded for another repacking), its tiles, the
+    tile's timed pass; or not exact, with the check's reason."""
+    name, when = Path(model_path).name, time.strftime("%Y-%m-%d %H:%M", time.localtime(found["checked_at"]))
+    index = found["fence"]
+    if index is None:
+        runner.close()
+        log.info("%s: the self-check of %s on this build, machine and settings found it not exact", name, when)
+        return _not_exact(model_path, found["reason"], kwargs)
+    fence = tried[index]
+    if fence.repack != runner.repack:
+        runner.close()
+        runner = LlamaCppRunner(model_path, repack=fence.repack, **kwargs)
+    runner.set_fence(fence)
+    runner.tile_rows = min(runner.tile_rows, max(0, found["tile_rows"]))
+    runner.tile_seconds = max(0.0, found["tile_seconds"])
+    runner.exactness = Exactness(True, fences=fence.words())
+    log.info("%s: exact under load%s, as the self-check of %s on this build, machine and settings found "
+             "(--no-self-check-cache checks again)", name,
+             f" with: {', '.join(fence.words())}" if fence.words() else "", when)
     return runner
 
 

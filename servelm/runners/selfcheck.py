@@ -15,13 +15,26 @@ them from inside the first tile on (a cached prefix's end), and a tile beside an
 each chunk is compared (every cell of the chunk is in its view).
 Should one differ, the runner reads no tiles (tile_rows 0), and says so in the log. The second tile's pass is timed
 (ModelRunner.tile_seconds): a tile is read whole, so a decoding step that reads one takes at least that long.
+
+CheckMemo remembers what a check found, in a file named by everything the finding depends on: the model file,
+the runner's settings and the fences tried, llama.cpp's build (its libraries' sizes and times), this machine's CPU,
+and the code of the check and of the runner. A start that matches all of it takes the finding without reading the
+probe again; any change to one of them checks again. A file that is missing, unreadable, corrupt or of another
+key is ignored (and replaced by the next check's); a directory that cannot be written leaves every start checking.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +46,90 @@ _PIECES = (5, 1, 7, 11)  # the probe read in chunks of these sizes
 _NEIGHBOURS = 9  # decode rows beside the probe's: past the 8 rows where some kernels switch
 
 log = logging.getLogger("servelm.runner")
+
+
+MEMO_VERSION = 1
+MEMO_MAX_BYTES = 64 << 10  # a finding is a few hundred bytes: a bigger file is not one of ours
+_MEMO_FIELDS = {"version": int, "key": str, "fence": (int, type(None)), "reason": str, "tile_rows": int,
+                "tile_seconds": float, "checked_at": float}
+
+
+def _machine() -> str:
+    """This machine's CPU as its kernels see it: the model name and feature flags, the architecture, the cores."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = "|".join(line.strip() for line in f.read(1 << 16).split("\n\n")[0].splitlines()
+                           if line.startswith(("model name", "flags", "Features", "CPU part")))
+    except OSError:
+        cpu = platform.processor()
+    return f"{platform.machine()}|{os.cpu_count()}|{cpu}"
+
+
+def _files(paths: list[Path]) -> str:
+    """Each file's name, size and modification time (a rebuilt library or an edited source is another key)."""
+    out = []
+    for p in sorted(paths):
+        try:
+            st = p.stat()
+            out.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            out.append(f"{p.name}:missing")
+    return ";".join(out)
+
+
+def _code() -> str:
+    """The check's own code and the runner's: a change to either checks again."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in ("selfcheck.py", "llamacpp.py"):
+        try:
+            h.update((here / name).read_bytes())
+        except OSError:
+            h.update(name.encode())
+    return h.hexdigest()
+
+
+class CheckMemo:
+    """A self-check's finding, kept in `directory` under a key of `parts` (with this machine, the check's code and
+    MEMO_VERSION). recall() gives the finding only when the file is ours and its key is this one."""
+
+    def __init__(self, directory: Path, parts: Mapping[str, object], libraries: list[Path]) -> None:
+        text = json.dumps({**{k: str(v) for k, v in parts.items()}, "machine": _machine(), "code": _code(),
+                           "libraries": _files(libraries), "version": MEMO_VERSION}, sort_keys=True)
+        self.key = hashlib.sha256(text.encode()).hexdigest()
+        self.path = Path(directory) / f"{self.key[:32]}.json"
+
+    def recall(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MEMO_MAX_BYTES + 1)
+        except OSError:
+            return None
+        try:
+            found = json.loads(raw) if len(raw) <= MEMO_MAX_BYTES else None
+        except ValueError:
+            found = None
+        if not isinstance(found, dict) or set(found) != set(_MEMO_FIELDS) or found["key"] != self.key or \
+                found["version"] != MEMO_VERSION or \
+                not all(isinstance(found[k], t) and not isinstance(found[k], bool) for k, t in _MEMO_FIELDS.items()):
+            log.info("the self-check's remembered finding %s is not one of this key's: checking again", self.path)
+            return None
+        return found
+
+    def keep(self, fence: int | None, reason: str, tile_rows: int, tile_seconds: float) -> None:
+        found = {"version": MEMO_VERSION, "key": self.key, "fence": fence, "reason": reason, "tile_rows": tile_rows,
+                 "tile_seconds": float(tile_seconds), "checked_at": time.time()}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(found), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("the self-check's finding could not be kept in %s (%s): the next start checks again",
+                        self.path.parent, exc.strerror or exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 def _probe(vocab_size: int, n: int, seed: int) -> list[int]:

@@ -21,22 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import ipaddress
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx2
-from mcp import Client, StdioServerParameters
-from mcp.client.sse import sse_client
-from mcp.client.streamable_http import streamable_http_client
+
+if TYPE_CHECKING:  # the SDK takes a second to import: a server that never reaches an MCP server never loads it
+    from mcp import Client
 
 from servelm.errors import ApiError, InvalidParameter
 
@@ -248,7 +250,15 @@ class _BoundedTransport(httpx2.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-Job = Callable[[Client], Awaitable[T]]
+Job = Callable[["Client"], Awaitable[T]]
+_SDK = ("mcp", "mcp.client.sse", "mcp.client.streamable_http")
+
+
+async def _load_sdk() -> None:
+    """The MCP SDK, imported on a thread when a client first opens: a server that reaches no MCP server never loads
+    it, and its second of imports does not stall the event loop's other requests."""
+    if not all(name in sys.modules for name in _SDK):
+        await asyncio.to_thread(lambda: [importlib.import_module(name) for name in _SDK])
 
 
 class McpBudget:
@@ -275,6 +285,7 @@ class _Worker:
     async def _run(self, open_client: Callable[[], AbstractAsyncContextManager[Client]]) -> None:
         current: asyncio.Future[Any] | None = None
         try:
+            await _load_sdk()
             async with open_client() as client:
                 self.ready.set_result(None)
                 while True:
@@ -423,6 +434,10 @@ class McpSession(_Connected):
 
     @contextlib.asynccontextmanager
     async def _open(self) -> AsyncIterator[Client]:
+        from mcp import Client
+        from mcp.client.sse import sse_client
+        from mcp.client.streamable_http import streamable_http_client
+
         http, transport = self._http()
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(http)
@@ -466,7 +481,7 @@ class StdioServer:
 
     def __init__(self, label: str, command: str, args: list[str], env: Mapping[str, str]) -> None:
         self.label = label
-        self._params = StdioServerParameters(command=command, args=list(args), env={**os.environ, **env})
+        self._command, self._args, self._env = command, list(args), {**os.environ, **env}
         self.worker: _Worker | None = None
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -485,10 +500,15 @@ class StdioServer:
             self._task.cancel()
             await asyncio.wait({self._task}, timeout=2 * CLOSE_S)
 
+    def _client(self) -> AbstractAsyncContextManager[Client]:
+        from mcp import Client, StdioServerParameters
+
+        return Client(StdioServerParameters(command=self._command, args=self._args, env=self._env), cache=None)
+
     async def _run(self) -> None:
         backoff = 1.0
         while not self._stopping:
-            worker = _Worker(self.label, lambda: Client(self._params, cache=None))
+            worker = _Worker(self.label, self._client)
             try:
                 await asyncio.wait_for(asyncio.shield(worker.ready), self.START_S)
                 self.worker, self.status, backoff = worker, "ready", 1.0

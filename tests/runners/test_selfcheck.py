@@ -79,3 +79,72 @@ def test_load_exact_checks_on_a_thread_that_ends(monkeypatch) -> None:
         assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
     finally:
         runner.close()
+
+
+class _Counted:
+    """check_exactness as load_exact calls it, counted; `reason` "" passes every fence, else none."""
+
+    def __init__(self, reason: str = "") -> None:
+        self.calls = 0
+        self.reason = reason
+
+    def __call__(self, runner) -> str:
+        self.calls += 1
+        runner.tile_seconds = 0.25
+        return self.reason
+
+
+def _load(monkeypatch, check: _Counted, memo_dir, **kw):
+    from servelm.runners import llamacpp
+
+    monkeypatch.setattr(llamacpp, "check_exactness", check)
+    runner = llamacpp.load_exact(embedded_model_path(), memo_dir=memo_dir, num_slots=2, context_window=256, **kw)
+    found = (runner.exactness, runner.fence, runner.tile_rows, runner.tile_seconds)
+    runner.close()
+    return found
+
+
+def test_a_restart_on_the_same_model_settings_and_build_takes_the_kept_finding(monkeypatch, tmp_path) -> None:
+    check = _Counted()
+    first = _load(monkeypatch, check, tmp_path)
+    again = _load(monkeypatch, check, tmp_path)
+    assert check.calls == 1, "the second load read the probe again"
+    assert again == first and first[0].exact and first[3] == 0.25, (first, again)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_another_setting_checks_again_and_keeps_both(monkeypatch, tmp_path) -> None:
+    check = _Counted()
+    _load(monkeypatch, check, tmp_path, threads=1)
+    _load(monkeypatch, check, tmp_path, threads=2)
+    _load(monkeypatch, check, tmp_path, threads=1, kv_cache_type="q8_0")
+    assert check.calls == 3
+    _load(monkeypatch, check, tmp_path, threads=2)
+    assert check.calls == 3 and len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_a_model_found_not_exact_is_remembered_as_not_exact(monkeypatch, tmp_path) -> None:
+    check = _Counted("position 3 differs")
+    first = _load(monkeypatch, check, tmp_path)
+    tried = check.calls
+    again = _load(monkeypatch, check, tmp_path)
+    assert check.calls == tried and not again[0].exact and again[0].reason == "position 3 differs" == first[0].reason
+
+
+def test_without_a_memo_every_load_checks(monkeypatch) -> None:
+    check = _Counted()
+    _load(monkeypatch, check, None)
+    _load(monkeypatch, check, None)
+    assert check.calls == 2
+
+
+def test_a_rebuilt_library_or_another_code_is_another_key(tmp_path) -> None:
+    from servelm.runners.selfcheck import CheckMemo
+
+    lib = tmp_path / "libllama.so"
+    lib.write_bytes(b"x")
+    one = CheckMemo(tmp_path, {"model": "m"}, [lib]).key
+    assert CheckMemo(tmp_path, {"model": "m"}, [lib]).key == one
+    lib.write_bytes(b"xy")
+    assert CheckMemo(tmp_path, {"model": "m"}, [lib]).key != one
+    assert CheckMemo(tmp_path, {"model": "n"}, [lib]).key != CheckMemo(tmp_path, {"model": "m"}, [lib]).key
