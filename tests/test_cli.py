@@ -48,3 +48,17 @@ def test_help_names_the_environment_variables_and_defaults(serve_help):
 
 def test_help_shows_no_placeholder_defaults(serve_help):
     assert "PydanticUndefined" not in serve_help and "None)" not in serve_help
+
+
+def test_a_start_imports_no_sdk_it_does_not_use():
+    """What `servelm serve` imports to build its app and deployments leaves out the MCP SDK (a second of imports,
+    loaded on a thread when a Responses request first reaches an MCP server), Ray, vLLM and OpenTelemetry's SDK."""
+    import subprocess
+    import sys
+
+    code = ("import sys, servelm.__main__, servelm.compose, servelm.fleet, servelm.http.app; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'mcp', 'mcp_types', 'ray', 'vllm'}), "
+            "'opentelemetry.sdk' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["[]", "False"], done.stdout
