@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,8 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
         try:
             for option in options:
                 name, sep, value = option.partition("=")
+                if name in fields:
+                    raise ValueError(f"{name} given twice")
                 if option in ("monitor", "admin"):
                     fields[option] = True
                     continue
@@ -132,6 +135,8 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
                                            "weight", "max_share"):
                     raise ValueError(f"expected deployments=a,b rpm=N tpm=N max_waiting=N min_priority=N weight=X "
                                      f"max_share=X name=TEXT, monitor or admin, not {option!r}")
+                if not value:
+                    raise ValueError(f"{name}= needs a value")
                 if name == "deployments":
                     fields[name] = [d for d in value.split(",") if d]
                 elif name == "name":
@@ -146,21 +151,21 @@ def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
     return specs
 
 
+_DECIMAL = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?")  # ASCII digits, no `_`
+_WHOLE = re.compile(r"-?[0-9]{1,19}")
+
+
 def _number(name: str, value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, not {value!r}") from None
+    number = float(value) if _DECIMAL.fullmatch(value) else math.nan
     if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number, not {value!r}")
+        raise ValueError(f"{name} must be a finite decimal number such as 0.5, not {value!r}")
     return number
 
 
 def _whole(name: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number, not {value!r}") from None
+    if not _WHOLE.fullmatch(value):
+        raise ValueError(f"{name} must be a whole number in ASCII digits, not {value!r}")
+    return int(value)
 
 
 class _KeySettings(Protocol):  # read-only: ServerSettings is frozen

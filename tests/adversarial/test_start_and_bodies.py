@@ -226,3 +226,23 @@ def test_a_string_never_closed_is_counted_in_one_pass_not_one_a_quote():
     with pytest.raises(InvalidParameter, match="JSON objects and arrays"):
         check_json_containers(body)
     assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize("option", ["weight=1_0", "weight=\uff11", "weight=1 weight=2", "rpm=1_000", "rpm=\u0661",
+                                    "name=", "deployments=", "max_share=0.5 max_share=1", "tpm=99999999999999999999",
+                                    "weight=1e9999", "max_share=nan", "weight=0x10", "monitor monitor"])
+def test_a_key_file_line_spelled_oddly_or_twice_is_refused_naming_it(option):
+    """A key file's numbers are ASCII decimals (Python's float() and int() also take `1_0` and other scripts' digits),
+    and each setting comes once: a second one silently won before."""
+    from servelm.keys import parse_key_file
+
+    with pytest.raises(ValueError, match=r"line 1: .*(weight|rpm|tpm|name|deployments|max_share|monitor)"):
+        parse_key_file(f"sk-odd {option}\n")
+
+
+def test_a_key_file_line_spelled_plainly_still_reads():
+    from servelm.keys import parse_key_file
+
+    (spec,) = parse_key_file("sk-ok weight=2.5 max_share=.25 rpm=60 min_priority=-3 name=team-a deployments=a,b\n")
+    assert (spec.weight, spec.max_share, spec.rpm, spec.min_priority, spec.name) == (2.5, 0.25, 60, -3, "team-a")
+    assert spec.deployments == frozenset({"a", "b"})
