@@ -54,8 +54,12 @@ _MEMO_FIELDS = {"version": int, "key": str, "fence": (int, type(None)), "reason"
                 "tile_seconds": float, "checked_at": float}
 
 
+_KERNEL_ENV = ("GGML_", "LLAMA_", "CUDA_", "OMP_", "SERVELM_CUDA")  # variables that choose kernels or devices
+
+
 def _machine() -> str:
-    """This machine's CPU as its kernels see it: the model name and feature flags, the architecture, the cores."""
+    """This machine's CPU as its kernels see it: the model name and feature flags, the architecture, the cores, and
+    the environment's variables that choose kernels (GGML_CPU_TILED_MM among them) or devices."""
     cpu = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -63,7 +67,8 @@ def _machine() -> str:
                            if line.startswith(("model name", "flags", "Features", "CPU part")))
     except OSError:
         cpu = platform.processor()
-    return f"{platform.machine()}|{os.cpu_count()}|{cpu}"
+    kernels = sorted((k, v) for k, v in os.environ.items() if k.startswith(_KERNEL_ENV))
+    return f"{platform.machine()}|{os.cpu_count()}|{cpu}|{kernels}"
 
 
 def _files(paths: list[Path]) -> str:

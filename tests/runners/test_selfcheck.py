@@ -148,3 +148,15 @@ def test_a_rebuilt_library_or_another_code_is_another_key(tmp_path) -> None:
     lib.write_bytes(b"xy")
     assert CheckMemo(tmp_path, {"model": "m"}, [lib]).key != one
     assert CheckMemo(tmp_path, {"model": "n"}, [lib]).key != CheckMemo(tmp_path, {"model": "m"}, [lib]).key
+
+
+def test_a_variable_that_chooses_kernels_is_another_key(tmp_path, monkeypatch) -> None:
+    from servelm.runners.selfcheck import CheckMemo
+
+    monkeypatch.delenv("GGML_CPU_TILED_MM", raising=False)
+    one = CheckMemo(tmp_path, {"model": "m"}, []).key
+    monkeypatch.setenv("GGML_CPU_TILED_MM", "1")
+    tiled = CheckMemo(tmp_path, {"model": "m"}, []).key
+    assert tiled != one
+    monkeypatch.setenv("SERVELM_TEST_UNRELATED", "1")
+    assert CheckMemo(tmp_path, {"model": "m"}, []).key == tiled, "a variable of no kernel's changed the key"
