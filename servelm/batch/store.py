@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -97,6 +97,16 @@ class StoreDamaged(ServiceUnavailable):
         return self.detail
 
 
+class StoreUnavailable(ServiceUnavailable):
+    """A write the store could not make just now (a disk I/O error, a full disk, a file or folder that cannot be
+    written): nothing of it was kept, the client gets a 503 `store_unavailable` that names no path, and /health says
+    `failing` until a write succeeds again."""
+
+    def __init__(self) -> None:
+        super().__init__("The server could not write its state store just now, and nothing of this request was kept. "
+                         "Try again later.", code="store_unavailable")
+
+
 def _is_damage(exc: BaseException | None) -> bool:
     return isinstance(exc, sqlite3.DatabaseError) and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _DAMAGE
 
@@ -163,6 +173,8 @@ class _Guard:
             raise self._store.damaged(str(exc)) from exc
         if _unwritable(exc):  # made read-only while serving: nothing more is stored until the operator mends it
             raise self._store.damaged(f"it cannot be written any more ({exc})") from exc
+        if isinstance(exc, sqlite3.OperationalError):  # an I/O error or a full disk: this write failed, not the store
+            raise self._store.failing(exc) from exc
 
 
 class StoreFull(Exception):
@@ -224,6 +236,7 @@ class BatchStore:
         self.db_path = self.directory / "servelm.db"
         self._lock = _Guard(self)
         self.damage: str | None = None  # what was found, once damage was met while serving (then nothing is done)
+        self.write_error: str | None = None  # the last write's failure, until a write succeeds again
         self._orphans: dict[str, int | str] | None = None  # what start-up moved aside
         lock = self.directory / ".lock"
         made = not lock.exists()
@@ -277,11 +290,22 @@ class BatchStore:
         self.damage = str(error)
         return error
 
+    def failing(self, exc: BaseException) -> StoreUnavailable:
+        """A write that failed while serving (not damage): logged, told by /health until a write succeeds."""
+        found = f"{type(exc).__name__}: {exc}"
+        if self.write_error != found:
+            log.error("the server's state store %s could not be written (%s): the request got a 503", self.db_path,
+                      found)
+        self.write_error = found
+        return StoreUnavailable()
+
     def health(self) -> dict[str, object]:
-        """/health's report (no I/O): ok or damaged, and what start-up moved aside."""
-        report: dict[str, object] = {"status": "ok" if self.damage is None else "damaged", "database": str(self.db_path)}
-        if self.damage is not None:
-            report["error"] = self.damage
+        """/health's report (no I/O): ok, failing (the last write failed) or damaged, and what start-up moved
+        aside."""
+        status = "damaged" if self.damage is not None else "failing" if self.write_error is not None else "ok"
+        report: dict[str, object] = {"status": status, "database": str(self.db_path)}
+        if self.damage is not None or self.write_error is not None:
+            report["error"] = self.damage or self.write_error
         if self._orphans is not None:
             report["orphans"] = self._orphans
         return report
@@ -308,11 +332,13 @@ class BatchStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")  # (a COMMIT that fails is rolled back too: the next BEGIN would fail)
             except BaseException:
                 if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+                    with suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
+            self.write_error = None
 
     def _move_orphans(self) -> None:
         """Whatever files/ holds that no row names goes to orphans/<UTC time>/, never deleted (a missing or empty
@@ -370,13 +396,18 @@ class BatchStore:
     def _write(self, file_id: str, chunks: Iterable[bytes]) -> int:
         """A file's bytes, whole on disk before any row names them; how many."""
         tmp = self.files_dir / f".{file_id}.tmp"
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, self.path(file_id))
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, self.path(file_id))
+        except OSError as exc:
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise self.failing(exc) from exc
         return size
 
     def file(self, owner: str, file_id: str) -> FileRecord | None:

@@ -32,7 +32,7 @@ import pytest
 
 from servelm.__main__ import invalid_setting, settings_from_args
 from servelm.batch.store import BatchStore, StoreDamaged
-from servelm.errors import InvalidParameter
+from servelm.errors import InvalidParameter, ServiceUnavailable
 from servelm.http.limits import MAX_JSON_CONTAINERS, check_json_containers
 from servelm.protocol.common import MAX_MESSAGES
 
@@ -246,3 +246,54 @@ def test_a_key_file_line_spelled_plainly_still_reads():
     (spec,) = parse_key_file("sk-ok weight=2.5 max_share=.25 rpm=60 min_priority=-3 name=team-a deployments=a,b\n")
     assert (spec.weight, spec.max_share, spec.rpm, spec.min_priority, spec.name) == (2.5, 0.25, 60, -3, "team-a")
     assert spec.deployments == frozenset({"a", "b"})
+
+
+def test_a_database_whose_writes_fail_while_serving_is_a_503_and_health_says_so(tmp_path):
+    """chattr +i on the database and its -wal while serving made each write's COMMIT a `disk I/O error`: a 500 to
+    the client (the store's generated answer lost unsaid), and /health went on saying ok."""
+    store = BatchStore(tmp_path)
+    real = store._db
+
+    class Failing:  # COMMIT as an immutable -wal makes it fail
+        def __init__(self) -> None:
+            self.fail = True
+
+        def execute(self, sql, *args):
+            if self.fail and sql == "COMMIT":
+                raise sqlite3.OperationalError("disk I/O error")
+            return real.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    failing = Failing()
+    store._db = failing
+    try:
+        for _ in range(2):  # the second too: a failed COMMIT left no transaction open to wedge the next BEGIN
+            with pytest.raises(ServiceUnavailable) as caught:
+                with store.transaction() as db:
+                    db.execute("INSERT INTO claims VALUES ('a', 'b', 1)")
+            assert caught.value.status == 503 and caught.value.code == "store_unavailable"
+            assert "disk I/O error" not in caught.value.message and str(tmp_path) not in caught.value.message
+        report = store.health()
+        assert report["status"] == "failing" and "disk I/O error" in str(report["error"])
+        failing.fail = False
+        with store.transaction() as db:
+            db.execute("INSERT INTO claims VALUES ('a', 'b', 1)")
+        assert store.health()["status"] == "ok" and "error" not in store.health()
+    finally:
+        store._db = real
+        store.close()
+
+
+def test_a_file_that_cannot_be_written_while_serving_is_a_503_not_a_500(tmp_path):
+    store = BatchStore(tmp_path)
+    try:
+        shutil.rmtree(store.files_dir)
+        store.files_dir.write_text("in the way")  # what an immutable files/ does to a write: an OSError
+        with pytest.raises(ServiceUnavailable) as caught:
+            store.add_file("owner", "a.jsonl", "batch", b"{}\n")
+        assert caught.value.status == 503 and caught.value.code == "store_unavailable"
+        assert store.files(owner="owner") == [] and store.health()["status"] == "failing"
+    finally:
+        store.close()
