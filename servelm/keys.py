@@ -59,6 +59,11 @@ class KeySpec:
         return 0 if self.min_priority is None else self.min_priority
 
 
+MAX_NAME = 64  # a key's name labels its metrics' series and its log lines
+RESERVED_NAMES = frozenset({"other", "server"})  # engine/fairness.py's series for the tenants past the first 64, and
+# for the server's own work
+
+
 def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
@@ -93,6 +98,9 @@ def key_spec(key: str | None = None, *, sha256: str | None = None, deployments: 
         raise ValueError(f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}")
     if isinstance(max_share, bool) or not isinstance(max_share, (int, float)) or not 0 < max_share <= 1:
         raise ValueError("max_share must be a fraction of the slots above 0 and at most 1")
+    if not isinstance(name, str) or len(name) > MAX_NAME or not name.isprintable() or name in RESERVED_NAMES:
+        raise ValueError(f"name must be at most {MAX_NAME} printable characters, and not "
+                         f"{' or '.join(map(repr, sorted(RESERVED_NAMES)))} (the metrics' own tenants)")
     names = None if deployments is None else frozenset(deployments)
     return KeySpec(digest, names, rpm, tpm, name, max_waiting, monitor, admin, min_priority, float(weight),
                    float(max_share))
@@ -117,7 +125,10 @@ def key_from_table(table: Mapping[str, Any]) -> KeySpec:
 
 def parse_key_file(text: str, source: str = "the key file") -> list[KeySpec]:
     specs = []
-    for number, raw in enumerate(text.splitlines(), 1):
+    for number, raw in enumerate(text.split("\n"), 1):  # (splitlines() would split at a \r or \x1c inside a line)
+        raw = raw.removesuffix("\r")
+        if not raw.replace("\t", " ").isprintable():
+            raise ValueError(f"{source}, line {number}: a control character (only printable text, spaces and tabs)")
         line = raw.split("#", 1)[0].strip()  # a key cannot hold `#`
         if not line:
             continue

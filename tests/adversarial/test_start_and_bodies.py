@@ -230,14 +230,23 @@ def test_a_string_never_closed_is_counted_in_one_pass_not_one_a_quote():
 
 @pytest.mark.parametrize("option", ["weight=1_0", "weight=\uff11", "weight=1 weight=2", "rpm=1_000", "rpm=\u0661",
                                     "name=", "deployments=", "max_share=0.5 max_share=1", "tpm=99999999999999999999",
-                                    "weight=1e9999", "max_share=nan", "weight=0x10", "monitor monitor"])
+                                    "weight=1e9999", "max_share=nan", "weight=0x10", "monitor monitor",
+                                    "name=other", "name=server", "name=" + "n" * 65, "name=a\x1bb",
+                                    "name=cr\rnext-key", "name=a\x1cb", "name=\u2028x"])
 def test_a_key_file_line_spelled_oddly_or_twice_is_refused_naming_it(option):
     """A key file's numbers are ASCII decimals (Python's float() and int() also take `1_0` and other scripts' digits),
     and each setting comes once: a second one silently won before."""
     from servelm.keys import parse_key_file
 
-    with pytest.raises(ValueError, match=r"line 1: .*(weight|rpm|tpm|name|deployments|max_share|monitor)"):
+    with pytest.raises(ValueError, match=r"line 1: .*(weight|rpm|tpm|name|deployments|max_share|monitor|control)"):
         parse_key_file(f"sk-odd {option}\n")
+
+
+def test_the_names_a_key_may_not_take_are_the_metrics_own():
+    from servelm.engine.fairness import OTHER, SERVER
+    from servelm.keys import RESERVED_NAMES
+
+    assert {OTHER, SERVER} == RESERVED_NAMES
 
 
 def test_a_key_file_line_spelled_plainly_still_reads():
