@@ -167,6 +167,7 @@ def serve(settings: ServerSettings, verbose_llama: bool = False, ray: bool = Fal
     try:
         run_server(app, host=settings.host, port=int(settings.port), log_level=settings.log_level.lower(),
                    shutdown_timeout=settings.shutdown_timeout, header_timeout=settings.header_timeout,
+                   body_timeout=settings.body_timeout,
                    keep_alive_timeout=settings.keep_alive_timeout, max_connections=settings.max_connections)
     finally:
         built.close()

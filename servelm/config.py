@@ -341,6 +341,9 @@ class ServerSettings(BaseSettings):
         return value
     header_timeout: float = Field(10.0, ge=0, description="seconds a request's headers may take to arrive (a "
                                   "client sending them a byte at a time is cut off); 0: no limit")
+    body_timeout: float = Field(20.0, ge=0, description="seconds a request's body may take past its headers, plus "
+                                "one for each 16 KiB received (a client trickling its body is answered 408 and cut "
+                                "off); 0: no limit")
     keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
     max_connections: int = Field(1024, ge=0, description="open connections; past it a new one closes the one that "
                                  "has spent longest on its headers, or is answered 503 when every one is busy with a "

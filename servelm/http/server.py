@@ -1,6 +1,7 @@
 """Running the app under uvicorn: bounded connections, and a graceful shutdown that tells.
 
-Connections (http/connections.py): a request's headers must arrive within `header_timeout`, idle keep-alive
+Connections (http/connections.py): a request's headers must arrive within `header_timeout` and its body keep
+coming (`body_timeout`, plus a second for each 16 KiB), idle keep-alive
 connections close after `keep_alive_timeout`, and past `max_connections` a new connection closes the one that
 has been reading its headers longest. Behind a reverse proxy, let the proxy face clients (its own header and
 body timeouts, per-address connection limits) and keep these as the backstop.
@@ -49,20 +50,21 @@ class DrainingServer(uvicorn.Server):
 
 def make_server(app: Any, *, host: str, port: int, log_level: str = "info", shutdown_timeout: float = 10.0,
                 header_timeout: float = 10.0, keep_alive_timeout: float = 5.0, max_connections: int = 1024,
-                lifespan: Literal["auto", "on", "off"] = "auto") -> DrainingServer:
+                body_timeout: float = 20.0, lifespan: Literal["auto", "on", "off"] = "auto") -> DrainingServer:
     # uvicorn declares its two timeouts as int; it waits a float just as well, and ours are floats (seconds)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan=lifespan,
         access_log=False,  # servelm.http.middleware.RequestLog writes the access lines (with the request id)
         timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]  # a float: see above
         timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]  # a float: see above
-        http=guarded_protocol(header_timeout, max_connections),
+        http=guarded_protocol(header_timeout, max_connections, body_timeout),
     )
     return DrainingServer(config, app)
 
 
 def run(app: Any, *, host: str, port: int, log_level: str, shutdown_timeout: float, **connections: Any) -> None:
-    """Serve until SIGTERM or SIGINT; `connections`: header_timeout, keep_alive_timeout, max_connections."""
+    """Serve until SIGTERM or SIGINT; `connections`: header_timeout, body_timeout, keep_alive_timeout,
+    max_connections."""
     server = make_server(app, host=host, port=port, log_level=log_level, shutdown_timeout=shutdown_timeout,
                          **connections)
     signals = (signal.SIGINT, signal.SIGTERM)

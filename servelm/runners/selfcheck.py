@@ -50,7 +50,7 @@ log = logging.getLogger("servelm.runner")
 
 MEMO_VERSION = 1
 MEMO_MAX_BYTES = 64 << 10  # a finding is a few hundred bytes: a bigger file is not one of ours
-_MEMO_FIELDS = {"version": int, "key": str, "fence": (int, type(None)), "reason": str, "tile_rows": int,
+_MEMO_FIELDS: dict[str, type | tuple[type, ...]] = {"version": int, "key": str, "fence": (int, type(None)), "reason": str, "tile_rows": int,
                 "tile_seconds": float, "checked_at": float}
 
 

@@ -188,3 +188,53 @@ def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(guarded,
     assert not any(" 500 " in m for m in messages)
     assert httpx.post(guarded + "/v1/chat/completions", content=CHAT % b"",
                       headers={"content-type": "application/json"}).status_code == 200
+
+
+@pytest.fixture
+def body_guarded():
+    """A fake server whose request bodies must arrive within 1 s of their headers (plus 1 s per 16 KiB)."""
+    runner = FakeRunner()
+    deployment, engine = build_deployment("fake-model", runner)
+    app = create_app(Deployments([deployment]), AppOptions(SecurityConfig()), on_start=engine.start, on_stop=engine.stop)
+    with serving(app, header_timeout=1.0, body_timeout=1.0, max_connections=4) as url:
+        yield url
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_answered_408_and_cut_off(body_guarded):
+    """Whole headers with `content-length: 5000000`, then a byte of body every few seconds, on every connection the
+    cap allows: nothing cut them off (the header deadline ends with the headers), and every other caller, /health
+    too, got 503 too_many_connections for as long as they went on."""
+    port = int(body_guarded.rsplit(":", 1)[1])
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 5000000\r\n\r\n{")
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    try:
+        for s in socks:
+            s.sendall(head)
+        start = time.monotonic()
+        for s in socks:
+            s.sendall(b" ")
+        for s in socks:
+            status, body = read_response(s)
+            assert status == 408 and b"request_timeout" in body, (status, body)
+        assert time.monotonic() - start < 5
+        assert httpx.get(f"{body_guarded}/health", timeout=5).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_a_body_that_keeps_coming_is_not_cut_off(body_guarded):
+    """Past the first second, each 16 KiB received buys another: a large body sent steadily is read whole."""
+    port = int(body_guarded.rsplit(":", 1)[1])
+    body = CHAT % (b', "metadata": {"note": "' + b"x" * 500 + b'"}, "stop": ["' + b"y" * 10 + b'"], "seed": 1' +
+                   b" " * (96 << 10))
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        request = raw_request(body)
+        head, rest = request[: len(request) - len(body)], body
+        sock.sendall(head)
+        for i in range(0, len(rest), 16 << 10):  # 16 KiB every 0.4 s: 2.4 s in all, past the first second
+            sock.sendall(rest[i : i + (16 << 10)])
+            time.sleep(0.4)
+        status, answer = read_response(sock)
+        assert status != 408 and b"request_timeout" not in answer, answer[:500]
