@@ -28,6 +28,7 @@ SCOPE_LIMITS = "servelm.limits"
 # body within --max-body-bytes of tiny ones (200,000 empty messages in 6.8 MB) would take 160 MiB before any bound on
 # a list refused it
 MAX_JSON_CONTAINERS = 32_768
+MAX_JSON_DEPTH = 128  # objects and arrays inside one another (pydantic's parser gives up past about 255, wordlessly)
 OFF_LOOP_BYTES = 64 << 10  # a body longer than this is counted and validated on a worker thread, not the event loop
 # a string (skipped whole; a key when a colon follows; one never closed runs to the end, so that no quote inside it
 # starts a scan of its own: that was quadratic), or a bracket
@@ -200,12 +201,12 @@ def _bodiless(scope: Scope) -> bool:
 
 
 def check_json_containers(body: bytes) -> None:
-    """A 400 for a body of more than MAX_JSON_CONTAINERS objects and arrays, before any is built: counted as brackets
-    (an upper bound, since strings may hold some), then, past the bound, again outside its strings (a match at a time:
-    no copy of the body, and the GIL let go between matches)."""
-    if body.count(b"{") + body.count(b"[") <= MAX_JSON_CONTAINERS:
+    """A 400 for a body of more than MAX_JSON_CONTAINERS objects and arrays, or nested more than MAX_JSON_DEPTH deep,
+    before any is built: counted as brackets (an upper bound, since strings may hold some), then, past either bound,
+    again outside its strings (a match at a time: no copy of the body, and the GIL let go between matches)."""
+    if body.count(b"{") + body.count(b"[") <= MAX_JSON_DEPTH:
         return
-    found, depth, key = 0, 0, b""
+    found, depth, deepest, key, deep_key = 0, 0, 0, b"", b""
     under: dict[bytes, int] = {}  # containers under each top-level field
     for m in _JSON_TOKEN.finditer(body):
         first = body[m.start()]
@@ -217,8 +218,14 @@ def check_json_containers(body: bytes) -> None:
             if depth >= 1:
                 under[key] = under.get(key, 0) + 1
             depth += 1
+            if depth > deepest:
+                deepest, deep_key = depth, key
         else:
             depth -= 1
+    if deepest > MAX_JSON_DEPTH:
+        field = deep_key.decode(errors="replace")[:64] or None
+        raise InvalidParameter(f"The request body nests JSON objects and arrays {deepest} deep"
+                               f"{f' (in {field!r})' if field else ''}; at most {MAX_JSON_DEPTH} are read.", field)
     if found > MAX_JSON_CONTAINERS:
         most = max(under, key=under.__getitem__) if under else b""
         field = most.decode(errors="replace")[:64] or None

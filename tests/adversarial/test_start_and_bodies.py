@@ -33,7 +33,7 @@ import pytest
 from servelm.__main__ import invalid_setting, settings_from_args
 from servelm.batch.store import BatchStore, StoreDamaged
 from servelm.errors import InvalidParameter, ServiceUnavailable
-from servelm.http.limits import MAX_JSON_CONTAINERS, check_json_containers
+from servelm.http.limits import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, check_json_containers
 from servelm.protocol.common import MAX_MESSAGES
 
 CHATTR = shutil.which("chattr")
@@ -306,3 +306,20 @@ def test_a_file_that_cannot_be_written_while_serving_is_a_503_not_a_500(tmp_path
         assert store.files(owner="owner") == [] and store.health()["status"] == "failing"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 256, 5000])
+def test_json_nested_too_deep_is_a_400_naming_the_field_and_the_bound(depth):
+    """Valid JSON nested 256 deep or more was answered "could not parse the JSON body" (pydantic's parser gives up),
+    naming no field."""
+    schema = "[" * depth + "]" * depth
+    body = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": ' + schema + "}").encode()
+    with pytest.raises(InvalidParameter, match=f"{depth + 1} deep") as caught:  # the body itself is one
+        check_json_containers(body)
+    assert caught.value.param == "tools" and str(MAX_JSON_DEPTH) in caught.value.message
+
+
+def test_json_nested_to_the_bound_and_brackets_in_strings_pass():
+    check_json_containers(("{" + '"a": ' * 0 + '"x": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
+                           + "}").encode())
+    check_json_containers(json.dumps({"content": "[" * 10_000}).encode())
