@@ -130,8 +130,8 @@ def settle_tiles(name: str, runner: ServedRunner, options: DeploymentOptions) ->
         return ""
     target = options.itl_target_s * 1000
     took = f"a tile's pass takes {runner.tile_seconds * 1000:.0f} ms" if runner.tile_seconds else \
-        "a tile's pass was not timed: the self-check times one where 4 slots and two tiles fit"
-    # not timed: nothing says it fits, and a tile's pass on a CPU took several times the default target
+        "a tile's pass was not timed: the self-check times one where the context holds two tiles"
+    # not timed (a context of under two tiles): nothing says it fits
     fits = not target or 0 < runner.tile_seconds * 1000 <= target / 2
     if options.prompt_tiles == "off":
         keep, words = False, "off (--prompt-tiles off)"

@@ -180,7 +180,7 @@ def test_without_a_target_a_decoding_step_may_read_a_whole_burst():
     ("auto", 0.9, 0.2, False),  # a tile's pass (0.9 s) over half the target: off
     ("auto", 0.04, 0.2, True),
     ("auto", 0.9, 0.0, True),  # no target: nothing to keep within
-    ("auto", 0.0, 0.2, False),  # not timed (the self-check times a tile only where 4 slots and two tiles fit): off
+    ("auto", 0.0, 0.2, False),  # not timed (the self-check times a tile where the context holds two): off
     ("on", 0.0, 0.2, True),
     ("on", 0.9, 0.2, True),
     ("off", 0.01, 0.2, False),

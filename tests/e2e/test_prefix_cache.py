@@ -20,7 +20,9 @@ OTHER_SYSTEMS = [{"role": "system", "content": f"You are assistant number {k}, a
 
 @pytest.fixture(scope="module")
 def cached_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    with own_server(tmp_path_factory) as srv:
+    # tiles on whatever a tile's pass takes here (auto turns them off where it is over half the inter-token target):
+    # the whole tiles' reuse is what this module checks
+    with own_server(tmp_path_factory, "--prompt-tiles", "on") as srv:
         yield client_for(srv.base_url)
 
 

@@ -160,3 +160,12 @@ def test_a_variable_that_chooses_kernels_is_another_key(tmp_path, monkeypatch) -
     assert tiled != one
     monkeypatch.setenv("SERVELM_TEST_UNRELATED", "1")
     assert CheckMemo(tmp_path, {"model": "m"}, []).key == tiled, "a variable of no kernel's changed the key"
+
+
+def test_a_tiles_pass_is_timed_whatever_the_slots_and_the_step() -> None:
+    """A server of --max-step-tokens 32 (or 2 slots) left its tiles untimed, and --prompt-tiles auto decided for
+    it otherwise than for the same model on default flags: their answers differed in the last bits."""
+    for kw in ({"num_slots": 2}, {"num_slots": 12, "max_step_tokens": 32}):
+        runner = FakeRunner(vocab_size=500, tile_rows=64, context_window=256, **kw)
+        runner.tile_seconds = 0.0
+        assert check_exactness(runner) == "" and runner.tile_seconds > 0, kw
