@@ -29,7 +29,7 @@ def cached_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.O
 @pytest.fixture(scope="module")
 def uncached_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     with own_server(tmp_path_factory, "--no-prefix-cache", "--no-embedding-model", "--chat-embedding-window",
-                    "0") as srv:
+                    "0", "--prompt-tiles", "on") as srv:  # as the cached one's: a prompt read in tiles or not differs
         yield client_for(srv.base_url)
 
 
