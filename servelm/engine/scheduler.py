@@ -193,10 +193,11 @@ class Scheduler:
         urgent = self.share.urgent(self.running, self.waiting, self.cache.free_slots)
         self.steps += 1
         # every decoding sequence's row, but while a more urgent prompt is read (they hold back), and those of work that
-        # yields only as far as the target holds
+        # yields only as far as the target holds, while work that does not yield is there to wait for them
         decoding = [seq for group in self.running if not self.share.holds_back(group, urgent)
                     for seq in group.seqs if seq.status is SeqStatus.RUNNING and seq.num_pending == 1]
-        most = self.pacer.rows_within() if self.pacer is not None else None
+        paced = self.pacer is not None and not all(map(self.share.yields, (*self.running, *self.waiting)))
+        most = self.pacer.rows_within() if paced and self.pacer is not None else None
         for seq in self.share.rows(decoding, most):
             plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
             seq.last_row = self.steps

@@ -239,7 +239,7 @@ async def test_without_fair_share_the_flood_goes_first():
 async def test_a_running_batch_decodes_only_the_rows_the_target_holds_beside_an_interactive_stream(tmp_path):
     """Eight slots of batch lines beside one interactive stream, on an engine whose rows cost 10 ms: the target
     (60 ms) holds five rows a step, so the batch's lines take what is left beside the stream (they took all eight,
-    and a neighbour's gaps grew with them), and still move on."""
+    and a neighbour's gaps grew with them), and still move on; alone, before and after it, they decode together."""
     from servelm.http.batches import BatchConfig
 
     runner = FakeRunner(num_slots=8, context_window=512, max_step_tokens=256, step_delay=0.004, row_delay=0.01,
@@ -268,7 +268,13 @@ async def test_a_running_batch_decodes_only_the_rows_the_target_holds_beside_an_
     most = engine.pacer.rows_within()
     assert most is not None and 3 <= most <= 6, most
     rows = [p.decode_tokens for p in runner.steps[since:until] if p.decode_tokens]
-    assert rows and max(rows) <= most, (most, rows)
+    # the window's first and last steps may come before the stream reached the engine or after it left: there the
+    # batch's lines, alone, decode together
+    while rows and rows[0] > most:
+        rows.pop(0)
+    while rows and rows[-1] > most:
+        rows.pop()
+    assert len(rows) >= 30 and max(rows) <= most, (most, rows)
     assert neighbour["gap"] < 1.0
     assert min(rows) >= 2, "the batch's lines still move on: a row of theirs beside the stream's every step"
     assert state["status"] == "in_progress"

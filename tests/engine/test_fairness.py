@@ -217,6 +217,19 @@ def test_a_batch_line_still_decodes_when_interactive_rows_alone_fill_the_target(
     assert all("b" in ids for ids in rows), "one row a step for the work that yields"
 
 
+def test_a_batchs_lines_alone_decode_together_not_one_row_a_step():
+    """With no stream of the default priority decoding, the rows of the work that yields are not cut down to what
+    the target holds beside others' (a batch alone decoded a few of its 16 lines a step)."""
+    s = sched(slots=8, pacer=paced(), max_step_tokens=256)
+    for i in range(8):
+        s.add(group(f"b{i}", B, max_tokens=40, priority=10))
+    for _ in range(30):
+        step(s)
+    most = s.pacer.rows_within()
+    assert most is not None and most < 8, "the pacer's target holds fewer rows than the batch decodes"
+    assert all(len(step(s)) == 8 for _ in range(3))
+
+
 def test_with_nothing_to_decode_one_tenants_burst_is_read_at_once_and_decodes_together():
     """The throughput rule: nobody's next token waits on the step, and nobody else's first token."""
     s = sched(slots=8, pacer=paced(), max_step_tokens=2048, context_window=1024)
