@@ -6,8 +6,9 @@ install:
 run: install
 	.venv/bin/servelm serve
 
+# --durations and the JUnit XML say where the time goes (docs/testing.md keeps the table)
 test: install lint
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=40 --junitxml=test-results/junit.xml
 
 lint: install
 	.venv/bin/ruff check servelm tests harness
