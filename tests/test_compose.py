@@ -67,7 +67,7 @@ def test_the_blocklist_reaches_every_chat_deployment_of_the_plan_and_the_builder
     plan = Plan.read(settings(tmp_path, CONFIG, content_blocklist=words))
     assert all(s.content_filter is not None and s.content_filter.blocklist == [words]
                for s in (*plan.specs, *plan.on_demand))
-    assert plan.builder() == Builder(False, plan.builder().images, words)
+    assert plan.builder() == Builder(False, plan.builder().images, words, plan.settings.self_check_dir())
 
 
 def test_the_plan_and_its_settings_are_frozen(tmp_path):
