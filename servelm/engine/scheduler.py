@@ -196,8 +196,8 @@ class Scheduler:
         # yields only as far as the target holds, while work that does not yield is there to wait for them
         decoding = [seq for group in self.running if not self.share.holds_back(group, urgent)
                     for seq in group.seqs if seq.status is SeqStatus.RUNNING and seq.num_pending == 1]
-        alone = all(map(self.share.yields, (*self.running, *self.waiting)))
-        most = self.pacer.rows_within() if self.pacer is not None and not alone else None
+        only_yielding = all(map(self.share.yields, (*self.running, *self.waiting)))
+        most = self.pacer.rows_within() if self.pacer is not None and not only_yielding else None
         for seq in self.share.rows(decoding, most):
             plan.chunks.append(self._chunk(seq, 1, seq.group.span_at(seq.num_computed)))
             seq.last_row = self.steps
