@@ -30,8 +30,9 @@ Work that yields. The decoding rows of requests of a priority above 0 (less urge
 at --batch-priority) fill a step only up to the rows the inter-token target holds beside the others' (at least one
 of them a step, so that it always moves on; those that waited longest since their last row first), so that a request
 of the default priority decodes beside them within the target, and one arriving waits about one target for the step
-in flight. And when one tenant alone has work, none of it yielding (`alone`), the scheduler may read its burst of
-short prompts at once: nobody else's token waits on it.
+in flight (with nothing else running or waiting, they all decode together: engine/scheduler.py). And when one
+tenant alone has work, none of it yielding (`alone`), the scheduler may read its burst of short prompts at once:
+nobody else's token waits on it.
 
 Priorities also decide who gives a slot up (`victims`: running requests of a lower priority ranked below a waiting
 one that finds no slot) and who holds back a step while a more urgent prompt is read (`urgent`); preemption goes by
