@@ -15,20 +15,18 @@ def test_keys_and_requests_per_minute(tmp_path_factory: pytest.TempPathFactory) 
     srv = start_server(tmp_path_factory, "--api-key", "sk-e2e-one", "--api-key", "sk-e2e-two",
                        "--rate-limit-rpm", "2", "--no-embedding-model", "--chat-embedding-window", "0")
     try:
-        def client(key: str) -> openai.OpenAI:
-            return client_for(srv.base_url, key)
-
-        with pytest.raises(openai.AuthenticationError) as e:
-            client("sk-wrong").chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
+        with client_for(srv.base_url, "sk-wrong") as wrong, pytest.raises(openai.AuthenticationError) as e:
+            wrong.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
         assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
 
-        right = client("sk-e2e-two")
-        for _ in range(2):
-            assert right.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2).choices
-        with pytest.raises(openai.RateLimitError) as e:
-            right.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
+        with client_for(srv.base_url, "sk-e2e-two") as right:
+            for _ in range(2):
+                assert right.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2).choices
+            with pytest.raises(openai.RateLimitError) as e:
+                right.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2)
         assert e.value.code == "rate_limit_exceeded" and int(e.value.response.headers["retry-after"]) >= 1
         # the other key has its own bucket
-        assert client("sk-e2e-one").chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2).choices
+        with client_for(srv.base_url, "sk-e2e-one") as one:
+            assert one.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2).choices
     finally:
         stop_server(srv)
