@@ -240,6 +240,7 @@ def test_a_scale_within_bounds_loads(fake_server, tmp_path, scale):
     assert load(fake_server.base_url, name, path, scale=float(scale)).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 async def test_on_the_real_model_more_adapters_than_max_loras_fail_no_one(tmp_path_factory):
     """The same attack on llama.cpp with scripts/make_test_lora.py's adapters: --max-loras 2, 4 adapters."""

@@ -87,6 +87,7 @@ def test_an_urgent_prompt_is_read_alone_not_with_the_lower_priority_prompts_wait
     assert {"urgent", "stream"} <= {s.group(c).request_id for c in plan.chunks}, "then the stream decodes again"
 
 
+@pytest.mark.slow
 def test_a_flood_of_urgent_requests_leaves_a_priority_0_client_its_turn():
     """Two slots, six threads sending priority -1000 without pause, and a priority-0 request among them. With aging
     at 0.05 s a level, the old aging made it wait 1000 levels (50 s, so until the flood ended); it now waits about

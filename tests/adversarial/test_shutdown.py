@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 TIMEOUT = 4.0
 
 
+@pytest.mark.slow
 def test_a_silent_otlp_endpoint_never_holds_the_exit_past_the_shutdown_timeout(tmp_path_factory):
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

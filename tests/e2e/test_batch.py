@@ -83,6 +83,7 @@ def test_a_preempted_answer_is_bitwise_the_answer_alone(tmp_path_factory) -> Non
     assert preempted == alone
 
 
+@pytest.mark.slow
 def test_a_batch_runs_with_the_official_client_and_survives_a_kill(tmp_path_factory) -> None:
     state = str(tmp_path_factory.mktemp("state"))
     flags = ("--state-dir", state, "--max-num-seqs", "4")
@@ -152,6 +153,7 @@ def test_servelm_batch_runs_a_file_offline_and_goes_on_where_it_stopped(tmp_path
         assert o["response"]["body"]["choices"][0]["message"]["content"] == old
 
 
+@pytest.mark.slow
 def test_servelm_batch_on_ray_maps_the_lines_over_engine_actors(tmp_path) -> None:
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl([chat_line(i, 8) for i in range(4)]))

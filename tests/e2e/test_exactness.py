@@ -25,7 +25,7 @@ import pytest
 from .conftest import own_server
 from .helpers import MODEL, client_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # slow: the reference and the compared servers
 
 # servers of other flags are compared with the reference: --prompt-tiles off, since `auto` decides by a timed pass
 # that can fall either side of its bound on two servers, and a step of 32 tokens reads no tile of 64

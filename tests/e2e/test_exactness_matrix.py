@@ -27,7 +27,7 @@ from .conftest import own_server
 from .helpers import client_for
 from .test_exactness import LIGHTHOUSE, aclient, signature
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # slow: each model's two servers start in the first test
 
 _spec = importlib.util.spec_from_file_location("requantize", Path(__file__).resolve().parents[2] / "scripts" / "requantize.py")
 requantize = importlib.util.module_from_spec(_spec)

@@ -16,7 +16,7 @@ from servelm.config import GEMMA_MODEL_ID
 from .conftest import own_server
 from .helpers import client_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # slow: its server starts in the first test
 
 GEMMA = GEMMA_MODEL_ID
 END_OF_TURN = 106  # <end_of_turn>: an end-of-generation token of Gemma's vocabulary

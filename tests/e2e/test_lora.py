@@ -19,7 +19,7 @@ from . import ray_mode
 from .conftest import own_server
 from .helpers import MODEL, STORY, client_for
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,
               pytest.mark.skipif(ray_mode.ENABLED, reason="under --ray: tests/ray/test_runtime_models.py")]
 
 

@@ -37,6 +37,7 @@ def statuses(base_url: str, key: str = "none") -> dict[str, str]:
     return {c.id: c.model_extra["status"]["value"] for c in cards}
 
 
+@pytest.mark.slow
 def test_only_a_models_dir_serves_its_models_on_demand_with_lru_and_admin_routes(models_dir, tmp_path_factory):
     with own_server(tmp_path_factory, "--models-dir", str(models_dir), "--models-max", "1", "--api-key", "sk-user",
                     "--admin-key", "sk-admin", "--idle-unload-s", "-1") as srv, \

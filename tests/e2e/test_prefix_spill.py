@@ -45,6 +45,7 @@ def test_an_entry_its_slot_gave_up_comes_back_from_host_ram(tmp_path_factory) ->
     assert (again, again_tops) == (text, tops)
 
 
+@pytest.mark.slow
 def test_a_restarted_server_answers_from_disk_and_another_build_ignores_the_files(tmp_path_factory) -> None:
     directory = str(tmp_path_factory.mktemp("prefix-cache"))
     with own_server(tmp_path_factory, "--prefix-cache-dir", directory, *FAST) as srv:
@@ -60,6 +61,7 @@ def test_a_restarted_server_answers_from_disk_and_another_build_ignores_the_file
     assert "ignored: made for another model or build" in log
 
 
+@pytest.mark.slow
 async def test_a_forged_state_the_model_refuses_hurts_nobody_and_is_gone(tmp_path_factory) -> None:
     """Issue 32: a file with this server's valid header, fingerprint and MAC around another model's state bytes
     (Gemma 3 270M's). Its prompt sent while 4 other requests ran failed them all, then kept answering a wrong

@@ -39,6 +39,7 @@ def bumps(client: openai.OpenAI, tool: dict) -> int:
     return int(next(i for i in response.output if i.type == "mcp_call").output)
 
 
+@pytest.mark.slow
 def test_what_was_kept_survives_a_kill_and_goes_on(tmp_path_factory, tools_server) -> None:
     state = str(tmp_path_factory.mktemp("state"))
     flags = ("--state-dir", state, "--api-key", ONE, "--api-key", TWO, "--monitor-key", MONITOR,

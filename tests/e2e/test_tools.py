@@ -251,6 +251,7 @@ MANY = [  # no descriptions: the listing alone is ~1.9k prompt tokens
 ]
 
 
+@pytest.mark.slow
 def test_thirty_two_tools(client: openai.OpenAI, stream: bool) -> None:
     target = "f_30" if stream else "f_17"  # a 32-tool prompt is ~1.9k tokens to read: one request per mode
     out = tool_chat(client, stream=stream, messages=user("Call one of the functions."), tools=MANY,

@@ -49,6 +49,7 @@ def test_the_document_describes_every_route_and_its_bodies(server):
     assert len(paths["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]["anyOf"]) == 3
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error(server, tmp_path):
     """The served document, with `model` narrowed to the served names so that requests get past routing and into
     the engine; `st run` exits non-zero on any failed check."""

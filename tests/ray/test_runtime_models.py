@@ -20,7 +20,7 @@ from tests.otlp_receiver import OtlpReceiver
 
 from .conftest import ENGINE, MODEL, RayServer, ray_app
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
 LATER = "smollm2-later"  # the same file as MODEL, loaded on demand: its greedy answers must equal MODEL's
 QUESTION = [{"role": "user", "content": "Write a story about a cat."}]

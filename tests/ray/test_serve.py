@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import MODEL, RayServer
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.timeout(240)]  # e2e: `make test-unit` leaves it out
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]  # e2e: `make test-unit` leaves it out
 
 REPLICA_HEADER = "x-servelm-replica"
 NO_EOS = {"ignore_eos": True}

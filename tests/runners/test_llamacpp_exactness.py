@@ -105,6 +105,7 @@ def test_the_tiled_switch_is_0_or_1():
 
 @pytest.mark.parametrize("kind, fences", [("Q4_1", ()), ("Q4_K_M", ("no repacked weights",)),
                                           ("F16", ("two rows a call",))])
+@pytest.mark.slow
 def test_load_exact_takes_the_fewest_fences_that_pass(kind, fences):
     r = load_exact(requantize.requantize(kind), num_slots=12, context_window=256)
     try:

@@ -35,6 +35,7 @@ def session(url: str, limits: McpLimits = FAST) -> McpSession:
     return McpSession("tests", url, {"authorization": SECRET}, limits, McpBudget(limits.total_s))
 
 
+@pytest.mark.slow
 async def test_a_real_server_lists_its_tools_and_runs_a_call(mcp_either):
     async with session(mcp_either.url) as s:
         assert s.transport == mcp_either.transport
@@ -137,6 +138,7 @@ def test_an_allowed_server_must_be_an_origin(text):
         parse_allowed((text,))
 
 
+@pytest.mark.slow
 async def test_an_allowed_name_that_resolves_inside_the_network_is_refused(monkeypatch):
     """An allowed public name whose DNS answer is a private address (a rebinding) is not reached."""
     loop = asyncio.get_running_loop()
