@@ -34,7 +34,7 @@ requantize = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(requantize)
 
 # --prompt-tiles off: the reference's step reads a tile where the other's 32 tokens cannot, and `auto` decides by a
-# timed pass that can fall either side of its bound on two servers (a prompt read in tiles differs in its last bits)
+# timed pass that can fall either side of its bound on two servers (a prompt read in tiles gets other logits)
 FAST = ("--no-embedding-model", "--chat-embedding-window", "0", "--max-num-seqs", "10", "--prompt-tiles", "off")
 # the matrix: a requantized SmolLM2 by its type, or Gemma 3 270M (None)
 MODELS = {"Q4_K_M": "Q4_K_M", "Q6_K": "Q6_K", "F16": "F16", "Q8_0": "Q8_0", "gemma": None}
