@@ -25,6 +25,7 @@ from servelm.config import gemma_model_path
 
 from .conftest import own_server
 from .helpers import client_for
+from .test_exactness import FAST as ONE_MODEL_FAST
 from .test_exactness import LIGHTHOUSE, aclient, signature
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # slow: each model's two servers start in the first test
@@ -33,9 +34,7 @@ _spec = importlib.util.spec_from_file_location("requantize", Path(__file__).reso
 requantize = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(requantize)
 
-# --prompt-tiles off: the reference's step reads a tile where the other's 32 tokens cannot, and `auto` decides by a
-# timed pass that can fall either side of its bound on two servers (a prompt read in tiles gets other logits)
-FAST = ("--no-embedding-model", "--chat-embedding-window", "0", "--max-num-seqs", "10", "--prompt-tiles", "off")
+FAST = (*ONE_MODEL_FAST, "--max-num-seqs", "10")  # with --prompt-tiles off, as there: its reference is compared alike
 # the matrix: a requantized SmolLM2 by its type, or Gemma 3 270M (None)
 MODELS = {"Q4_K_M": "Q4_K_M", "Q6_K": "Q6_K", "F16": "F16", "Q8_0": "Q8_0", "gemma": None}
 PROMPTS = {
