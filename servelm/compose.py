@@ -566,7 +566,8 @@ class Builder:
         embedder = None
         if spec.embedding_window:
             window = min(spec.embedding_window, runner.context_window)
-            ctx = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=e.threads)
+            ctx = LlamaCppEmbedder(share=runner, pooling="mean", window=window, max_seqs=EMBEDDING_SEQS, threads=e.threads,
+                                   lazy=True)  # made at the first embeddings request
             parts.embedders.append(ctx)
             embedder = EmbeddingEngine(ctx)
         tiles = settle_tiles(spec.name, runner, options)  # before the fingerprint: the cells depend on it

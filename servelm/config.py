@@ -220,7 +220,7 @@ class ServerSettings(BaseSettings):
     )
     chat_embedding_window: int = Field(
         256, ge=0, description="the chat model also answers /v1/embeddings (mean pooling, in a second llama.cpp "
-        "context on its weights): most tokens of one input there (each costs the vocabulary's width in logits "
+        "context on its weights, made at the first such request): most tokens of one input there (each costs the vocabulary's width in logits "
         "memory while it is read); 0: the chat model answers no embeddings",
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)

@@ -1114,6 +1114,9 @@ class LlamaCppEmbedder:
 
     With rank pooling (a reranker: a cross-encoder's classification head) the model is a `cross_encoder`: an
     input is a query and a document together (`tokenize_pair`), and its row holds the head's scores.
+
+    `lazy` (with a `pooling` named) makes the context at the first pass, on the thread that runs it, not now: a
+    chat model's embedding context costs its start and its memory only where embeddings are asked for.
     """
 
     _POOLING = {"mean": C.LLAMA_POOLING_TYPE_MEAN, "cls": C.LLAMA_POOLING_TYPE_CLS, "last": C.LLAMA_POOLING_TYPE_LAST,
@@ -1131,9 +1134,12 @@ class LlamaCppEmbedder:
         verbose: bool = False,
         gpu_layers: int | None = None,  # as LlamaCppRunner's, for a model of its own
         main_gpu: int | None = None,
+        lazy: bool = False,
     ) -> None:
         if (model_path is None) == (share is None):
             raise ValueError("give either a model path or a runner to share the model of")
+        if lazy and pooling is None:
+            raise ValueError("a context made later needs its pooling named now")
         self._ctx: Any = None
         self._model: Any = None  # set only when this embedder owns the model
         if share is not None:
@@ -1171,7 +1177,20 @@ class LlamaCppEmbedder:
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         cparams.no_perf = True
-        self._ctx = C.llama_init_from_model(model, cparams)
+        self._cparams = cparams
+        self._llama_model = model  # the model it reads (its own, or the runner's it shares)
+        self._mem: Any = None
+        if lazy:
+            self.cross_encoder = pooling == "rank"
+        else:
+            self._open()
+            self.cross_encoder = C.llama_pooling_type(self._ctx) == C.LLAMA_POOLING_TYPE_RANK
+        self.dim = int(C.llama_model_n_cls_out(model) if self.cross_encoder else C.llama_model_n_embd_out(model))
+        self._init_batch(self.max_batch_tokens)
+
+    def _open(self) -> None:
+        """Make the context (at load, or at a lazy embedder's first pass)."""
+        self._ctx = C.llama_init_from_model(self._llama_model, self._cparams)
         if not self._ctx:
             self.close()
             raise RuntimeError("llama.cpp could not create an embedding context (out of memory?)")
@@ -1179,10 +1198,6 @@ class LlamaCppEmbedder:
             self.close()
             raise ValueError(f"{self.description} has no pooling: give one (e.g. pooling='mean')")
         self._mem = C.llama_get_memory(self._ctx)  # None for encoder-only models such as BERT
-        self.cross_encoder = C.llama_pooling_type(self._ctx) == C.LLAMA_POOLING_TYPE_RANK
-        self.dim = int(C.llama_model_n_cls_out(model) if self.cross_encoder else C.llama_model_n_embd_out(model))
-        self._llama_model = model  # the model it reads (its own, or the runner's it shares)
-        self._init_batch(self.max_batch_tokens)
 
     def _init_batch(self, size: int) -> None:
         self._tok, self._pos, self._seq, self._out, self._batch = _batch(size, outputs=True)  # pooling reads every token
@@ -1215,6 +1230,8 @@ class LlamaCppEmbedder:
         if int(self._tok[:n].min()) < 0 or int(self._tok[:n].max()) >= self.vocab_size:
             raise ValueError("a token id is outside the vocabulary")
         self._batch.n_tokens = n
+        if not self._ctx:
+            self._open()
         try:
             rc = C.llama_decode(self._ctx, self._batch)  # encoder-only models are encoded by llama_decode
             if rc != 0:
