@@ -42,3 +42,41 @@ def test_a_lazy_context_needs_its_pooling_named(runner):
 def test_a_lazy_context_closed_before_any_pass_frees_nothing_of_the_runner(runner):
     LlamaCppEmbedder(share=runner, pooling="mean", window=256, max_seqs=4, threads=1, lazy=True).close()
     assert runner.model._model  # the shared weights stay the runner's
+
+
+def test_a_lazy_context_made_while_the_runner_steps_changes_no_logits_row(runner):
+    """The context is made on the embedding worker's thread, maybe while the engine's thread steps the same
+    weights: every logits row of those steps equals the row stepped with no context being made beside it."""
+    import threading
+
+    from servelm.engine.plan import Clear, ScheduledChunk, SeqKey, StepPlan
+
+    prompt = tuple(runner.model.tokenize("The harbour records list every ship that came in, with its cargo.",
+                                         add_special=True, parse_special=True))
+
+    def rows() -> list[np.ndarray]:
+        runner.step(StepPlan(ops=[Clear(0)]))
+        out = []
+        for pos in range(len(prompt)):
+            got = runner.step(StepPlan(chunks=[ScheduledChunk(SeqKey(0), 0, pos, prompt[pos:pos + 1],
+                                                              prompt[pos - 1] if pos else None, (SeqKey(0),))]))
+            out.append(got[-1].copy())
+        return out
+
+    alone = rows()
+    made: list[object] = []
+
+    def embed_lazily() -> None:
+        for _ in range(3):
+            e = LlamaCppEmbedder(share=runner, pooling="mean", window=256, max_seqs=4, threads=1, lazy=True)
+            try:
+                made.append(e.embed([e.tokenize("a guitar has six strings")]))
+            finally:
+                e.close()
+
+    beside = threading.Thread(target=embed_lazily)
+    beside.start()
+    during = rows()
+    beside.join(timeout=60)
+    assert len(made) == 3 and all(np.array_equal(m, made[0]) for m in made)
+    assert all(np.array_equal(a, b) for a, b in zip(alone, during, strict=True))
