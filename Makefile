@@ -6,9 +6,10 @@ install:
 run: install
 	.venv/bin/servelm serve
 
-# --durations and the JUnit XML say where the time goes (docs/testing.md keeps the table)
+# two workers (tests/conftest.py keeps the model's tests on one); --durations and the JUnit XML say where the time
+# goes (docs/testing.md keeps the table); the coverage of servelm/ is printed, and fails under pyproject's floor
 test: install lint
-	.venv/bin/python -m pytest -q --durations=40 --junitxml=test-results/junit.xml
+	.venv/bin/python -m pytest -q -n 2 --durations=40 --junitxml=test-results/junit.xml --cov --cov-report=
 
 lint: install
 	.venv/bin/ruff check servelm tests harness

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -103,3 +104,59 @@ def mcp_either(request: pytest.FixtureRequest) -> Iterator[McpHttpServer]:
     s = McpHttpServer("sse" if request.param == "sse" else "http")
     yield s
     s.stop()
+
+
+# Two xdist workers (`make test` runs `-n 2`). The tests that need the cores to themselves run in one work unit,
+# in collection order, on one worker: those that compute on a real model (llama.cpp's threads sized for every core)
+# and those whose assertions bound wall-clock time (the pacer's learned step costs, a latency behind a flood, a
+# deadline). The other worker takes the rest a file at a time and lowers its own priority as it starts them, so it
+# fills the model's idle moments (HTTP, tokenizing, a client's own work) and not its cores. Without that, two
+# llama.cpp thread pools, or a busy worker beside one, made llama.cpp's barrier spin wait for a descheduled thread
+# at every op (docs/testing.md measures both).
+OWN_CORES = (
+    "tests/e2e/", "tests/ray/", "tests/runners/",
+    # a real model
+    "tests/adversarial/test_adapters.py", "tests/adversarial/test_batch_state.py",
+    "tests/adversarial/test_kept_state.py", "tests/adversarial/test_model_names.py",
+    "tests/adversarial/test_models_dir.py", "tests/adversarial/test_selfcheck_memo.py",
+    "tests/adversarial/test_shutdown.py", "tests/adversarial/test_start_and_bodies.py",
+    "tests/scripts/test_minilm_gguf.py",
+    # wall-clock bounds
+    "tests/adversarial/test_neighbours.py", "tests/adversarial/test_priority.py",
+    "tests/adversarial/test_metrics_flood.py", "tests/adversarial/test_rerank.py",
+    "tests/http/test_load_control_fake.py", "tests/http/test_connections_fake.py",
+)
+_lowered = False
+
+
+def own_cores(nodeid: str) -> bool:
+    return nodeid.startswith(OWN_CORES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `-n N` with the default `--dist load`: the OWN_CORES tests as one unit, first; the others by file."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OwnCoresTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "own-cores" if own_cores(nodeid) else nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node) -> None:
+            if "own-cores" in self.workqueue:  # first, whatever its size: it is the longest to run
+                self.workqueue.move_to_end("own-cores", last=False)
+            super()._assign_work_unit(node)
+
+    return OwnCoresTogether(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """An xdist worker's first test outside the OWN_CORES unit lowers that worker's priority for good (and its
+    children's: a server it starts, a build it runs); the worker that runs the unit does so only after it."""
+    global _lowered
+    if not _lowered and "PYTEST_XDIST_WORKER" in os.environ and not own_cores(item.nodeid):
+        os.nice(19)
+        _lowered = True
