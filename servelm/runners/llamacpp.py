@@ -1163,7 +1163,9 @@ class LlamaCppEmbedder:
         train_ctx = int(C.llama_model_n_ctx_train(model))
         self.context_window = min(window or train_ctx, train_ctx)
         self.max_batch_tokens = self.context_window
-        self.max_batch_seqs = max(1, min(max_seqs, 256))  # llama.cpp's LLAMA_MAX_SEQ is 256
+        # llama.cpp's LLAMA_MAX_SEQ is 256; and a pass carries no more inputs than tokens (a context sized for more
+        # sequences than its batch has tokens aborts the process as it is made)
+        self.max_batch_seqs = max(1, min(max_seqs, 256, self.context_window))
 
         cparams = C.llama_context_default_params()
         cparams.n_ctx = self.context_window

@@ -80,3 +80,27 @@ def test_a_lazy_context_made_while_the_runner_steps_changes_no_logits_row(runner
     beside.join(timeout=60)
     assert len(made) == 3 and all(np.array_equal(m, made[0]) for m in made)
     assert all(np.array_equal(a, b) for a, b in zip(alone, during, strict=True))
+
+
+@pytest.mark.parametrize("window", [1, 2, 63])
+def test_a_window_under_the_pass_s_inputs_embeds_and_does_not_abort_the_process(window):
+    """`--chat-embedding-window 1` (or anything under the 64 inputs a pass may carry) made llama.cpp abort the whole
+    process (GGML_ASSERT n_outputs_max) where the context was made: at the first embeddings request. A pass carries
+    at most as many inputs as it has tokens, so the context is sized for no more."""
+    import subprocess
+    import sys
+
+    code = (
+        "from servelm.config import embedded_model_path\n"
+        "from servelm.runners.llamacpp import LlamaCppEmbedder, LlamaCppRunner\n"
+        "import numpy as np\n"
+        "r = LlamaCppRunner(embedded_model_path(), num_slots=2, max_step_tokens=64, threads=1)\n"
+        f"small = LlamaCppEmbedder(share=r, pooling='mean', window={window}, max_seqs=64, threads=1, lazy=True)\n"
+        "wide = LlamaCppEmbedder(share=r, pooling='mean', window=256, max_seqs=64, threads=1)\n"
+        "ids = small.tokenize('hi')[:1]\n"
+        "assert small.max_batch_seqs <= small.max_batch_tokens\n"
+        "assert np.array_equal(small.embed([ids]), wide.embed([ids]))\n"
+        "print('embedded')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "embedded" in done.stdout, done.stderr[-2000:]
