@@ -224,7 +224,7 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
         return ModelCard(id=name, created=0, root=None)
     if not isinstance(d, TextDeployment):
         return ModelCard(id=name, created=d.created, max_model_len=d.context_window, root=d.name,
-                         placement=d.placement or None)
+                         placement=d.placement or None, embeddings_exact=False if d.embedder is not None else None)
     f, style = d.facts, d.tool_style
     return ModelCard(
         id=name, created=d.created, max_model_len=d.context_window, root=d.name,
@@ -233,6 +233,7 @@ def _card(name: str, d: Deployment | None) -> ModelCard:
         tool_call_format=style.format.name + ("" if style.native else " (prompted)"),
         reasoning_markers=[d.reasoning.open, d.reasoning.close] if d.reasoning is not None else None,
         exact=f.exact, exactness=f.exactness or None, prompt_tiles=f.prompt_tiles or None, placement=d.placement or None,
+        embeddings_exact=False if d.embedder is not None else None,
     )
 
 
@@ -354,6 +355,8 @@ def _deployment_stats(d: Deployment, cache: bool = True) -> dict[str, Any]:
     """The engine's counts; an embedder's under "embeddings", or at the top for an embedding-only model. Without
     `cache`, none of the prefix cache's counters, nor the tenants' shares."""
     embedder = dataclasses.asdict(d.embedder.stats()) if d.embedder is not None else None
+    if embedder is not None:
+        embedder["embeddings_exact"] = False  # batched with what else waits (docs/exactness.md), as /v1/models says
     if not isinstance(d, TextDeployment):
         return {**(embedder or {}), "placement": d.placement or None}
     stats = dataclasses.asdict(d.engine.stats())

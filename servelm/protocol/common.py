@@ -154,6 +154,9 @@ class ModelCard(ResponseModel):
     # reads one takes that tile's pass (--prompt-tiles)
     prompt_tiles: str | None = None
     placement: str | None = None  # where its layers run: "CPU", or the GPU and how many of its layers
+    # false where it answers /v1/embeddings: inputs share forward passes, and a vector may differ in its low digits
+    # with what shared its pass (docs/exactness.md); null where it answers none
+    embeddings_exact: bool | None = None
     # llama-server's router field: {"value": "loaded" | "loading" | "unloaded" | "failed", "reason"?: why it failed}
     status: dict[str, Any] | None = None
     parent: str | None = None  # vLLM's: a LoRA adapter's base model (root: the adapter's file)
