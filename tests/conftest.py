@@ -156,12 +156,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return "own-cores" if own_cores(nodeid) else nodeid.split("::", 1)[0]
 
         def _assign_work_unit(self, node) -> None:
-            # the unit first, whatever its size (it is the longest to run), then the EARLY files in their order
-            early = [scope for scope in self.workqueue if scope.startswith(EARLY)]
-            for scope in reversed(early):
+            # the unit first, whatever its size (it is the longest to run), then the EARLY files
+            first = [scope for scope in self.workqueue if scope == "own-cores" or scope.startswith(EARLY)]
+            for scope in sorted(first, key=lambda scope: scope != "own-cores", reverse=True):
                 self.workqueue.move_to_end(scope, last=False)
-            if "own-cores" in self.workqueue:
-                self.workqueue.move_to_end("own-cores", last=False)
             super()._assign_work_unit(node)
 
     return OwnCoresTogether(config, log)
